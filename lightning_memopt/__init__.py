@@ -1,0 +1,5 @@
+"""lightning_memopt: make large models fit in accelerator memory, as Lightning callbacks."""
+
+__version__ = "0.1.0"
+
+__all__: list[str] = []

@@ -1,0 +1,6 @@
+"""Memory measurement: live tensor bytes by category, device queries, byte sizes, reports."""
+
+from lightning_memopt.memory.tracker import CATEGORIES, MemoryTracker
+from lightning_memopt.memory.units import format_bytes, parse_bytes
+
+__all__ = ["CATEGORIES", "MemoryTracker", "format_bytes", "parse_bytes"]

@@ -1,0 +1,193 @@
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_memopt.memory import CATEGORIES, MemoryTracker
+
+F32 = 4
+
+
+def _mlp(widths):
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def test_linear_stack_bytes_exact():
+    """Every category of a 3-layer MLP with AdamW, computed by hand."""
+    widths, batch = [32, 64, 64, 8], 16
+    model = _mlp(widths)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(batch, 32)
+    n_params = sum(a * b + b for a, b in zip(widths, widths[1:]))
+    param_bytes = n_params * F32
+    # AdamW: exp_avg and exp_avg_sq per parameter, plus a float32 scalar "step" per parameter tensor.
+    opt_bytes = 2 * param_bytes + 6 * F32
+    # Saved for backward: the input of every Linear (x, relu1 out, relu2 out); ReLU saves its output,
+    # which is the next Linear's input: the same storage, counted once.
+    act_bytes = batch * (32 + 64 + 64) * F32
+    out_bytes, loss_bytes = batch * 8 * F32, F32
+
+    model(x).sum().backward()  # first step creates the optimizer state outside the tracker
+    opt.step()
+    opt.zero_grad()
+
+    with MemoryTracker(model, opt) as tracker:
+        assert tracker.current_breakdown == {
+            "parameters": param_bytes,
+            "gradients": 0,
+            "optimizer_state": opt_bytes,
+            "activations": 0,
+            "other": 0,
+        }
+        out = model(x)
+        fwd = tracker.current_breakdown
+        assert fwd["activations"] == act_bytes
+        assert fwd["other"] == out_bytes
+        loss = out.sum()
+        # The forward peak is inside the second ReLU: all activations are saved and the Linear output it
+        # reads (not saved: ReLU keeps its own output) is still alive, bigger than out + loss later.
+        pre_relu = batch * 64 * F32
+        assert tracker.peak == param_bytes + opt_bytes + act_bytes + pre_relu
+        assert pre_relu > out_bytes + loss_bytes
+        assert tracker.peak_breakdown["activations"] == act_bytes
+        del out
+        tracker.reset_peak()
+        loss.backward()
+        after = tracker.current_breakdown
+        assert after["gradients"] == param_bytes
+        assert after["activations"] == 0  # autograd released what it saved
+        assert after["other"] == batch * 32 * F32 + loss_bytes  # x is alive (ours), and the loss
+        # Backward peak: gradients of the last layers exist while earlier activations are still saved.
+        assert tracker.peak > param_bytes + opt_bytes + act_bytes
+        assert sum(tracker.peak_breakdown.values()) == tracker.peak
+        opt.step()
+        opt.zero_grad()
+        assert tracker.current_breakdown["gradients"] == 0
+        assert tracker.current_breakdown["optimizer_state"] == opt_bytes
+
+
+def test_views_and_shared_storage_counted_once():
+    base = torch.zeros(1000)
+    with MemoryTracker() as tracker:
+        y = base * 2  # 4000 bytes new
+        views = [y[:10], y.view(10, 100), y.t() if y.dim() == 2 else y[::2]]
+        z = torch.ones(250)  # 1000 bytes new
+        assert views[0].untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+        assert tracker.current == 4000 + 4000 + 1000  # base is an input: counted once, from first use
+        del y, views
+        assert tracker.current == 4000 + 1000
+        del z
+        assert tracker.current == 4000
+    assert tracker.peak == 9000
+
+
+def test_peak_breakdown_sums_to_peak_and_categories_are_known():
+    model = _mlp([8, 16, 4])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with MemoryTracker(model, opt) as tracker:
+        for _ in range(3):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert set(tracker.peak_breakdown) == set(CATEGORIES)
+    assert sum(tracker.peak_breakdown.values()) == tracker.peak
+    # SGD momentum buffers, one per parameter, as big as the parameters.
+    assert tracker.current_breakdown["optimizer_state"] == tracker.current_breakdown["parameters"]
+
+
+def test_gradient_recognized_at_peak():
+    """The grad is booked as a gradient in the peak it is part of, though the hook runs after the op."""
+    w = torch.nn.Parameter(torch.randn(100))
+    module = torch.nn.Module()
+    module.w = w
+    with MemoryTracker(module) as tracker:
+        (w * 2).sum().backward()
+    assert tracker.peak_breakdown["gradients"] == 400
+    assert tracker.current_breakdown == {
+        "parameters": 400,
+        "gradients": 400,
+        "optimizer_state": 0,
+        "activations": 0,
+        "other": 0,
+    }
+
+
+def test_mark_and_category_of():
+    t = torch.zeros(10)
+    with MemoryTracker() as tracker:
+        tracker.mark(t, "activations")
+        assert tracker.category_of(t) == "activations"
+        assert tracker.category_of(torch.empty(0).new_zeros(3)) == "other"
+    assert tracker.category_of(torch.zeros(2)) is None
+    with pytest.raises(ValueError, match="category must be one of"):
+        tracker.mark(t, "weights")
+
+
+def test_bad_optimizer_type():
+    with pytest.raises(TypeError, match="optimizers must be torch.optim.Optimizer"):
+        MemoryTracker(optimizers=[object()])
+
+
+def _train_step(model, opt, x):
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_fake_tensor_mode_matches_real_run():
+    def run():
+        torch.manual_seed(0)
+        model = _mlp([32, 128, 128, 16])
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(64, 32)
+        _train_step(model, opt, x)
+        with MemoryTracker(model, opt) as tracker:
+            _train_step(model, opt, x)
+        return tracker.peak, tracker.peak_breakdown
+
+    real = run()
+    with FakeTensorMode():
+        fake = run()
+    assert fake == real
+    assert real[0] > 0
+
+
+def test_cuda_fake_tensors_round_to_allocator_blocks():
+    with FakeTensorMode():
+        with MemoryTracker() as tracker:
+            a = torch.empty(3, device="cuda")  # 12 bytes -> one 512-byte block
+            b = torch.empty(200, device="cuda")  # 800 bytes -> two blocks
+            assert tracker.current == 512 + 1024
+            del a, b
+
+
+def test_agrees_with_torch_mem_tracker_on_transformer_block():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    block = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    opt = torch.optim.AdamW(block.parameters())
+    x = torch.randn(8, 32, 64)
+    _train_step(block, opt, x)
+    reference = MemTracker()
+    reference.track_external(block, opt)
+    with reference:
+        _train_step(block, opt, x)
+    ref_peak = reference.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    with MemoryTracker(block, opt) as tracker:
+        _train_step(block, opt, x)
+    assert abs(tracker.peak - ref_peak) <= 0.01 * ref_peak
+    assert tracker.peak_breakdown["parameters"] == sum(p.numel() * 4 for p in block.parameters())
+
+
+def test_reenter_continues_counts():
+    model = torch.nn.Linear(4, 4)
+    tracker = MemoryTracker(model)
+    with tracker:
+        y = model(torch.ones(1, 4))
+    with tracker:
+        assert tracker.current == 80 + 16 + 16  # parameters, y, and the input y's graph saved
+        del y  # the graph dies with y, and the input with it
+        assert tracker.current == 80
