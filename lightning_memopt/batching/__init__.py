@@ -1,0 +1,1 @@
+"""batching core (plain torch)."""

@@ -1,0 +1,1 @@
+"""checkpointing core (plain torch)."""
