@@ -1,0 +1,163 @@
+"""Splitting one optimizer batch into micro-batches, and weighting their losses.
+
+A batch is split along dim 0 of every tensor in it, through the containers Lightning users put batches
+in: tensors, dicts (and other mappings), lists, tuples, namedtuples and dataclasses. Values that are
+not tensors (a string tag, an int), and tensors whose dim 0 is not the batch size (a shared mask), are
+passed to every micro-batch unchanged. Any other object needs
+the LightningModule hook ``split_batch(self, batch, sizes) -> list`` (or a ``split_fn`` given to the
+callback), which the error message names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["batch_size", "micro_batch_sizes", "micro_batch_weights", "split_batch"]
+
+_SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
+
+
+def _hook_hint(obj: Any) -> str:
+    return (
+        f"cannot split a batch containing {type(obj).__qualname__!r} into micro-batches; define "
+        "`split_batch(self, batch, sizes)` on your LightningModule (return one batch per size, split "
+        "along the sample dimension), or pass `split_fn=` to the callback"
+    )
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    """All tensors in ``batch``, in a fixed order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in _tensors(value)]
+    if isinstance(batch, (list, tuple)):
+        return [t for value in batch for t in _tensors(value)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [t for f in dataclasses.fields(batch) for t in _tensors(getattr(batch, f.name))]
+    if isinstance(batch, _SCALARS):
+        return []
+    raise TypeError(_hook_hint(batch))
+
+
+def batch_size(batch: Any) -> int:
+    """The number of samples in ``batch``: dim 0 of its first tensor that has dims (as Lightning counts).
+
+    Tensors whose dim 0 differs (a shared mask, a scalar) are not per-sample; every micro-batch gets
+    them whole.
+
+    Raises:
+        TypeError: If the batch holds an object this module cannot look into.
+        ValueError: If it holds no tensor with a dim 0.
+    """
+    for t in _tensors(batch):
+        if t.dim() > 0:
+            return t.shape[0]
+    raise ValueError(
+        "cannot tell the number of samples in the batch: it has no tensor with a sample dimension; "
+        "define `split_batch(self, batch, sizes)` on your LightningModule"
+    )
+
+
+def micro_batch_sizes(total: int, micro: int) -> list[int]:
+    """Sizes of the micro-batches that run ``total`` samples at most ``micro`` at a time.
+
+    The split is as even as possible with the fewest micro-batches: ``micro_batch_sizes(10, 4)`` is
+    ``[4, 3, 3]``, not ``[4, 4, 2]``, so that no micro-batch is much smaller than the others (a tiny last
+    slice wastes a step and is where BatchNorm statistics go worst).
+    """
+    if total < 1 or micro < 1:
+        raise ValueError(f"need total >= 1 and micro >= 1, got total={total}, micro={micro}")
+    count = -(-total // micro)
+    base, extra = divmod(total, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+def _split(batch: Any, sizes: Sequence[int], total: int) -> list[Any]:
+    n = len(sizes)
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] != total:
+            return [batch] * n  # not per-sample (a scalar, a shared mask): every micro-batch gets it
+        return list(torch.split(batch, list(sizes)))
+    if isinstance(batch, Mapping):
+        parts = {key: _split(value, sizes, total) for key, value in batch.items()}
+        return (
+            [type(batch)({key: parts[key][i] for key in batch}) for i in range(n)] if parts else [batch] * n
+        )
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        parts = [_split(value, sizes, total) for value in batch]
+        return [type(batch)(*(p[i] for p in parts)) for i in range(n)]
+    if isinstance(batch, (list, tuple)):
+        parts = [_split(value, sizes, total) for value in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(n)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        names = [f.name for f in dataclasses.fields(batch) if f.init]
+        parts = {name: _split(getattr(batch, name), sizes, total) for name in names}
+        return [dataclasses.replace(batch, **{name: parts[name][i] for name in names}) for i in range(n)]
+    if isinstance(batch, _SCALARS):
+        return [batch] * n
+    raise TypeError(_hook_hint(batch))
+
+
+def split_batch(
+    batch: Any, sizes: Sequence[int], *, split_fn: Callable[[Any, list[int]], list[Any]] | None = None
+) -> list[Any]:
+    """Split ``batch`` into ``len(sizes)`` micro-batches of those numbers of samples.
+
+    Args:
+        batch: The optimizer batch.
+        sizes: Samples per micro-batch; must sum to the batch's size.
+        split_fn: The user's own splitter (the LightningModule's ``split_batch`` hook or the callback's
+            ``split_fn``), used instead of the built-in one when given.
+
+    Raises:
+        TypeError: If the batch holds an object that cannot be split and no ``split_fn`` is given.
+        ValueError: If ``sizes`` does not add up to the batch size, or ``split_fn`` returns the wrong
+            number of micro-batches.
+
+    Example::
+
+        >>> x, y = torch.arange(10.0), torch.arange(10)
+        >>> [len(mb["x"]) for mb in split_batch({"x": x, "y": y}, [4, 3, 3])]
+        [4, 3, 3]
+    """
+    sizes = [int(s) for s in sizes]
+    if split_fn is not None:
+        parts = list(split_fn(batch, sizes))
+        if len(parts) != len(sizes):
+            raise ValueError(
+                f"split_fn returned {len(parts)} micro-batches for sizes {sizes}; return one per size"
+            )
+        return parts
+    total = batch_size(batch)
+    if sum(sizes) != total or min(sizes) < 1:
+        raise ValueError(f"micro-batch sizes {sizes} must be positive and add up to the batch size {total}")
+    if len(sizes) == 1:
+        return [batch]
+    return _split(batch, sizes, total)
+
+
+def micro_batch_weights(
+    micro_batches: Sequence[Any], sizes: Sequence[int], count_fn: Callable[[Any], float] | None = None
+) -> list[float]:
+    """Weights that turn per-micro-batch mean losses into the mean loss of the whole batch.
+
+    With no ``count_fn`` each micro-batch weighs its share of samples (``size / total``), which is exact
+    for a loss that is a mean over samples, an uneven last micro-batch included. For a loss that is a
+    mean over something else, such as non-padding tokens, ``count_fn(micro_batch)`` returns how many of
+    those the micro-batch holds and the weights are its share of the total count.
+
+    Raises:
+        ValueError: If the counts are negative or all zero.
+    """
+    counts = (
+        [float(count_fn(mb)) for mb in micro_batches] if count_fn is not None else [float(s) for s in sizes]
+    )
+    total = sum(counts)
+    if total <= 0 or min(counts) < 0:
+        raise ValueError(f"count_fn must return non-negative counts with a positive sum, got {counts}")
+    return [c / total for c in counts]
