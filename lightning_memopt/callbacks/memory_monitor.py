@@ -180,13 +180,18 @@ class MemoryMonitor(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._exit()
+        self._stop()  # Lightning does not call callbacks' teardown after an exception
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
         self._exit()
         # Drop the references to the model and optimizers; the history stays.
         self._tracker = self._memory = None
+        self._record = self._val_record = self._window = None
+        self._phase = None
 
     # ------------------------------------------------------------------ training phases
     @override
