@@ -308,6 +308,22 @@ class MemoryMonitor(Callback):
             summary(history, val_history) + f"\n  report: {', '.join(map(str, self.report_paths))}"
         )
 
+    # ------------------------------------------------------------------ resuming
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Plain ints, so a resumed run continues the step count, the logging windows and the report.
+        return {
+            "batches": self._batches,
+            "history": list(self.history),
+            "val_history": list(self.val_history),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._batches = int(state_dict["batches"])
+        self.history.records = [dict(r) for r in state_dict["history"]]
+        self.val_history.records = [dict(r) for r in state_dict["val_history"]]
+
     # ------------------------------------------------------------------ internals
     def _enter(self) -> None:
         if self._tracker is not None and not self._inside:

@@ -364,3 +364,44 @@ def test_ddp_logs_max_over_ranks(tmp_path):
     assert histories[1][0]["forward_activations"] == 16 * (32 + 64) * F32
     report = (tmp_path / "logs" / "version_0" / "memory_report.md").read_text()
     assert "largest over 2 ranks" in report
+
+
+def test_resume_continues_history_and_windows(tmp_path):
+    first = MemoryMonitor(log_every_n_steps=1, report=False)
+    trainer = _trainer(tmp_path / "a", [first], max_steps=2)
+    trainer.fit(TinyModel(), _loader(8))
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    assert first.state_dict()["batches"] == 2
+
+    resumed = MemoryMonitor(log_every_n_steps=1)
+    trainer = _trainer(tmp_path / "b", [resumed], max_steps=4)
+    trainer.fit(TinyModel(), _loader(8), ckpt_path=tmp_path / "two.ckpt")
+    assert [r["step"] for r in resumed.history] == [0, 1, 2, 3]
+    assert list(resumed.history)[:2] == list(first.history)
+    assert [int(r["step"]) for r in _csv_rows(trainer)] == [3, 4]
+    assert "(4 steps)" in resumed.report_paths[0].read_text()
+
+
+def test_manual_optimization_phases(tmp_path):
+    class Manual(TinyModel):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            loss = self.net(batch[0]).pow(2).mean()
+            self.manual_backward(loss)
+            opt.step()
+
+    monitor = MemoryMonitor(log_every_n_steps=1, report=False)
+    _trainer(tmp_path, [monitor], max_steps=2, logger=False).fit(Manual(), _loader(8))
+    first, second = monitor.history
+    assert first["forward_activations"] == 8 * (32 + 64) * F32
+    # From the second step on, the forward peak is at its start: last step's gradients and the momentum
+    # are alive until opt.zero_grad() frees the gradients, which outweigh this forward's activations.
+    assert second["forward"] == 3 * PARAM_BYTES and second["forward_activations"] == 0
+    for record in (first, second):
+        assert record["backward_gradients"] == PARAM_BYTES
+        assert record["optimizer_optimizer_state"] == PARAM_BYTES
