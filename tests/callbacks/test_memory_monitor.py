@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -315,7 +315,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank, port, root):
+class ShardedModel(TinyModel):
+    """TinyModel under FSDP2: each Linear sharded over the two ranks (dim 0 splits evenly)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+def _distributed_worker(rank, port, root, kind):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -325,11 +337,16 @@ def _ddp_worker(rank, port, root):
         NODE_RANK="0",
     )
     torch.manual_seed(0)
+    if kind == "ddp":
+        strategy, model = DDPStrategy(process_group_backend="gloo"), TinyModel()
+    else:
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        model = ShardedModel()
     monitor = MemoryMonitor(log_every_n_steps=1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPStrategy(process_group_backend="gloo"),
+        strategy=strategy,
         callbacks=[monitor],
         logger=CSVLogger(root, name="logs"),
         max_steps=3,
@@ -340,28 +357,38 @@ def _ddp_worker(rank, port, root):
         enable_checkpointing=False,
     )
     # Rank 1 gets twice the batch, so its activations, and its peaks, are larger.
-    trainer.fit(TinyModel(), _loader(8 * (rank + 1), n_batches=3))
+    trainer.fit(model, _loader(8 * (rank + 1), n_batches=3))
     with open(os.path.join(root, f"history_{rank}.json"), "w") as f:
         json.dump(list(monitor.history), f)
 
 
 @pytest.mark.timeout(60)
-def test_ddp_logs_max_over_ranks(tmp_path):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_distributed_logs_max_over_ranks(tmp_path, kind):
     # fork, not spawn: the children reuse the imported torch and Lightning instead of importing them again
     # (tens of seconds on a loaded 2-core machine); the timeout turns a hang into a failure.
     torch.multiprocessing.start_processes(
-        _ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork"
+        _distributed_worker,
+        args=(_free_port(), str(tmp_path), kind),
+        nprocs=2,
+        join=True,
+        start_method="fork",
     )
     histories = [json.loads((tmp_path / f"history_{rank}.json").read_text()) for rank in range(2)]
     assert all(r1["forward"] > r0["forward"] for r0, r1 in zip(*histories))
     rows = list(csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")))
     assert len(rows) == 3
-    for row, r1 in zip(rows, histories[1]):
+    for row, r0, r1 in zip(rows, *histories):
         top = max(PHASES, key=r1.get)
         assert float(row["memory/peak_gib"]) == r1[top] / GIB
         assert float(row["memory/forward_peak_gib"]) == r1["forward"] / GIB
+        assert float(row["memory/backward_peak_gib"]) == max(r0["backward"], r1["backward"]) / GIB
         assert float(row["memory/peak_activations_gib"]) == r1[f"{top}_activations"] / GIB
-    assert histories[1][0]["forward_activations"] == 16 * (32 + 64) * F32
+    # Each rank holds all parameters under DDP, half of them under FSDP2.
+    shard = 1 if kind == "ddp" else 2
+    assert all(r["forward_parameters"] == PARAM_BYTES // shard for h in histories for r in h)
+    if kind == "ddp":
+        assert histories[1][0]["forward_activations"] == 16 * (32 + 64) * F32
     report = (tmp_path / "logs" / "version_0" / "memory_report.md").read_text()
     assert "largest over 2 ranks" in report
 
