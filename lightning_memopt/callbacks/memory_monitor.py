@@ -102,12 +102,13 @@ class MemoryMonitor(Callback):
     Example::
 
         from lightning.pytorch import Trainer
+        from lightning.pytorch.demos.boring_classes import BoringModel
         from lightning.pytorch.loggers import CSVLogger
         from lightning_memopt import MemoryMonitor
 
-        monitor = MemoryMonitor(log_every_n_steps=10)
-        trainer = Trainer(callbacks=[monitor], logger=CSVLogger("logs"))
-        trainer.fit(model)
+        monitor = MemoryMonitor(log_every_n_steps=1)
+        trainer = Trainer(max_steps=4, callbacks=[monitor], logger=CSVLogger("logs"))
+        trainer.fit(BoringModel())  # logs/lightning_logs/version_0/memory_report.{md,png}
         print(monitor.history[-1]["backward"])  # peak bytes of the last step's backward
     """
 

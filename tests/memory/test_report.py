@@ -29,6 +29,14 @@ def test_empty_record_keys():
     }
 
 
+@pytest.mark.parametrize("bad", ["optimizer_step", "steps"])
+def test_empty_record_bad_phase(bad):
+    with pytest.raises(
+        ValueError, match=f"phase names must not contain '_' nor be 'step'/'steps', got '{bad}'"
+    ):
+        empty_record(0, (bad,))
+
+
 def test_fold_peak_keeps_largest_with_its_breakdown():
     record = empty_record(0, ("forward",))
     fold_peak(record, "forward", 100, dict.fromkeys(CATEGORIES, 20))
