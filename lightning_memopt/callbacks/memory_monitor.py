@@ -59,7 +59,8 @@ class MemoryMonitor(Callback):
     without (``benchmarks/memory_monitor.py``), less for models whose ops are bigger. The numbers do not
     depend on it. The
     tracker holds only weak references, so it keeps no tensor alive. On CUDA peaks come from the caching
-    allocator (``max_memory_allocated``, reset at each phase boundary), which costs nothing; the
+    allocator (``max_memory_allocated``, reset at each phase boundary with ``reset_peak_memory_stats``, so
+    other readers of the allocator's peak see these windows too), which costs nothing; the
     allocator has no categories, so the breakdown is measured only with ``breakdown="always"``, by
     running the tracker as well (at the CPU cost above). It then sums to the tracker's peak, which can be
     below the allocator's by non-tensor allocations (cuBLAS workspaces, NCCL buffers).
