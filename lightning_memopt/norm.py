@@ -102,14 +102,20 @@ class SwappedGroupNorm(nn.GroupNorm):
     """
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True) -> None:
-        # Built on meta: the Parameters are always replaced by the BatchNorm's own (see from_batchnorm).
-        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device="meta")
+        # Built without parameters, so nothing is allocated (not even on meta): from_batchnorm registers the
+        # BatchNorm's own. Built directly, an affine layer gets fresh ones (ones/zeros, like GroupNorm).
+        super().__init__(num_groups, num_channels, eps=eps, affine=False)
+        self.affine = affine
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_channels))
+            self.bias = nn.Parameter(torch.zeros(num_channels))
         self.__dict__["_batchnorm"] = None
 
     @classmethod
     def from_batchnorm(cls, bn: nn.Module, num_groups: int) -> SwappedGroupNorm:
         """A GroupNorm with ``num_groups`` groups that shares ``bn``'s Parameters, eps, affine and mode."""
-        gn = cls(num_groups, bn.num_features, eps=bn.eps, affine=bn.affine)
+        gn = cls(num_groups, bn.num_features, eps=bn.eps, affine=False)
+        gn.affine = bn.affine
         # Assigning a Parameter (or None) to a module registers that very object: no copy, no new memory.
         for name in ("weight", "bias"):
             param = getattr(bn, name, None)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import lightning_memopt.norm as norm
+from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.norm import (
     ConvertedLayer,
     SkippedLayer,
@@ -494,3 +495,35 @@ def test_root_batchnorm_round_trip():
     gn = convert_batchnorm(bn).module
     assert isinstance(gn, SwappedGroupNorm) and gn.batchnorm is bn
     assert revert_groupnorm(gn) is bn
+
+
+def test_conversion_allocates_nothing():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    param_bytes = (8 * 3 * 9 + 8 + 8 + 8) * 4  # conv weight and bias, BatchNorm weight and bias (float32)
+    stat_bytes = 2 * 8 * 4 + 8  # running_mean, running_var (float32), num_batches_tracked (int64)
+    with MemoryTracker(model) as tracker:
+        assert tracker.current == param_bytes + stat_bytes
+        convert_batchnorm(model)
+        assert tracker.peak == param_bytes + stat_bytes  # no tensor was created, not even on meta
+    with MemoryTracker(model) as tracker:
+        # the model's own tensors no longer include the statistics (held off-module for revert_groupnorm)
+        assert tracker.current_breakdown["parameters"] == param_bytes
+
+
+def test_micro_batch_gradients_match_the_full_batch():
+    """The reason for the swap: 4 micro-batches of 2 give the full batch's gradient only without BatchNorm."""
+    x, y = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(2)), torch.arange(8) % 4
+
+    def grads(model, micro):
+        model.zero_grad()
+        for xs, ys in zip(x.split(micro), y.split(micro)):
+            (nn.functional.cross_entropy(model(xs), ys) * len(ys) / len(y)).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    model = _cnn()
+    assert rel(grads(model, 2), grads(model, 8)) > 0.1  # BatchNorm: micro-batching changes the gradient
+    convert_batchnorm(model, example_input=X)
+    assert rel(grads(model, 2), grads(model, 8)) < 1e-6  # GroupNorm: only float rounding (rel 1e-6)
