@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.utils._pytree import tree_map
 
 __all__ = [
     "ConversionReport",
@@ -247,7 +248,8 @@ def convert_batchnorm(
             layers are converted; each count must divide the layer's ``C``.
         example_input: an input for one no-grad, eval-mode forward that records each BatchNorm's input
             shape (RNG and training flags are restored); a tuple is passed as positional arguments and a
-            dict as keyword arguments, as Lightning's ``example_input_array``. Layers whose input has no
+            dict as keyword arguments, as Lightning's ``example_input_array``; its tensors are moved to the
+            model's device (``meta`` included) when all parameters are on one. Layers whose input has no
             spatial extent, such as ``BatchNorm1d`` on ``(N, C)``, get one group.
 
     Returns:
@@ -471,6 +473,11 @@ def _probe_input_shapes(
         if args and isinstance(args[0], torch.Tensor):
             shapes.setdefault(id(layer), tuple(args[0].shape))
 
+    # Run where the model is (all on one device): a model built on meta is probed with meta inputs, for free.
+    devices = {p.device for p in root.parameters()}
+    if len(devices) == 1:
+        (device,) = devices
+        example_input = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example_input)
     handles = [layer.register_forward_pre_hook(record) for layer in layers]
     modes = [(m, m.training) for m in root.modules()]
     try:

@@ -258,6 +258,14 @@ def test_probe_restores_modes_rng_and_statistics():
         assert torch.equal(getattr(layer, name.split(".")[1]), value)
 
 
+def test_probe_of_a_meta_model_runs_on_meta():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.BatchNorm1d(8 * 16))
+    report = convert_batchnorm(model, example_input=torch.randn(2, 3, 6, 6))  # a CPU input
+    assert [layer.input_shape for layer in report.converted] == [(2, 8, 4, 4), (2, 128)]
+    assert (model[1].num_groups, model[3].num_groups) == (8, 1) and model[1].weight.is_meta
+
+
 def test_probe_with_keyword_input():
     class Model(nn.Module):
         def __init__(self):
@@ -527,3 +535,12 @@ def test_micro_batch_gradients_match_the_full_batch():
     assert rel(grads(model, 2), grads(model, 8)) > 0.1  # BatchNorm: micro-batching changes the gradient
     convert_batchnorm(model, example_input=X)
     assert rel(grads(model, 2), grads(model, 8)) < 1e-6  # GroupNorm: only float rounding (rel 1e-6)
+
+
+def test_explicit_plan_with_two_counts_for_one_shared_layer_raises():
+    bn = nn.BatchNorm2d(4)
+    model = nn.Sequential(bn, bn)
+    with pytest.raises(
+        ValueError, match=r"groups gives different counts \[1, 2\] to the shared layer \('0', '1'\)"
+    ):
+        convert_batchnorm(model, groups={"0": 2, "1": 1})
