@@ -267,7 +267,7 @@ def convert_batchnorm(
 
         model = nn.Sequential(nn.Conv2d(3, 48, 3), nn.BatchNorm2d(48), nn.ReLU())
         report = convert_batchnorm(model, example_input=torch.randn(2, 3, 8, 8))
-        print(report)  # 1: BatchNorm2d(48) -> GroupNorm(24, 48), input (2, 48, 6, 6)
+        print(report)  # '1': BatchNorm2d(48) -> GroupNorm(24, 48), input (2, 48, 6, 6)
     """
     _check_positive("num_groups", num_groups)
     if group_size is not None:

@@ -161,10 +161,8 @@ class BatchNormToGroupNorm(Callback):
                     f"{type(pl_module).__name__}.example_input_array: {err.__cause__!r}. Fix example_input_array "
                     "or pass BatchNormToGroupNorm(probe=False)"
                 ) from err
-            except (
-                TypeError,
-                ValueError,
-            ) as err:  # a layer of this model that cannot be converted faithfully
+            except (TypeError, ValueError) as err:
+                # a layer of this model cannot be converted faithfully (the message says which and why)
                 raise MisconfigurationException(
                     f"BatchNormToGroupNorm cannot swap the BatchNorm layers of {type(pl_module).__name__}: {err}"
                 ) from err
