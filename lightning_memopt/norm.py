@@ -384,7 +384,8 @@ def revert_groupnorm(module: nn.Module) -> nn.Module:
     Each :class:`SwappedGroupNorm` is replaced by the BatchNorm it was made from: same class and
     attributes (``eps``, ``momentum``, ``track_running_stats``, subclass state), the GroupNorm's current
     ``weight``/``bias`` Parameter objects and training flag, and the running statistics the BatchNorm
-    had at the swap (or those loaded from a pre-swap checkpoint since), moved to the weight's device.
+    had at the swap (or those loaded from a pre-swap checkpoint since), moved to the weight's device and
+    floating dtype (reset to zeros/ones when the model was materialized from meta after the swap).
 
     Args:
         module: the converted model.
@@ -407,13 +408,28 @@ def revert_groupnorm(module: nn.Module) -> nn.Module:
                     bn.register_parameter(name, None)
                 else:
                     setattr(bn, name, param)
-            device = sub.weight.device if sub.weight is not None else None
-            for name, buf in list(bn.named_buffers(recurse=False)):
-                if device is not None and buf.device != device and not device.type == "meta":
-                    setattr(bn, name, buf.to(device))
+            _follow(bn, sub.weight)
             bn.train(sub.training)
             replacements[id(sub)] = bn
     return _replace(module, replacements)
+
+
+def _follow(bn: nn.Module, weight: torch.Tensor | None) -> None:
+    """Move the held BatchNorm's statistics to where the model went since the swap (device, float dtype)."""
+    if weight is None:
+        return
+    materialized = False
+    for name, buf in list(bn.named_buffers(recurse=False)):
+        dtype = weight.dtype if buf.is_floating_point() else buf.dtype
+        if buf.device == weight.device and buf.dtype == dtype:
+            continue
+        if buf.is_meta:  # the model was materialized (to_empty) after the swap: fresh statistics
+            setattr(bn, name, torch.empty_like(buf, device=weight.device, dtype=dtype))
+            materialized = True
+        else:
+            setattr(bn, name, buf.to(device=weight.device, dtype=dtype))
+    if materialized and getattr(bn, "track_running_stats", False):
+        bn.reset_running_stats()
 
 
 def _replace(root: nn.Module, replacements: dict[int, nn.Module]) -> nn.Module:
