@@ -249,7 +249,7 @@ def convert_batchnorm(
         example_input: an input for one no-grad, eval-mode forward that records each BatchNorm's input
             shape (RNG and training flags are restored); a tuple is passed as positional arguments and a
             dict as keyword arguments, as Lightning's ``example_input_array``; its tensors are moved to the
-            model's device (``meta`` included) when all parameters are on one. Layers whose input has no
+            model's device (``meta`` included) and float dtype when all parameters share one. Layers whose input has no
             spatial extent, such as ``BatchNorm1d`` on ``(N, C)``, get one group.
 
     Returns:
@@ -489,11 +489,19 @@ def _probe_input_shapes(
         if args and isinstance(args[0], torch.Tensor):
             shapes.setdefault(id(layer), tuple(args[0].shape))
 
-    # Run where the model is (all on one device): a model built on meta is probed with meta inputs, for free.
+    # Run where the model is and in its float dtype (when it has one device and one float dtype): a model
+    # built on meta is probed with meta inputs, for free; a bf16 model gets bf16 inputs.
     devices = {p.device for p in root.parameters()}
-    if len(devices) == 1:
-        (device,) = devices
-        example_input = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example_input)
+    dtypes = {p.dtype for p in root.parameters() if p.is_floating_point()}
+    device = next(iter(devices)) if len(devices) == 1 else None
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+    example_input = tree_map(move, example_input)
     handles = [layer.register_forward_pre_hook(record) for layer in layers]
     modes = [(m, m.training) for m in root.modules()]
     try:

@@ -266,6 +266,12 @@ def test_probe_of_a_meta_model_runs_on_meta():
     assert (model[1].num_groups, model[3].num_groups) == (8, 1) and model[1].weight.is_meta
 
 
+def test_probe_casts_the_input_to_the_model_dtype():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).to(torch.bfloat16)
+    report = convert_batchnorm(model, example_input=torch.randn(2, 3, 5, 5))  # float32 input, bf16 model
+    assert report.converted[0].input_shape == (2, 8, 3, 3) and model[1].weight.dtype == torch.bfloat16
+
+
 def test_probe_with_keyword_input():
     class Model(nn.Module):
         def __init__(self):
