@@ -8,13 +8,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import BatchNormToGroupNorm
-from lightning_memopt.norm import SwappedGroupNorm
+from lightning_memopt.norm import SwappedGroupNorm, convert_batchnorm
 
 
 def _net():
@@ -463,3 +463,68 @@ def test_ddp_two_processes(tmp_path):
     assert r0["losses"] != r1["losses"] and len(r0["losses"]) == 2  # each rank saw its own half of the data
     assert len(r0["warnings"]) == 1 and "Trainer(sync_batchnorm=True) no longer applies" in r0["warnings"][0]
     assert r1["warnings"] == []  # rank zero only
+
+
+class ShardedNet(BNNet):
+    """FSDP2 via ModelParallelStrategy: layers are built and sharded in configure_model."""
+
+    def __init__(self, convert_first):
+        super().__init__()
+        self.net, self.convert_first = None, convert_first
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        if self.net is not None:
+            return
+        torch.manual_seed(0)
+        self.net = _net()
+        if self.convert_first:  # what the README advises: convert, then shard
+            convert_batchnorm(self.net, example_input=torch.zeros(2, 3, 6, 6))
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+def _fsdp2_worker(rank, port, out_dir):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    result = {}
+    for convert_first in (True, False):
+        model = ShardedNet(convert_first)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+            callbacks=[BatchNormToGroupNorm()],
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=out_dir,
+        )
+        try:
+            trainer.fit(model)
+            result[convert_first] = {"swapped": _swapped(model), "losses": model.losses}
+        except MisconfigurationException as err:
+            result[convert_first] = {"error": str(err)}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_convert_before_sharding(tmp_path):
+    torch.multiprocessing.start_processes(
+        _fsdp2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork"
+    )
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result[True]["swapped"] == {"net.1": 8, "net.5": 1} and len(result[True]["losses"]) == 2
+        assert (
+            "'net.1' has sharded (DTensor) parameters; convert BatchNorm layers before sharding"
+            in (result[False]["error"])
+        )
