@@ -2,4 +2,6 @@
 
 __version__ = "0.1.0"
 
-__all__: list[str] = []
+from lightning_memopt.callbacks.auto_checkpoint import AutoCheckpoint  # noqa: E402
+
+__all__: list[str] = ["AutoCheckpoint"]

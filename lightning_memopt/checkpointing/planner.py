@@ -88,10 +88,21 @@ class Plan:
     cost: float
     budget: int | None = None
     block_bytes: dict[str, int] = field(default_factory=dict)
+    predicted: bool = True
+    """False for a plan whose blocks were not profiled: its byte and cost figures are unknown (zero)."""
+
+    @classmethod
+    def unprofiled(cls, choices: dict[str, str]) -> Plan:
+        """A plan of explicit choices with no predictions (blocks that cannot be profiled)."""
+        return cls(dict(choices), 0, 0, 0, 0, 0, 0.0, predicted=False)
 
     def table(self) -> str:
         """The plan as a fixed-width table, one row per block and a total."""
         rows = [("block", "choice", "activations", "recompute GFLOP", "recompute pointwise", "offloaded")]
+        if not self.predicted:
+            rows = [("block", "choice")] + [(n, c) for n, c in self.choices.items()]
+            widths = [max(len(r[i]) for r in rows) for i in range(2)]
+            return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
         for name, choice in self.choices.items():
             rows.append((name, choice, format_bytes(self.block_bytes.get(name, 0)), "", "", ""))
         ratio = self.activation_bytes / self.baseline_bytes if self.baseline_bytes else 0.0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "BlockProfile",
     "BlockInputs",
     "capture_block_inputs",
+    "record_block_inputs",
     "profile_blocks",
     "ActivationMeter",
 ]
@@ -148,19 +149,13 @@ def _detach(value):
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
 
 
-def capture_block_inputs(
-    model: nn.Module,
-    blocks: Iterable[tuple[str, nn.Module]],
-    *args,
-    context: Callable[[], contextlib.AbstractContextManager] | None = None,
-    **kwargs,
-) -> dict[str, BlockInputs]:
-    """Run ``model(*args, **kwargs)`` without gradients and keep each block's inputs (detached).
+@contextlib.contextmanager
+def record_block_inputs(blocks: Iterable[tuple[str, nn.Module]]) -> Iterator[dict[str, BlockInputs]]:
+    """Keep each block's inputs (detached) from the forwards run while entered; yields the dict it fills.
 
-    Only the first call of each block is kept. ``context`` (e.g. an autocast) is entered around the run.
-    The global RNG state and the model's buffers are as they were afterwards.
+    Only the first call of each block is kept (not recomputations). Used by :func:`capture_block_inputs`
+    and, around a real training step, by ``AutoCheckpoint``.
     """
-    blocks = list(blocks)
     captured: dict[str, BlockInputs] = {}
     last_output: list[int | None] = [None]
 
@@ -181,14 +176,36 @@ def capture_block_inputs(
     for name, block in blocks:
         handles.append(block.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
         handles.append(block.register_forward_hook(post_hook, with_kwargs=True))
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        # Leave no trace: RNG and buffers (BatchNorm statistics) are restored after the run.
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), (context or contextlib.nullcontext)():
-            model(*args, **kwargs)
+        yield captured
     finally:
         for h in handles:
             h.remove()
+
+
+def capture_block_inputs(
+    model: nn.Module,
+    blocks: Iterable[tuple[str, nn.Module]],
+    *args,
+    context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    **kwargs,
+) -> dict[str, BlockInputs]:
+    """Run ``model(*args, **kwargs)`` without gradients and keep each block's inputs (detached).
+
+    ``context`` (e.g. an autocast) is entered around the run. The global RNG state and the model's
+    buffers are as they were afterwards.
+    """
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        # Leave no trace: RNG and buffers (BatchNorm statistics) are restored after the run.
+        with (
+            record_block_inputs(blocks) as captured,
+            torch.random.fork_rng(devices=[]),
+            torch.no_grad(),
+            (context or contextlib.nullcontext)(),
+        ):
+            model(*args, **kwargs)
+    finally:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
