@@ -13,8 +13,9 @@ Columns:
   its ratio to no checkpointing.
 - ``GFLOP``: forward + backward FLOPs of matmul-class ops (FlopCounterMode's formulas; CPU attention
   included), and the ratio.
-- ``time``: best-of-N wall time of forward + backward on this CPU (N rounds, each timing every
-  configuration once), as a ratio to no checkpointing in the same process (ratios, never absolute times).
+- ``time``: best-of-N CPU time (``time.process_time``) of forward + backward (N rounds, each timing every
+  configuration once), as a ratio to no checkpointing in the same process (ratios, never absolute times;
+  process time rather than wall time because the machine is shared).
 - ``gap``: the plan's cost minus the brute-force optimum's (0 means optimal), for 3 and 4 treatments.
 
 Run from the repository root (a few minutes on 2 cores)::
@@ -50,7 +51,7 @@ MB = 1e6
 
 # ---------------------------------------------------------------------------------------------- models
 class GPTBlock(nn.Module):
-    """nanoGPT's block, attention written with matmuls (its non-flash path)."""
+    """nanoGPT's block (its flash path: scaled_dot_product_attention)."""
 
     def __init__(self, h: int, heads: int) -> None:
         super().__init__()
@@ -65,10 +66,8 @@ class GPTBlock(nn.Module):
         q, k, v = (
             t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)
         )  # (B, nh, T, hs)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / (C // self.heads) ** 0.5)  # (B, nh, T, T)
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, C)
         x = x + self.c_proj(y)
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
@@ -204,10 +203,11 @@ def measure(model, x, blocks):
 
 
 def step_time(model, x) -> float:
+    """CPU seconds this process spent on one step (less disturbed than wall time on a shared machine)."""
     model.zero_grad(set_to_none=True)
-    t = time.perf_counter()
+    t = time.process_time()
     loss_of(model(x)).backward()
-    return time.perf_counter() - t
+    return time.process_time() - t
 
 
 def summary(choices) -> str:

@@ -415,7 +415,7 @@ class ActivationMeter:
         >>> with ActivationMeter(model, find_blocks(model)) as meter:
         ...     loss = model(torch.randn(4, 8)).sum()
         >>> meter.block_bytes
-        {'0': 256, '1': 512}
+        {'0': 256, '1': 256}
     """
 
     def __init__(self, model: nn.Module, blocks: Iterable[tuple[str, nn.Module]], optimizers=None) -> None:

@@ -358,3 +358,19 @@ def test_profile_on_fake_tensors_gives_the_same_bytes_and_flops():
                 b.saves_output,
                 b.recompute_flops,
             )
+
+
+def test_profile_and_plan_input_errors():
+    model = TinyGPT(2)
+    with pytest.raises(ValueError, match="block 'extra' was not called during the model's forward"):
+        profile_blocks(model, [*find_blocks(model), ("extra", nn.Linear(2, 2))], torch.randint(0, 32, (1, 4)))
+    profiles = _random_profiles(random.Random(2), 2)
+    with pytest.raises(ValueError, match=r"need one choice per block \(2\), got 1"):
+        evaluate_plan(profiles, ["keep"])
+    del profiles[0].options["offload"]
+    with pytest.raises(ValueError, match="block 'b0' has no profile for choice 'offload'"):
+        evaluate_plan(profiles, ["offload", "keep"])
+    with pytest.raises(ValueError, match=r"profiles lack the treatments \['offload'\]"):
+        plan_checkpointing(profiles, 10**6)
+    with pytest.raises(ValueError, match="allowed must name at least one treatment"):
+        plan_checkpointing(profiles, 10**6, allowed=[])
