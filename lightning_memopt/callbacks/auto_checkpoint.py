@@ -89,7 +89,7 @@ class AutoCheckpoint(Callback):
         self,
         *,
         blocks: list[type[torch.nn.Module] | str] | str | None = None,
-        budget: int | str | float | None = None,
+        budget: int | float | str | None = None,
         mode: Literal["auto", "full", "selective", "offload", "every_n"] = "auto",
         every_n: int = 2,
         headroom: float = 0.1,

@@ -246,3 +246,22 @@ def test_find_blocks_of_module_used_by_callback():
         "model.h.1",
         "model.h.2",
     ]
+
+
+def test_configurable_from_yaml_like_arguments():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(AutoCheckpoint, "cb")
+    for args, budget in (
+        [["--cb.budget=6GiB"], "6GiB"],
+        [["--cb.budget=0.5"], 0.5],
+        [["--cb.budget=1000"], 1000],
+    ):
+        cfg = parser.parse_args([*args, "--cb.blocks=[h.*]", "--cb.cost_model.pointwise_flops_per_byte=20"])
+        cb = (
+            parser.instantiate(cfg).cb
+            if hasattr(parser, "instantiate")
+            else parser.instantiate_classes(cfg).cb
+        )
+        assert (cb.budget, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (budget, ["h.*"], 20.0)
