@@ -13,14 +13,15 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _CALLBACKS = {
+    "AutoCheckpoint": "lightning_memopt.callbacks.auto_checkpoint",
     "BatchNormToGroupNorm": "lightning_memopt.callbacks.batchnorm_swap",
     "MemoryMonitor": "lightning_memopt.callbacks.memory_monitor",
 }
 
-__all__ = ["BatchNormToGroupNorm", "MemoryMonitor"]
+__all__ = ["AutoCheckpoint", "BatchNormToGroupNorm", "MemoryMonitor"]
 
 if TYPE_CHECKING:
-    from lightning_memopt.callbacks import BatchNormToGroupNorm, MemoryMonitor
+    from lightning_memopt.callbacks import AutoCheckpoint, BatchNormToGroupNorm, MemoryMonitor
 
 
 def __getattr__(name: str) -> Any:
