@@ -1,7 +1,6 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_memopt import AutoAccumulation
