@@ -158,6 +158,9 @@ class AutoAccumulation(Callback):
         capacity = self._capacity(trainer)
         if capacity is None:
             return
+        # The smallest device decides, and every rank must search with the same budget to take the
+        # same path (the same number of probes, hence of collectives).
+        capacity = min_over_ranks(capacity, trainer.strategy.root_device)
         self._sizes["micro_batch_size"] = self._find_size(
             trainer, pl_module, batch, capacity, evaluation=False
         )
@@ -220,7 +223,7 @@ class AutoAccumulation(Callback):
             # evaluation keeps no activations: try the whole batch first, one probe when it fits
             start=max_size if evaluation else None,
         )
-        return int(result.size)
+        return min_over_ranks(int(result.size), device)
 
     def _apply_sizes(self) -> None:
         engine = self._engine

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_memopt import OOMBackoff
+from lightning_memopt import AutoAccumulation, OOMBackoff
 from tests.batching.helpers import CapSize, Net, dataset
 
 
@@ -34,7 +34,7 @@ class ShardedNet(Net):
 
 def run(strategy_name: str, phase: str, out: str) -> None:
     model = ShardedNet() if strategy_name == "fsdp2" else Net()
-    if phase not in ("none", "plain"):
+    if phase not in ("none", "plain", "probe"):
         layers = list(model.net)
         layers.insert(len(layers) - 1, CapSize(4, phase, ranks={1}))  # rank 1 only runs out of memory
         model.net = torch.nn.Sequential(*layers)
@@ -42,7 +42,10 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
-    callback = OOMBackoff()
+    if phase == "probe":  # rank 1 has less memory: both ranks must use its size
+        callback = AutoAccumulation(max_memory=2900 if int(os.environ["RANK"]) == 1 else 10**6, headroom=0.0)
+    else:
+        callback = OOMBackoff()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -68,7 +71,8 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         "rank": trainer.global_rank,
         "micro_batch_size": callback.micro_batch_size,
         "oom_retries": callback.engine.oom_retries if callback.engine else 0,
-        "raised": model.net[-2].raised if phase not in ("none", "plain") else 0,
+        "raised": model.net[-2].raised if phase not in ("none", "plain", "probe") else 0,
+        "probes": getattr(callback, "probes", []),
         "params": params,
         "losses": model.step_losses,
     }

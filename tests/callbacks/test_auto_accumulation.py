@@ -142,3 +142,62 @@ def test_token_weighted_loss(tmp_path):
         tmp_path=tmp_path,
     )
     assert_params_close(split, base, rel=1e-6)
+
+
+class Pair:
+    """A batch type the built-in splitter does not know."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+
+def _pair_collate(samples):
+    x, y = zip(*samples)
+    return Pair(torch.stack(x), torch.stack(y))
+
+
+class PairNet(Net):
+    def training_step(self, batch, batch_idx):
+        self.seen_sizes.append(len(batch))
+        loss = torch.nn.functional.mse_loss(self(batch.x), batch.y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=len(batch))
+        return loss
+
+
+def _fit_pairs(model, callbacks, tmp_path):
+    from torch.utils.data import DataLoader
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, DataLoader(dataset(), batch_size=10, collate_fn=_pair_collate))
+
+
+def test_unknown_batch_type_names_the_hook(tmp_path):
+    with pytest.raises(
+        TypeError, match=r"define `split_batch\(self, batch, sizes\)` on your LightningModule"
+    ):
+        _fit_pairs(PairNet(), [AutoAccumulation(micro_batch_size=4)], tmp_path)
+
+
+def test_split_batch_hook_on_the_module(tmp_path):
+    class Hooked(PairNet):
+        def split_batch(self, batch, sizes):
+            xs, ys = torch.split(batch.x, sizes), torch.split(batch.y, sizes)
+            return [Pair(x, y) for x, y in zip(xs, ys)]
+
+    base, split = Hooked(), Hooked()
+    _fit_pairs(base, [], tmp_path)
+    _fit_pairs(split, [AutoAccumulation(micro_batch_size=4)], tmp_path)
+    assert split.seen_sizes == [4, 3, 3] * 2
+    assert_params_close(split, base, rel=1e-6)

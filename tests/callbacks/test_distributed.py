@@ -25,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-RUNS = ("ddp:forward", "ddp:backward", "fsdp2:forward")
+RUNS = ("ddp:forward", "ddp:backward", "fsdp2:forward", "ddp:probe")
 
 
 def run_two_ranks(runs, tmp_path: Path, timeout: float = 200) -> dict[str, list[dict]]:
@@ -100,6 +100,20 @@ def test_fsdp2_oom_on_rank_one_only(results, tmp_path):
     assert [r["raised"] for r in results] == [0, 2]
     assert [r["micro_batch_size"] for r in results] == [3, 3]
     assert [r["oom_retries"] for r in results] == [2, 2]
+    expected = single_process_params(tmp_path)
+    for r in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(240)
+def test_ddp_probing_agrees_on_the_smallest_device(results, tmp_path):
+    """AutoAccumulation under DDP: rank 1 is given less memory; both ranks probe the same sizes (one
+    agreed peak per probe) and train with the same micro-batch, equal to one process's result."""
+    results = results["ddp:probe"]
+    sizes = [r["micro_batch_size"] for r in results]
+    assert sizes[0] == sizes[1] and 1 < sizes[0] < 10
+    assert results[0]["probes"] == results[1]["probes"] and len(results[0]["probes"]) <= 6
     expected = single_process_params(tmp_path)
     for r in results:
         for name, value in expected.items():
