@@ -40,6 +40,7 @@ What one training step does (``_training_step``), top to bottom:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping
@@ -345,11 +346,12 @@ class MicroBatchEngine:
             return original(optimizer, closure, model, **kwargs)
         module = self._trainer.lightning_module
         self._state = self._capture(module)
+        step_closure = closure
         try:
             while True:
                 failure: str | None = None
                 try:
-                    return original(optimizer, closure, model, **kwargs)
+                    return original(optimizer, step_closure, model, **kwargs)
                 except BaseException as error:
                     if not is_out_of_memory(error):
                         raise
@@ -367,6 +369,9 @@ class MicroBatchEngine:
                 total = self._last_total or 1
                 size = min(self.micro_batch_size or total, total)
                 self._recover(module, size, total)
+                # Run the training step (and its hooks) at the smaller size now, before the optimizer's
+                # own pre-step work, so that the retried step starts from the new micro-batches' state.
+                step_closure = functools.partial(_return, closure())
         finally:
             self._state = None
 
@@ -374,6 +379,16 @@ class MicroBatchEngine:
     def _recover(self, module: Any, size: int, total: int) -> None:
         """Drop the failed attempt, restore the step's start, and pick a smaller micro-batch."""
         drop_gradients([self._trainer.strategy.model])
+        sharded = self._fsdp_modules()
+        if sharded:
+            # An attempt that failed inside a sharded module left FSDP mid-iteration (parameters
+            # gathered, the forward root set); torch's recovery call reshards and clears that state.
+            root = sharded[0]  # the outermost fully_shard module: modules() yields it first
+            if hasattr(root, "reset_iter_state"):  # torch >= 2.13
+                root.reset_iter_state()
+            else:
+                for m in sharded:
+                    m.reshard()
         if self._state is not None:
             self._state.restore()
         memory = self._device_memory()
@@ -691,6 +706,11 @@ class _LogRecorder:
                     kwargs = {**kwargs, "batch_size": sum(r[3].get("batch_size", 0) for r in records)}
             self.original_log(name, value, *args, **kwargs)
         self._records.clear()
+
+
+def _return(value: Any) -> Any:
+    """A closure that was already run: the precision plugin calls it once and gets its loss."""
+    return value
 
 
 def _as_tensor(value: Any) -> torch.Tensor:

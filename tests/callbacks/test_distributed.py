@@ -94,8 +94,9 @@ def test_ddp_oom_on_rank_one_only(results, tmp_path, phase):
 
 @pytest.mark.timeout(240)
 def test_fsdp2_oom_on_rank_one_only(results, tmp_path):
-    """ModelParallelStrategy (FSDP2 ``fully_shard``): an OOM in rank 1's forward, between two sharded
-    layers, reaches rank 0 at its next sync point; both ranks retry at the same size."""
+    """ModelParallelStrategy (FSDP2 ``fully_shard``): an OOM in rank 1's forward, inside the last sharded
+    layer (after its all-gather), reaches rank 0 at its next sync point; FSDP's iteration state is reset
+    and both ranks retry at the same size."""
     results = results["fsdp2:forward"]
     assert [r["raised"] for r in results] == [0, 2]
     assert [r["micro_batch_size"] for r in results] == [3, 3]
