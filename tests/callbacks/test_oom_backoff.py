@@ -41,7 +41,7 @@ def test_retry_equals_unsplit_adamw_bf16(tmp_path):
         fit(model, [OOMBackoff()], tmp_path=tmp_path, precision="bf16-mixed")
     assert oom_injector.raised == 2
     # bf16 autocast rounds each micro-batch's activations differently from the whole batch's
-    assert_params_close(model, base, rel=2e-2)
+    assert_params_close(model, base, rel=2e-3)  # measured 3.2e-4
 
 
 def test_retry_with_batchnorm_and_dropout_equals_smaller_size_from_the_start(tmp_path):
