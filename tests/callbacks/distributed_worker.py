@@ -36,13 +36,16 @@ def run(strategy_name: str, phase: str, out: str) -> None:
     model = ShardedNet() if strategy_name == "fsdp2" else Net()
     injector = None
     if phase not in ("none", "plain", "probe"):  # rank 1 only runs out of memory, in the last layer
-        injector = OOMInjector(model.net[-1], phase=phase, max_size=4, ranks={1}).install()
+        where = "forward" if phase == "overlap" else phase
+        injector = OOMInjector(model.net[-1], phase=where, max_size=4, ranks={1}).install()
     if strategy_name == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
     if phase == "probe":  # rank 1 has less memory: both ranks must use its size
         callback = AutoAccumulation(max_memory=2900 if int(os.environ["RANK"]) == 1 else 10**6, headroom=0.0)
+    elif phase == "overlap":  # step 1 backs off to 3 (k=4); step 2 overlaps the last micro-batch's sync
+        callback = OOMBackoff(overlap_after=1)
     else:
         callback = OOMBackoff()
     trainer = pl.Trainer(
@@ -72,6 +75,7 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         "oom_retries": callback.engine.oom_retries if callback.engine else 0,
         "raised": injector.raised if injector is not None else 0,
         "probes": getattr(callback, "probes", []),
+        "overlapped": bool(callback.engine._overlapping),
         "params": params,
         "losses": model.step_losses,
     }

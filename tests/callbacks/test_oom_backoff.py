@@ -183,6 +183,8 @@ def test_validation_oom_halves_eval_micro_batch(tmp_path):
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="grow_after must be a positive int"):
         OOMBackoff(grow_after=0)
+    with pytest.raises(ValueError, match="overlap_after must be an int >= 0"):
+        OOMBackoff(overlap_after=-1)
 
 
 def test_accumulate_grad_batches_is_refused(tmp_path):
