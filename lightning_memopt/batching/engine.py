@@ -267,8 +267,8 @@ class MicroBatchEngine:
                 # other ranks are inside DDP's all-reduce and no agreement can reach them any more.
                 raise MicroBatchOOMError(
                     "out of memory in the last micro-batch while DDP synchronizes gradients during backward "
-                    "(OOMBackoff(overlap_after=...) mode); this cannot be retried on every rank. Lower "
-                    f"overlap_after's risk by leaving it None (the default).\n{self.last_failure}"
+                    "(OOMBackoff(overlap_after=...) mode); this cannot be retried on every rank. Keep "
+                    f"overlap_after=None (the default) to make every OOM recoverable.\n{self.last_failure}"
                 )
             elif self._overlapping and failure is None:
                 failed = False  # the sync point before the last micro-batch was this step's agreement

@@ -217,3 +217,68 @@ def test_retry_with_grad_scaler(tmp_path):
     assert oom_injector.raised == 2
     assert trainer.precision_plugin.scaler.get_scale() == base_trainer.precision_plugin.scaler.get_scale()
     assert_params_close(model, base, rel=5e-4)  # fp16 autocast rounding; measured 5.9e-5
+
+
+def test_overlap_mode_oom_in_the_last_micro_batch_raises(tmp_path, monkeypatch):
+    """The overlap path, in one process posing as a DDP rank: an OOM after the sync point is an error."""
+    import types
+
+    import lightning_memopt.batching.engine as engine_module
+
+    monkeypatch.setattr(engine_module.MicroBatchEngine, "_agreement_needed", lambda self: True)
+    monkeypatch.setattr(engine_module, "any_rank", lambda flag, device=None: bool(flag))
+    monkeypatch.setattr(engine_module, "_ddp_module", lambda strategy: types.SimpleNamespace())
+    model = Net()
+    calls = []
+
+    def fail_fourth_forward(module, args):
+        calls.append(len(args[0]))
+        if len(calls) == 4:  # the last of [3, 3, 2, 2]
+            raise oom("last micro-batch")
+
+    model.net[-1].register_forward_pre_hook(fail_fourth_forward)
+    with pytest.raises(MicroBatchOOMError, match="while DDP synchronizes gradients during backward"):
+        fit(model, [AutoAccumulation(micro_batch_size=3), OOMBackoff(overlap_after=0)], tmp_path=tmp_path)
+    assert calls == [3, 3, 2, 2]
+
+
+def test_training_step_returning_none_is_refused(tmp_path):
+    class Skips(Net):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(Exception, match="training_step must return the loss tensor or a dict"):
+        fit(Skips(), [AutoAccumulation(micro_batch_size=3)], tmp_path=tmp_path)
+
+
+def test_distributed_optimizer_step_oom_raises(tmp_path, monkeypatch):
+    import lightning_memopt.batching.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "is_distributed", lambda: True)
+    model = Net()
+    with (
+        OOMInjector(model.net[-1], phase="step", max_size=6),
+        pytest.raises(MicroBatchOOMError, match="optimizer step on this rank under a distributed strategy"),
+    ):
+        fit(model, [OOMBackoff()], tmp_path=tmp_path)
+
+
+def test_validation_oom_at_one_sample_raises(tmp_path):
+    class AlwaysOOM(Net):
+        def validation_step(self, batch, batch_idx):
+            raise oom("validation")
+
+    from torch.utils.data import DataLoader
+
+    from tests.batching.helpers import dataset
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        callbacks=[OOMBackoff()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(MicroBatchOOMError, match="out of memory in validation_step with one sample"):
+        trainer.validate(AlwaysOOM(), DataLoader(dataset(), batch_size=10))
