@@ -13,15 +13,23 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _CALLBACKS = {
+    "AutoAccumulation": "lightning_memopt.callbacks.auto_accumulation",
     "AutoCheckpoint": "lightning_memopt.callbacks.auto_checkpoint",
     "BatchNormToGroupNorm": "lightning_memopt.callbacks.batchnorm_swap",
     "MemoryMonitor": "lightning_memopt.callbacks.memory_monitor",
+    "OOMBackoff": "lightning_memopt.callbacks.oom_backoff",
 }
 
-__all__ = ["AutoCheckpoint", "BatchNormToGroupNorm", "MemoryMonitor"]
+__all__ = ["AutoAccumulation", "AutoCheckpoint", "BatchNormToGroupNorm", "MemoryMonitor", "OOMBackoff"]
 
 if TYPE_CHECKING:
-    from lightning_memopt.callbacks import AutoCheckpoint, BatchNormToGroupNorm, MemoryMonitor
+    from lightning_memopt.callbacks import (
+        AutoAccumulation,
+        AutoCheckpoint,
+        BatchNormToGroupNorm,
+        MemoryMonitor,
+        OOMBackoff,
+    )
 
 
 def __getattr__(name: str) -> Any:
