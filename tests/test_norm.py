@@ -1,6 +1,5 @@
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from lightning_memopt.norm import (
     register_converter,
     revert_groupnorm,
 )
+from tests.distributed import free_port
 
 X = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(0))
 
@@ -394,19 +394,13 @@ def test_frozen_layers_are_skipped_and_reported():
     assert "'0': FrozenBatchNorm2d skipped: frozen" in str(report)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sharded_parameters_raise(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setitem(os.environ, "MASTER_PORT", str(_free_port()))
+    monkeypatch.setitem(os.environ, "MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))

@@ -1,13 +1,12 @@
 """One rank of a 2-process CPU gloo run of AutoCheckpoint (started by test_auto_checkpoint_distributed.py).
 
-Usage: python _dist_worker.py OUT_DIR. For DDP, then ModelParallelStrategy (FSDP2), runs the same training
+Started by ``tests.distributed.run_ranks("tests.callbacks._dist_worker:main", OUT_DIR)``. For DDP, then ModelParallelStrategy (FSDP2), runs the same training
 twice in this process, with and without AutoCheckpoint, and saves both final parameter vectors and the
 plan for the test to compare. One launch for both strategies: process start-up dominates the test's time.
 """
 
 import json
 import os
-import sys
 
 import lightning.pytorch as pl
 import torch
@@ -83,8 +82,7 @@ def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Ten
     return torch.cat(params), module.seen
 
 
-def main() -> None:
-    out = sys.argv[1]
+def main(out: str) -> None:
     rank = int(os.environ["RANK"])
     for kind in ("ddp", "fsdp2"):
         plain, _ = run(kind, [])
@@ -96,7 +94,3 @@ def main() -> None:
         torch.save(result, os.path.join(out, f"{kind}_params{rank}.pt"))
         with open(os.path.join(out, f"{kind}_plan{rank}.json"), "w") as f:
             json.dump({"seen": seen, "choices": cb.plan.choices, "predicted": cb.plan.predicted}, f)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,6 @@
 """One rank of the 2-process CPU tests (run by tests/callbacks/test_distributed.py, not by pytest).
 
-Usage: python -m tests.callbacks.distributed_worker OUT STRATEGY:PHASE [STRATEGY:PHASE ...]
-(RANK etc. in the environment). Importing Lightning takes most of a worker's time, so one launch runs
+Started by ``tests.distributed.run_ranks("tests.callbacks.distributed_worker:main", OUT, "STRATEGY:PHASE", ...)``. Importing Lightning takes most of a worker's time, so one launch runs
 several fits, one after another in the same process group, and writes OUT/<strategy>-<phase>-rank<r>.json.
 """
 
@@ -9,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -88,7 +86,3 @@ def main(out_dir: str, *runs: str) -> None:
         strategy_name, phase = spec.split(":")
         rank = int(os.environ["RANK"])
         run(strategy_name, phase, os.path.join(out_dir, f"{strategy_name}-{phase}-rank{rank}.json"))
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

@@ -1,61 +1,17 @@
 """AutoCheckpoint with DDP and ModelParallelStrategy (FSDP2): 2 real CPU gloo processes."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("_dist_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(out: Path) -> None:
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE="2",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            PYTHONPATH=str(ROOT),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=100)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, text in zip(procs, outputs):
-        assert p.returncode == 0, text[-3000:]
+from tests.distributed import run_ranks
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    _launch(out)
+    run_ranks("tests.callbacks._dist_worker:main", out, timeout=150)
     return out
 
 

@@ -1,7 +1,5 @@
 import logging
-import multiprocessing
 import os
-import socket
 import warnings
 
 import lightning as L
@@ -15,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import BatchNormToGroupNorm
 from lightning_memopt.norm import SwappedGroupNorm, convert_batchnorm
+from tests.distributed import run_ranks
 
 
 def _net():
@@ -411,39 +410,8 @@ def test_lightning_cli_zero_arguments(tmp_path):
 # ----------------------------------------------------------------------------------------- distributed
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_two_ranks(worker, tmp_path):
-    """Run ``worker(rank, port, out_dir)`` in 2 processes forked from a fresh forkserver.
-
-    Not plain fork: forking this process (threads of earlier tests alive) can deadlock the children. Not
-    spawn: each rank would import lightning again. The forkserver imports it once, runs nothing, and forks
-    both ranks (and those of later tests) from that clean state.
-    """
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["lightning.pytorch", __name__])
-    torch.multiprocessing.start_processes(
-        worker,
-        args=(_free_port(), str(tmp_path)),
-        nprocs=2,
-        join=True,
-        daemon=True,
-        start_method="forkserver",
-    )
-
-
-def _ddp_worker(rank, port, out_dir):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE="2",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-    )
+def _ddp_worker(out_dir):
+    rank = int(os.environ["RANK"])
     model = BNNet()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -474,9 +442,9 @@ def _ddp_worker(rank, port, out_dir):
     )
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(200)
 def test_ddp_two_processes(tmp_path):
-    _run_two_ranks(_ddp_worker, tmp_path)
+    run_ranks(f"{__name__}:_ddp_worker", tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["swapped"] == r1["swapped"] == {"net.1": 8, "net.5": 1}
     assert r0["optimizer_holds_gn"] and r1["optimizer_holds_gn"]
@@ -505,15 +473,8 @@ class ShardedNet(BNNet):
         fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
 
-def _fsdp2_worker(rank, port, out_dir):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE="2",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-    )
+def _fsdp2_worker(out_dir):
+    rank = int(os.environ["RANK"])
     result = {}
     for convert_first in (True, False):
         model = ShardedNet(convert_first)
@@ -537,9 +498,9 @@ def _fsdp2_worker(rank, port, out_dir):
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(200)
 def test_fsdp2_convert_before_sharding(tmp_path):
-    _run_two_ranks(_fsdp2_worker, tmp_path)
+    run_ranks(f"{__name__}:_fsdp2_worker", tmp_path)
     for rank in (0, 1):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result[True]["swapped"] == {"net.1": 8, "net.5": 1} and len(result[True]["losses"]) == 2

@@ -5,59 +5,23 @@ in one rank's FSDP2 backward is not recovered: FSDP2 all-gathers and reduce-scat
 where no sync point can be put in front of each collective; see README.)"""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.batching.helpers import Net, fit
+from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 RUNS = ("ddp:forward", "ddp:backward", "fsdp2:forward", "ddp:probe", "ddp:overlap")
 
 
-def run_two_ranks(runs, tmp_path: Path, timeout: float = 200) -> dict[str, list[dict]]:
+def run_two_ranks(runs, tmp_path: Path) -> dict[str, list[dict]]:
     """Launch 2 ranks that run ``runs`` (``strategy:phase``) in turn; their results, by run."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE="2",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            PYTHONPATH=str(ROOT),
-            OMP_NUM_THREADS="1",
-        )
-        cmd = [sys.executable, "-m", "tests.callbacks.distributed_worker", str(tmp_path), *runs]
-        procs.append(
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0].decode())
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"the ranks hung for more than {timeout}s")
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    run_ranks("tests.callbacks.distributed_worker:main", tmp_path, *runs, timeout=200)
     return {
         spec: [
             json.loads((tmp_path / f"{spec.replace(':', '-')}-rank{r}.json").read_text()) for r in range(2)

@@ -3,7 +3,6 @@ import gc
 import json
 import logging
 import os
-import socket
 import types
 import weakref
 
@@ -20,6 +19,7 @@ from lightning_memopt import MemoryMonitor
 from lightning_memopt.memory import CATEGORIES, MemoryTracker
 from lightning_memopt.memory import device as device_module
 from lightning_memopt.memory.report import PHASES, merge_records
+from tests.distributed import run_ranks
 
 GIB = 2**30
 F32 = 4
@@ -309,12 +309,6 @@ def test_cuda_peaks_from_allocator(monkeypatch, breakdown):
         assert _get_current_dispatch_mode_stack() == []
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ShardedModel(TinyModel):
     """TinyModel under FSDP2: each Linear sharded over the two ranks (dim 0 splits evenly)."""
 
@@ -327,15 +321,8 @@ class ShardedModel(TinyModel):
         fully_shard(self.net, mesh=mesh)
 
 
-def _distributed_worker(rank, port, root, kind):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE="2",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-    )
+def _distributed_worker(root, kind):
+    rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     if kind == "ddp":
         strategy, model = DDPStrategy(process_group_backend="gloo"), TinyModel()
@@ -362,18 +349,10 @@ def _distributed_worker(rank, port, root, kind):
         json.dump(list(monitor.history), f)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_distributed_logs_max_over_ranks(tmp_path, kind):
-    # fork, not spawn: the children reuse the imported torch and Lightning instead of importing them again
-    # (tens of seconds on a loaded 2-core machine); the timeout turns a hang into a failure.
-    torch.multiprocessing.start_processes(
-        _distributed_worker,
-        args=(_free_port(), str(tmp_path), kind),
-        nprocs=2,
-        join=True,
-        start_method="fork",
-    )
+    run_ranks(f"{__name__}:_distributed_worker", tmp_path, kind)
     histories = [json.loads((tmp_path / f"history_{rank}.json").read_text()) for rank in range(2)]
     assert all(r1["forward"] > r0["forward"] for r0, r1 in zip(*histories))
     rows = list(csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")))

@@ -1,0 +1,66 @@
+"""Run a test function in 2 real CPU processes joined by gloo: the one launcher of the distributed tests.
+
+``run_ranks("tests.x.y:worker", *args)`` starts ``world_size`` fresh Python processes, each with the
+environment Lightning reads for processes launched outside it (MASTER_ADDR/PORT, WORLD_SIZE, RANK,
+LOCAL_RANK, NODE_RANK), so ``Trainer(devices=2, strategy=...)`` joins them instead of relaunching; each
+calls ``worker(*args)`` and learns its rank from ``os.environ["RANK"]``. Fresh processes, not fork:
+forking pytest while earlier tests' threads are alive can deadlock the children. A rank that hangs or
+fails fails the test with its output, and every rank is killed, so a hang never blocks the suite.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target: str, *args: str, world_size: int = 2, timeout: float = 180) -> None:
+    """Run ``target`` (``"module:function"``) as ``function(*args)`` on ``world_size`` ranks; wait for all."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [sys.executable, "-m", "tests.distributed", target, *map(str, args)]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{target}: the ranks did not finish within {timeout}s (a hang)")
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} of {target} failed:\n{text[-4000:]}"
+
+
+if __name__ == "__main__":
+    module, function = sys.argv[1].split(":")
+    getattr(importlib.import_module(module), function)(*sys.argv[2:])
