@@ -109,7 +109,7 @@ class AutoAccumulation(Callback):
         self.max_probes = max_probes
         self.count_fn = count_fn
         self.split_fn = split_fn
-        self.log = log
+        self.log_metrics = log  # not `self.log`: Lightning binds the module's log method to every callback
         self.probes: list[tuple[int, int | None]] = []
         self.eval_probes: list[tuple[int, int | None]] = []
         self._fixed = micro_batch_size
@@ -139,7 +139,7 @@ class AutoAccumulation(Callback):
             engine.check(trainer, pl_module)
         engine.count_fn = self.count_fn
         engine.split_fn = self.split_fn
-        engine.log_metrics = engine.log_metrics or self.log
+        engine.log_metrics = engine.log_metrics or self.log_metrics
         engine.install(trainer)
         self._engine = engine
         self._apply_sizes()

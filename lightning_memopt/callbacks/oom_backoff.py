@@ -85,7 +85,7 @@ class OOMBackoff(Callback):
             )
         self.grow_after = grow_after
         self.overlap_after = overlap_after
-        self.log = log
+        self.log_metrics = log  # not `self.log`: Lightning binds the module's log method to every callback
         self._engine: MicroBatchEngine | None = None
         self._loaded: dict[str, Any] = {}
 
@@ -111,7 +111,7 @@ class OOMBackoff(Callback):
         engine.retry_on_oom = True
         engine.grow_after = self.grow_after
         engine.overlap_after = self.overlap_after
-        engine.log_metrics = engine.log_metrics or self.log
+        engine.log_metrics = engine.log_metrics or self.log_metrics
         engine.install(trainer)
         self._engine = engine
         self._apply_loaded()

@@ -33,6 +33,17 @@ def test_retry_equals_unsplit_sgd(tmp_path, phase):
     assert float(metrics["memopt/oom_retries"]) == 2
 
 
+@pytest.mark.parametrize("callback_class", [OOMBackoff, AutoAccumulation])
+def test_log_false_logs_nothing(tmp_path, callback_class):
+    """``log=False`` holds although Lightning binds ``pl_module.log`` to every callback's ``log``."""
+    model = Net()
+    kwargs = {"micro_batch_size": 4} if callback_class is AutoAccumulation else {}
+    callback = callback_class(log=False, **kwargs)
+    trainer = fit(model, [callback], tmp_path=tmp_path)
+    assert callback.log_metrics is False and callback.engine.log_metrics is False
+    assert not [key for key in trainer.callback_metrics if key.startswith("memopt/")]
+
+
 def test_retry_equals_unsplit_adamw_bf16(tmp_path):
     base = Net("adamw")
     fit(base, tmp_path=tmp_path, precision="bf16-mixed")
