@@ -1,6 +1,5 @@
-import multiprocessing
+import json
 import os
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from lightning_memopt.batching.inject import InjectedOOM, OOMInjector
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.memory import MemoryTracker
+from tests.distributed import run_ranks
 
 F32 = 4
 
@@ -195,14 +195,8 @@ def test_ranks_filter_outside_distributed_is_rank_zero():
         model(torch.ones(3, 2))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_worker(rank, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+def _rank_worker(out_dir):
+    rank = int(os.environ["RANK"])
     torch.distributed.init_process_group("gloo")
     model = torch.nn.Linear(2, 2)
     messages = []
@@ -214,22 +208,17 @@ def _rank_worker(rank, port, queue):
                 messages.append(str(error))
     flag = torch.tensor([injector.raised])
     torch.distributed.all_reduce(flag)  # both ranks are alive and in step afterwards
-    queue.put((rank, injector.raised, int(flag), ["GPU 1 " in m for m in messages]))
+    result = [rank, injector.raised, int(flag), ["GPU 1 " in m for m in messages]]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.timeout(60)
-def test_ranks_filter_with_two_gloo_processes():
-    ctx = multiprocessing.get_context("fork")  # CPU only: forking keeps torch imported, so this is fast
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(rank, port, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=50) for _ in procs)
-    for p in procs:
-        p.join(timeout=10)
-    assert [p.exitcode for p in procs] == [0, 0]
-    assert results == [(0, 0, 1, []), (1, 1, 1, [True])]
+@pytest.mark.timeout(120)
+def test_ranks_filter_with_two_gloo_processes(tmp_path):
+    run_ranks(f"{__name__}:_rank_worker", tmp_path, timeout=100)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results == [[0, 0, 1, []], [1, 1, 1, [True]]]
 
 
 def test_removal_on_error_and_reinstall():
