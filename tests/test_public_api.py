@@ -1,0 +1,51 @@
+"""The public names DESIGN.md fixes (code outside the project imports them) and what importing costs."""
+
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+
+import lightning_memopt
+
+
+def test_fixed_public_names_import_and_callbacks_need_no_arguments():
+    from lightning_memopt import (
+        AutoAccumulation,
+        AutoCheckpoint,
+        BatchNormToGroupNorm,
+        MemoryMonitor,
+        OOMBackoff,
+    )
+    from lightning_memopt.checkpointing import (  # noqa: F401
+        apply_checkpointing,
+        find_blocks,
+        plan_checkpointing,
+        remove_checkpointing,
+    )
+    from lightning_memopt.memory import MemoryTracker  # noqa: F401
+    from lightning_memopt.norm import convert_batchnorm  # noqa: F401
+
+    callbacks = [AutoCheckpoint, AutoAccumulation, OOMBackoff, BatchNormToGroupNorm, MemoryMonitor]
+    assert sorted(c.__name__ for c in callbacks) == sorted(lightning_memopt.__all__)
+    for cls in callbacks:
+        assert isinstance(cls(), pl.Callback)
+        assert cls.__module__ == lightning_memopt._CALLBACKS[cls.__name__]
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    try:
+        lightning_memopt.AutoCheckpointing  # noqa: B018
+    except AttributeError as error:
+        assert "has no attribute 'AutoCheckpointing'" in str(error)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def test_plain_torch_cores_do_not_import_lightning():
+    code = (
+        "import sys; import lightning_memopt.memory, lightning_memopt.norm, lightning_memopt.checkpointing, "
+        "lightning_memopt.batching.split, lightning_memopt.batching.sizing; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
