@@ -1,3 +1,5 @@
 """Lightning callbacks: thin adapters over the plain-torch cores."""
 
-__all__: list[str] = []
+from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
+
+__all__: list[str] = ["MemoryMonitor"]
