@@ -281,7 +281,10 @@ class MemoryTracker:
             entry.saved += 1
             self._moved(entry, before)
         self._update_peak()
-        return _Saved(t, keys, self)
+        # Detached: a tensor saved by its own grad_fn (an output) would otherwise hold its graph, which
+        # holds this object: a cycle through C++ that gc cannot see, leaking every graph that never ran
+        # backward (an attempt that ran out of memory).
+        return _Saved(t.detach(), keys, self)
 
     def _release(self, keys: list[int]) -> None:
         for key in keys:

@@ -1,0 +1,690 @@
+"""The micro-batch engine: one optimizer batch run as k micro-batches, with OOM retry on every rank.
+
+This is the one module of the package that touches Lightning's internals. It relies on exactly the
+names listed in :data:`LIGHTNING_SURFACE` (``tests/batching/test_engine.py`` checks them, so a Lightning
+upgrade that changes them fails loudly instead of training wrongly):
+
+- ``Strategy.training_step`` / ``backward`` / ``optimizer_step`` / ``validation_step`` / ``test_step`` /
+  ``predict_step`` are called by the loops through ``getattr(trainer.strategy, name)``, so the engine
+  installs instance attributes of the same names at fit start and deletes them at teardown.
+- Automatic optimization calls ``training_step`` → ``optimizer_zero_grad`` (first batch of an
+  accumulation window only) → ``backward`` → ``optimizer.step``, all inside the closure that
+  ``optimizer.step(closure)`` runs. Zero-grad comes AFTER training_step, so the engine zeroes gradients
+  itself before the micro-batches and turns the LightningModule's ``optimizer_zero_grad`` into a no-op
+  for the call that follows.
+- ``Precision.pre_backward`` / ``post_backward`` fire ``on_before_backward`` / ``on_after_backward``;
+  the engine calls only those for its step, once, with the full gradient in place. The strategy's own
+  ``pre_backward`` is skipped (DDP's reducer is not prepared a second time).
+- ``ParallelStrategy.block_backward_sync`` gives DDP's ``no_sync``; ``precision_plugin.scaler`` is the
+  GradScaler of ``16-mixed``.
+
+What one training step does (``_training_step``), top to bottom:
+
+1. Capture the step's start state (RNGs, buffers, torchmetrics, GradScaler) if OOM retry is on.
+2. Zero gradients; split the batch into micro-batches of ``micro_batch_size`` samples.
+3. For each micro-batch: the user's ``training_step`` (through the strategy, so DDP/FSDP forward and
+   autocast apply), its loss times its share of samples (or tokens), scaled by the GradScaler,
+   ``.backward()``. Logged values are recorded, not logged yet.
+4. Under DDP with OOM retry, every micro-batch ran under ``no_sync``; the ranks agree whether any ran
+   out of memory (one 8-byte all-reduce), then average gradients. Without retry, the last micro-batch
+   synchronizes gradients as DDP normally does (communication overlaps backward).
+5. On an out-of-memory error (anywhere in 3, on any rank): outside the ``except`` block, drop the
+   attempt's gradients, restore the start state, halve the micro-batch and run the batch again. At one
+   sample per micro-batch, every rank raises :class:`MicroBatchOOMError` (after agreeing, so no rank
+   waits).
+6. Log each recorded value once, as the sample-weighted mean over micro-batches (the full-batch value),
+   and return the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the
+   hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_memopt.batching.distributed import all_reduce_gradients, any_rank, is_distributed
+from lightning_memopt.batching.oom import is_out_of_memory
+from lightning_memopt.batching.split import batch_size, micro_batch_sizes, micro_batch_weights, split_batch
+from lightning_memopt.batching.state import StepState, drop_gradients
+from lightning_memopt.memory.device import device_memory
+from lightning_memopt.memory.units import format_bytes
+
+__all__ = ["LIGHTNING_SURFACE", "MicroBatchEngine", "MicroBatchOOMError"]
+
+#: The Lightning names this module relies on: (object, attribute). Checked by a test.
+LIGHTNING_SURFACE = (
+    (Strategy, "training_step"),
+    (Strategy, "backward"),
+    (Strategy, "optimizer_step"),
+    (Strategy, "validation_step"),
+    (Strategy, "test_step"),
+    (Strategy, "predict_step"),
+    (Strategy, "precision_plugin"),
+    (Strategy, "lightning_module"),
+    (Strategy, "model"),
+    (Strategy, "root_device"),
+    (ParallelStrategy, "block_backward_sync"),
+)
+
+_EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_CHECKLIST = """\
+What to do, cheapest first:
+  1. precision="bf16-mixed" (or "16-mixed") on the Trainer: activations take half the bytes.
+  2. lightning_memopt.AutoCheckpoint(): recompute activations in backward instead of keeping them.
+  3. lightning_memopt.BatchNormToGroupNorm(): small micro-batches make BatchNorm statistics noisy;
+     GroupNorm does not depend on the micro-batch size.
+  4. Shard parameters, gradients and optimizer state across devices with Lightning's
+     strategy="fsdp" or ModelParallelStrategy (FSDP2).
+  5. Offload activations to CPU memory (AutoCheckpoint(offload=True)).
+  6. A smaller model or shorter sequences: one sample does not fit as it is."""
+
+
+class MicroBatchOOMError(RuntimeError):
+    """Out of memory with one sample per micro-batch: splitting further cannot help.
+
+    A ``RuntimeError`` subclass on purpose: :func:`~lightning_memopt.batching.oom.is_out_of_memory` never
+    takes it for an allocator error, so nothing retries it again.
+    """
+
+
+class MicroBatchEngine:
+    """Runs each optimizer batch as micro-batches; shared by ``AutoAccumulation`` and ``OOMBackoff``.
+
+    One engine per Trainer (:meth:`for_trainer`); each callback sets the options it owns and calls
+    :meth:`install` / :meth:`uninstall`, which are counted, so two callbacks never wrap twice.
+
+    Attributes:
+        micro_batch_size: Samples per training micro-batch; None runs the whole batch at once.
+        eval_micro_batch_size: Samples per validation/test/predict micro-batch; None = whole batch.
+        retry_on_oom: Catch out-of-memory errors, restore the step and retry with half the size.
+        grow_after: After this many clean steps at a reduced size, try a larger one (None: never).
+        count_fn: ``count_fn(micro_batch) -> number`` of loss elements (e.g. non-padding tokens) for
+            losses that are a mean over something other than samples; None weighs by samples.
+        split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut.
+        log_metrics: Log ``memopt/*`` keys from the training step.
+    """
+
+    def __init__(self) -> None:
+        self.micro_batch_size: int | None = None
+        self.eval_micro_batch_size: int | None = None
+        self.retry_on_oom = False
+        self.grow_after: int | None = None
+        self.count_fn: Callable[[Any], float] | None = None
+        self.split_fn: Callable[[Any, list[int]], list[Any]] | None = None
+        self.log_metrics = False
+        # what happened (read by the callbacks and tests)
+        self.num_micro_batches = 1
+        self.oom_retries = 0
+        self.eval_oom_retries = 0
+        self.clean_steps = 0
+        self.max_micro_batch_size: int | None = None  # cap when growing back (the size we started at)
+        self.smallest_failed_size: int | None = None
+        self.last_failure: str | None = None
+        # machinery
+        self._trainer: Any = None
+        self._installs = 0
+        self._originals: dict[str, Any] = {}
+        self._zero_grad_patched = False
+        self._skip_zero_grad = False
+        self._pending_backward = False
+        self._state: StepState | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def for_trainer(cls, trainer: Any) -> MicroBatchEngine:
+        """The engine of ``trainer``, created on first use (both callbacks share it)."""
+        engine = _ENGINES.get(trainer)
+        if engine is None:
+            engine = _ENGINES[trainer] = cls()
+        return engine
+
+    def check(self, trainer: Any, pl_module: Any) -> None:
+        """Refuse set-ups the engine cannot run exactly.
+
+        Raises:
+            MisconfigurationException: Manual optimization, DeepSpeed, or ``accumulate_grad_batches > 1``.
+        """
+        if not pl_module.automatic_optimization:
+            raise MisconfigurationException(
+                "micro-batching needs automatic optimization, but the LightningModule sets "
+                "`automatic_optimization = False`; split the batch inside your own training_step "
+                "(lightning_memopt.batching.split_batch) or remove AutoAccumulation/OOMBackoff"
+            )
+        if "deepspeed" in type(trainer.strategy).__name__.lower():
+            raise MisconfigurationException(
+                f"micro-batching does not work with {type(trainer.strategy).__name__}: DeepSpeed owns gradient "
+                "accumulation; use its `train_micro_batch_size_per_gpu` config instead of AutoAccumulation/OOMBackoff"
+            )
+        self._check_accumulation(trainer)
+
+    def _check_accumulation(self, trainer: Any) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} with micro-batching: the engine "
+                "already accumulates within each batch. Make the DataLoader batch the optimizer batch "
+                f"(batch_size * {trainer.accumulate_grad_batches}) and set accumulate_grad_batches=1 "
+                "(and no GradientAccumulationScheduler); the effective batch stays the same and the "
+                "engine picks how many micro-batches to run"
+            )
+
+    def install(self, trainer: Any) -> None:
+        """Wrap the strategy's step methods (counted: the second install of a trainer is a no-op)."""
+        if self._installs and self._trainer is not trainer:
+            raise RuntimeError("a MicroBatchEngine serves one Trainer; use MicroBatchEngine.for_trainer")
+        self._installs += 1
+        if self._installs > 1:
+            return
+        self._trainer = trainer
+        strategy = trainer.strategy
+        wrappers = {
+            "training_step": self._training_step,
+            "backward": self._backward,
+            "optimizer_step": self._optimizer_step,
+        }
+        for hook in _EVAL_HOOKS:
+            wrappers[hook] = self._make_eval_step(hook)
+        for name, wrapper in wrappers.items():
+            if name in vars(strategy):
+                raise RuntimeError(
+                    f"strategy.{name} is already replaced on the instance; cannot wrap it twice"
+                )
+            self._originals[name] = getattr(strategy, name)
+            setattr(strategy, name, wrapper)
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install` when the last user calls it."""
+        if self._installs == 0:
+            return
+        self._installs -= 1
+        if self._installs:
+            return
+        strategy = self._trainer.strategy
+        for name in self._originals:
+            vars(strategy).pop(name, None)
+        self._originals.clear()
+        module = self._trainer.lightning_module
+        if module is not None and self._zero_grad_patched:
+            vars(module).pop("optimizer_zero_grad", None)
+        self._zero_grad_patched = False
+        self._state = None
+
+    @property
+    def installed(self) -> bool:
+        return self._installs > 0
+
+    # ------------------------------------------------------------------ training
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer
+        module = trainer.lightning_module
+        self._check_accumulation(trainer)  # a GradientAccumulationScheduler may change it mid-fit
+        batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        total = self._batch_size(batch, module)
+        own_state = self.retry_on_oom and self._state is None  # not inside our optimizer_step wrapper
+        if own_state:
+            self._state = self._capture(module)
+        step_retries = 0
+        while True:
+            size = min(self.micro_batch_size or total, total)
+            self._zero_grad(module, batch_idx)
+            failure: str | None = None
+            try:
+                result = self._run_micro_batches(batch, args[1:], kwargs, total, size)
+            except BaseException as error:
+                if not (self.retry_on_oom and is_out_of_memory(error)):
+                    raise
+                failure = f"{type(error).__name__}: {error}"
+                self.last_failure = failure + "\n" + self._memory_report(module)
+            # Outside the except block: the traceback, and the attempt's tensors its frames hold, are gone.
+            if self.retry_on_oom and self._agreement_needed():
+                failed = any_rank(failure is not None, self._device())
+            else:
+                failed = failure is not None
+            if not failed:
+                break
+            result = None
+            self._recover(module, size, total)
+            step_retries += 1
+        loss, extras, recorder = result
+        if self.retry_on_oom and self._agreement_needed():
+            all_reduce_gradients(p for p in trainer.strategy.model.parameters())
+        if own_state:
+            self._state = None
+        self._after_clean_step(step_retries, total)
+        recorder.flush()
+        if self.log_metrics:
+            self._log_engine_metrics(recorder.original_log)
+        self._pending_backward = True
+        loss = loss.requires_grad_(True)  # a fresh leaf: Lightning's backward call only fires the hooks
+        return loss if extras is None else {**extras, "loss": loss}
+
+    def _run_micro_batches(
+        self, batch: Any, rest: tuple, kwargs: dict, total: int, size: int
+    ) -> tuple[torch.Tensor, dict | None, _LogRecorder]:
+        trainer = self._trainer
+        strategy = trainer.strategy
+        module = trainer.lightning_module
+        sizes = micro_batch_sizes(total, size)
+        parts = split_batch(batch, sizes, split_fn=self._split_fn(module))
+        weights = micro_batch_weights(parts, sizes, self.count_fn)
+        scaler = getattr(strategy.precision_plugin, "scaler", None)
+        self.num_micro_batches = len(parts)
+        agree = self.retry_on_oom and self._agreement_needed()
+        ddp = _ddp_module(strategy)
+        full_loss: torch.Tensor | None = None
+        extras: dict | None = None
+        with _LogRecorder(module) as recorder:
+            for i, (part, weight) in enumerate(zip(parts, weights)):
+                last = i == len(parts) - 1
+                # Gradients synchronize in the last micro-batch's backward, unless the ranks must first
+                # agree that nobody ran out of memory (then they are averaged after the agreement).
+                sync = contextlib.nullcontext() if last and not agree else _no_sync(strategy)
+                recorder.weight = weight
+                _buffer_broadcast(ddp, on=i == 0)
+                with sync:
+                    out = self._originals["training_step"](part, *rest, **kwargs)
+                    loss = _loss_of(out)
+                    scaled = loss * weight
+                    if scaler is not None:
+                        scaled = scaler.scale(scaled)
+                    scaled.backward()
+                part_loss = loss.detach().float() * weight
+                full_loss = part_loss if full_loss is None else full_loss + part_loss
+                if isinstance(out, Mapping):
+                    extras = {k: _detach(v) for k, v in out.items() if k != "loss"}
+                del out, loss, scaled
+        assert full_loss is not None
+        return full_loss, extras, recorder
+
+    def _backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if not self._pending_backward:
+            return self._originals["backward"](closure_loss, optimizer, *args, **kwargs)
+        self._pending_backward = False
+        # The gradients are already there; fire on_before_backward/on_after_backward once, as Lightning would.
+        strategy = self._trainer.strategy
+        module = strategy.lightning_module
+        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, module)
+        return strategy.precision_plugin.post_backward(closure_loss, module)
+
+    def _optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        original = self._originals["optimizer_step"]
+        if not self.retry_on_oom:
+            return original(optimizer, closure, model, **kwargs)
+        module = self._trainer.lightning_module
+        self._state = self._capture(module)
+        try:
+            while True:
+                failure: str | None = None
+                try:
+                    return original(optimizer, closure, model, **kwargs)
+                except BaseException as error:
+                    if not is_out_of_memory(error):
+                        raise
+                    failure = f"{type(error).__name__}: {error}"
+                    self.last_failure = failure + "\n" + self._memory_report(module)
+                # Out of memory after the micro-batches (optimizer step, clipping, on_before_optimizer_step).
+                if is_distributed():
+                    # The other ranks may already have updated their weights; nothing can make the ranks
+                    # equal again, so stop with an explanation instead of training on diverged replicas.
+                    raise MicroBatchOOMError(
+                        "out of memory in the optimizer step on this rank under a distributed strategy; "
+                        "the other ranks may have stepped already, so the step cannot be retried.\n"
+                        f"{self.last_failure}\n{_CHECKLIST}"
+                    )
+                total = self._last_total or 1
+                size = min(self.micro_batch_size or total, total)
+                self._recover(module, size, total)
+        finally:
+            self._state = None
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, module: Any, size: int, total: int) -> None:
+        """Drop the failed attempt, restore the step's start, and pick a smaller micro-batch."""
+        drop_gradients([self._trainer.strategy.model])
+        if self._state is not None:
+            self._state.restore()
+        memory = self._device_memory()
+        if memory is not None:
+            memory.empty_cache()
+        self.oom_retries += 1
+        self.clean_steps = 0
+        self.smallest_failed_size = min(self.smallest_failed_size or size, size)
+        if size <= 1:
+            raise MicroBatchOOMError(
+                "out of memory with one sample per micro-batch; splitting the batch further cannot help.\n"
+                f"{self.last_failure}\n{_CHECKLIST}"
+            )
+        if self.max_micro_batch_size is None:
+            self.max_micro_batch_size = self.micro_batch_size or total
+        self.micro_batch_size = math.ceil(size / 2)
+
+    def _after_clean_step(self, step_retries: int, total: int) -> None:
+        self._last_total = total
+        if step_retries:
+            return
+        self.clean_steps += 1
+        if self.grow_after is None or self.clean_steps < self.grow_after or self.micro_batch_size is None:
+            return
+        cap = min(self.max_micro_batch_size or total, total)
+        if self.smallest_failed_size is not None:
+            cap = min(cap, self.smallest_failed_size - 1)
+        grown = min(self.micro_batch_size * 2, cap)
+        if grown > self.micro_batch_size:
+            self.micro_batch_size = grown
+        self.clean_steps = 0
+
+    _last_total: int | None = None
+
+    def _capture(self, module: Any) -> StepState:
+        scaler = getattr(self._trainer.strategy.precision_plugin, "scaler", None)
+        return StepState.capture([module], scaler)
+
+    def _zero_grad(self, module: Any, batch_idx: int) -> None:
+        """Zero gradients through the module's own hook, and skip the zero-grad Lightning calls next."""
+        trainer = self._trainer
+        if not self._zero_grad_patched:
+            engine = self
+
+            def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
+                if engine._skip_zero_grad:
+                    engine._skip_zero_grad = False
+                    return None
+                return type(module).optimizer_zero_grad(module, *args, **kwargs)
+
+            module.optimizer_zero_grad = optimizer_zero_grad
+            self._zero_grad_patched = True
+        for optimizer in trainer.optimizers:
+            type(module).optimizer_zero_grad(module, trainer.current_epoch, batch_idx, optimizer)
+        self._skip_zero_grad = True
+
+    # ------------------------------------------------------------------ evaluation
+    def _make_eval_step(self, hook: str) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return self._eval_step(hook, *args, **kwargs)
+
+        return step
+
+    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        original = self._originals[hook]
+        if self.eval_micro_batch_size is None and not self.retry_on_oom:
+            return original(*args, **kwargs)
+        module = self._trainer.lightning_module
+        batch = args[0]
+        total = self._batch_size(batch, module)
+        while True:
+            size = min(self.eval_micro_batch_size or total, total)
+            failure: str | None = None
+            try:
+                output = self._run_eval(original, batch, args[1:], kwargs, total, size)
+            except BaseException as error:
+                if not (self.retry_on_oom and is_out_of_memory(error)):
+                    raise
+                failure = f"{type(error).__name__}: {error}"
+            failed = (
+                any_rank(failure is not None, self._device()) if self._agreement_needed() else bool(failure)
+            )
+            if not failed:
+                return output
+            output = None
+            memory = self._device_memory()
+            if memory is not None:
+                memory.empty_cache()
+            self.eval_oom_retries += 1
+            if size <= 1:
+                raise MicroBatchOOMError(
+                    f"out of memory in {hook} with one sample per micro-batch.\n{failure or 'on another rank'}\n"
+                    f"{_CHECKLIST}"
+                )
+            self.eval_micro_batch_size = math.ceil(size / 2)
+
+    def _run_eval(
+        self, original: Callable, batch: Any, rest: tuple, kwargs: dict, total: int, size: int
+    ) -> Any:
+        module = self._trainer.lightning_module
+        sizes = micro_batch_sizes(total, size)
+        if len(sizes) == 1:
+            return original(batch, *rest, **kwargs)
+        parts = split_batch(batch, sizes, split_fn=self._split_fn(module))
+        weights = micro_batch_weights(parts, sizes, self.count_fn)
+        outputs = []
+        with _LogRecorder(module) as recorder:
+            for part, weight in zip(parts, weights):
+                recorder.weight = weight
+                outputs.append(original(part, *rest, **kwargs))
+        recorder.flush()
+        return _combine(outputs, sizes, weights)
+
+    # ------------------------------------------------------------------ probing
+    def probe(self, batch: Any, size: int, *, tracker: Any = None, evaluation: bool = False) -> int | None:
+        """Run one forward and backward of ``size`` samples of ``batch``; leave every state as it was.
+
+        Weights are not touched (no optimizer step), gradients are dropped, and buffers, torchmetrics
+        states and RNGs are restored, so probing changes nothing a later step could see.
+
+        Args:
+            batch: A batch of at least ``size`` samples.
+            size: Samples to run.
+            tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure with (CPU and other
+                devices); None measures the CUDA allocator.
+            evaluation: Run the evaluation form: ``validation_step`` under ``no_grad``, no backward.
+
+        Returns:
+            The peak bytes of the probe, or None if it ran out of memory.
+        """
+        trainer = self._trainer
+        strategy = trainer.strategy
+        module = trainer.lightning_module
+        total = self._batch_size(batch, module)
+        part = (
+            split_batch(batch, [size, total - size], split_fn=self._split_fn(module))[0]
+            if size < total
+            else batch
+        )
+        memory = self._device_memory(tracker)
+        state = self._capture(module)
+        grads = [(p, p.grad) for p in strategy.model.parameters()]
+        for p, _ in grads:
+            p.grad = None
+        was_training = module.training
+        peak: int | None = None
+        with contextlib.ExitStack() as stack:
+            if tracker is not None:
+                stack.enter_context(tracker)
+            memory.reset_peak()
+            failed = False
+            try:
+                with _LogRecorder(module), _no_sync(strategy):
+                    if evaluation:
+                        module.eval()
+                        with torch.no_grad():
+                            self._originals["validation_step"](part, 0)
+                    else:
+                        out = self._originals["training_step"](part, 0)
+                        _loss_of(out).backward()
+                        del out
+            except BaseException as error:
+                if not is_out_of_memory(error):
+                    raise
+                failed = True
+            if not failed:
+                peak = memory.peak()
+        module.train(was_training)
+        for p, grad in grads:  # gradients as they were (None at fit start)
+            p.grad = grad
+        state.restore()
+        memory.empty_cache()
+        return peak
+
+    # ------------------------------------------------------------------ helpers
+    def _batch_size(self, batch: Any, module: Any) -> int:
+        try:
+            return batch_size(batch)
+        except (TypeError, ValueError):
+            if self._split_fn(module) is None:
+                raise
+            return len(batch)
+
+    def _split_fn(self, module: Any) -> Callable | None:
+        if self.split_fn is not None:
+            return self.split_fn
+        hook = getattr(module, "split_batch", None)
+        return hook if callable(hook) else None
+
+    def _agreement_needed(self) -> bool:
+        return is_distributed()
+
+    def _device(self) -> torch.device:
+        return self._trainer.strategy.root_device
+
+    def _device_memory(self, tracker: Any = None) -> Any:
+        device = self._device()
+        if device.type == "cuda":
+            return device_memory(device)
+        if tracker is not None:
+            return device_memory(device, tracker=tracker)
+        return None
+
+    def _memory_report(self, module: Any) -> str:
+        """Bytes of the failed step by category, as far as they can be known without a tracker."""
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+        opt_state = 0
+        for optimizer in self._trainer.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        opt_state += value.numel() * value.element_size()
+        lines = [
+            f"Memory of the failed step (micro-batch size {self.micro_batch_size or 'whole batch'}):",
+            f"  parameters       {format_bytes(params)}",
+            f"  buffers          {format_bytes(buffers)}",
+            f"  gradients        {format_bytes(grads)}",
+            f"  optimizer state  {format_bytes(opt_state)}",
+        ]
+        memory = self._device_memory()
+        if memory is not None:
+            peak = memory.peak()
+            rest = peak - params - buffers - grads - opt_state
+            lines += [
+                f"  activations and temporaries (peak minus the above)  {format_bytes(max(rest, 0))}",
+                f"  device peak {format_bytes(peak)} of capacity {format_bytes(memory.capacity() or 0)}",
+            ]
+        return "\n".join(lines)
+
+    def _log_engine_metrics(self, log: Callable[..., Any]) -> None:
+        for name, value in (
+            ("memopt/micro_batch_size", self.micro_batch_size or self._last_total or 0),
+            ("memopt/num_micro_batches", self.num_micro_batches),
+            ("memopt/oom_retries", self.oom_retries),
+        ):
+            log(name, float(value), on_step=True, on_epoch=False, batch_size=1)
+
+
+# ---------------------------------------------------------------------- module-level helpers
+class _LogRecorder:
+    """Holds back ``self.log`` calls of the micro-batches; logs each name once, as the weighted mean."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.weight = 1.0
+        self.original_log = module.log
+        self._records: dict[str, list] = {}
+
+    def __enter__(self) -> _LogRecorder:
+        recorder = self
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            recorder._records.setdefault(name, []).append((value, recorder.weight, args, kwargs))
+
+        self.module.log = log
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        vars(self.module).pop("log", None)
+
+    def flush(self) -> None:
+        for name, records in self._records.items():
+            value, _, args, kwargs = records[-1]
+            numeric = [
+                r
+                for r in records
+                if isinstance(r[0], (torch.Tensor, int, float)) and not isinstance(r[0], bool)
+            ]
+            if len(numeric) == len(records):
+                weight = sum(r[1] for r in records)
+                mean = sum(_as_tensor(r[0]).detach().float() * r[1] for r in records) / weight
+                value = mean if isinstance(records[-1][0], torch.Tensor) else float(mean)
+                if "batch_size" in kwargs:  # the user counted a micro-batch; the step counts them all
+                    kwargs = {**kwargs, "batch_size": sum(r[3].get("batch_size", 0) for r in records)}
+            self.original_log(name, value, *args, **kwargs)
+        self._records.clear()
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise MisconfigurationException(
+        f"with micro-batching, training_step must return the loss tensor or a dict with a 'loss' tensor, got "
+        f"{type(output).__name__}; returning None to skip a step cannot skip one micro-batch of it"
+    )
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _combine(outputs: list[Any], sizes: list[int], weights: list[float]) -> Any:
+    """One evaluation output from the micro-batches': per-sample tensors joined, scalars averaged."""
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        if first.dim() > 0 and all(o.dim() > 0 and o.shape[0] == s for o, s in zip(outputs, sizes)):
+            return torch.cat(outputs)
+        if first.dim() == 0:
+            return sum(o.float() * w for o, w in zip(outputs, weights))
+        return outputs[-1]
+    if isinstance(first, Mapping):
+        return type(first)({k: _combine([o[k] for o in outputs], sizes, weights) for k in first})
+    if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
+        return type(first)(_combine(list(items), sizes, weights) for items in zip(*outputs))
+    return outputs[-1]
+
+
+def _ddp_module(strategy: Any) -> Any:
+    model = strategy.model
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+def _no_sync(strategy: Any) -> contextlib.AbstractContextManager:
+    if isinstance(strategy, ParallelStrategy):
+        return strategy.block_backward_sync()
+    return contextlib.nullcontext()
+
+
+def _buffer_broadcast(ddp: Any, on: bool) -> None:
+    """Whether DDP's next forward broadcasts rank 0's buffers. The first micro-batch of a step does, as an
+    unsplit DDP forward would; later ones do not (DDP itself stops after a ``no_sync`` forward, and a
+    broadcast in a later micro-batch would be a collective that a rank which ran out of memory never
+    reaches)."""
+    if ddp is not None:
+        ddp.require_forward_param_sync = on

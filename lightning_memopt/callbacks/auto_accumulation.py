@@ -1,0 +1,216 @@
+"""AutoAccumulation: the largest micro-batch that fits, with the effective batch unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_memopt.batching.distributed import max_over_ranks, min_over_ranks
+from lightning_memopt.batching.engine import MicroBatchEngine
+from lightning_memopt.memory.device import device_memory
+from lightning_memopt.memory.tracker import MemoryTracker
+from lightning_memopt.memory.units import parse_bytes
+
+__all__ = ["AutoAccumulation"]
+
+_FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
+
+
+class AutoAccumulation(Callback):
+    """Run each DataLoader batch as the fewest micro-batches that fit, accumulating to the same update.
+
+    The DataLoader batch is the optimizer batch (the effective batch never changes, unlike Lightning's
+    ``BatchSizeFinder``). Before the first step, a few probe steps (forward and backward of one
+    micro-batch, nothing else changed: no weight update, gradients dropped, BatchNorm statistics,
+    torchmetrics states and RNGs restored) measure peak memory at two sizes, fit a line to predict the
+    largest size that fits ``capacity * (1 - headroom)``, verify it with one more probe and fall back to
+    bisection when a prediction misses. Under DDP/FSDP every rank probes and all use the smallest size
+    found. The size is saved in the checkpoint: a resumed run does not probe again.
+
+    Each micro-batch's loss is weighted by its share of the batch's samples (or of ``count_fn``'s
+    counts, e.g. non-padding tokens), so the accumulated gradient is the full batch's, an uneven last
+    micro-batch included. Values logged with ``self.log`` in ``training_step`` are logged once per step,
+    as the weighted mean over micro-batches (the full-batch value).
+
+    Args:
+        micro_batch_size: A fixed training micro-batch size; skips probing. Default None: probe.
+        eval_micro_batch_size: Samples per validation/test/predict micro-batch. Default None: the whole
+            batch (evaluation keeps no activations for backward, so it usually fits whole).
+        max_memory: The memory the step may use, in bytes or a string like ``"6GiB"``. Default None: the
+            CUDA device's capacity. Required to probe on CPU (there is no device limit to ask); without
+            it the CPU run is not split.
+        headroom: Fraction of ``max_memory`` kept free for what probes cannot see (optimizer state
+            created by the first step, fragmentation, longer sequences). Default 0.1.
+        max_probes: Most probe steps to spend. Default 6.
+        count_fn: ``count_fn(micro_batch) -> number`` of elements the loss averages over, for losses that
+            are not a mean over samples (token-mean language-model losses). Default None: samples.
+        split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut
+            (a LightningModule method ``split_batch(self, batch, sizes)`` works too). Default None.
+        log: Log ``memopt/micro_batch_size``, ``memopt/num_micro_batches`` and ``memopt/oom_retries`` per
+            step. Default True.
+
+    Attributes:
+        probes: ``(size, peak bytes or None)`` of each probe step this fit ran (empty on resume).
+
+    Raises:
+        ValueError: For a bad argument (see the message).
+        MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
+            ``accumulate_grad_batches > 1``.
+
+    Example::
+
+        >>> from lightning_memopt import AutoAccumulation
+        >>> trainer = pl.Trainer(callbacks=[AutoAccumulation(max_memory="6GiB")], logger=False)
+    """
+
+    splits_batches = True  # read (duck-typed) by BatchNormToGroupNorm
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int | None = None,
+        eval_micro_batch_size: int | None = None,
+        max_memory: int | str | None = None,
+        headroom: float = 0.1,
+        max_probes: int = 6,
+        count_fn: Callable[[Any], float] | None = None,
+        split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
+        log: bool = True,
+    ) -> None:
+        for name, value in (
+            ("micro_batch_size", micro_batch_size),
+            ("eval_micro_batch_size", eval_micro_batch_size),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"{name} must be a positive int or None (to probe / run whole), got {value!r}"
+                )
+        if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 0 <= headroom < 1:
+            raise ValueError(
+                f"headroom must be a fraction in [0, 1), got {headroom!r}; e.g. 0.1 keeps 10% free"
+            )
+        if isinstance(max_probes, bool) or not isinstance(max_probes, int) or max_probes < 3:
+            raise ValueError(
+                f"max_probes must be an int >= 3 (two to fit, one to verify), got {max_probes!r}"
+            )
+        self.max_memory = parse_bytes(max_memory, name="max_memory") if max_memory is not None else None
+        self.headroom = float(headroom)
+        self.max_probes = max_probes
+        self.count_fn = count_fn
+        self.split_fn = split_fn
+        self.log = log
+        self.probes: list[tuple[int, int | None]] = []
+        self._fixed = micro_batch_size
+        self._sizes: dict[str, Any] = {
+            "micro_batch_size": micro_batch_size,
+            "eval_micro_batch_size": eval_micro_batch_size,
+            "probed": micro_batch_size is not None,
+        }
+        self._engine: MicroBatchEngine | None = None
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per training micro-batch; None runs the whole batch (before probing, or unsplit)."""
+        if self._engine is not None:
+            return self._engine.micro_batch_size
+        return self._sizes["micro_batch_size"]
+
+    @property
+    def engine(self) -> MicroBatchEngine | None:
+        """The engine this callback drives (set in ``setup``)."""
+        return self._engine
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        engine = MicroBatchEngine.for_trainer(trainer)
+        if stage == "fit":
+            engine.check(trainer, pl_module)
+        engine.count_fn = self.count_fn
+        engine.split_fn = self.split_fn
+        engine.log_metrics = engine.log_metrics or self.log
+        engine.install(trainer)
+        self._engine = engine
+        self._apply_sizes()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.uninstall()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._sizes["probed"] or self._engine is None:
+            return
+        self._sizes["probed"] = True
+        capacity = self._capacity(trainer)
+        if capacity is None:
+            return
+        size = self._find_size(trainer, pl_module, batch, capacity)
+        self._sizes["micro_batch_size"] = size
+        self._apply_sizes()
+
+    def _capacity(self, trainer: pl.Trainer) -> int | None:
+        device = trainer.strategy.root_device
+        if self.max_memory is not None:
+            total = self.max_memory
+        elif device.type == "cuda":
+            total = device_memory(device).capacity()
+        else:
+            rank_zero_warn(
+                f"AutoAccumulation cannot ask a {device.type!r} device how much memory it has; pass "
+                "max_memory= (e.g. '6GiB') to pick a micro-batch size. Running whole batches."
+            )
+            return None
+        return int(total * (1 - self.headroom))
+
+    def _find_size(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, capacity: int
+    ) -> int:
+        from lightning_memopt.batching.sizing import find_micro_batch_size
+
+        engine = self._engine
+        assert engine is not None
+        device = trainer.strategy.root_device
+        max_size = min_over_ranks(engine._batch_size(batch, pl_module), device)
+
+        def probe(size: int) -> int | None:
+            tracker = None
+            if device.type != "cuda":
+                tracker = MemoryTracker(trainer.strategy.model, trainer.optimizers)
+            peak = engine.probe(batch, size, tracker=tracker)
+            # Every rank sees the largest peak of all ranks (a rank that ran out of memory reports "too
+            # much"), so the search takes the same path on every rank: one 8-byte collective per probe.
+            agreed = max_over_ranks(_FAILED if peak is None else peak, device)
+            self.probes.append((size, None if agreed == _FAILED else agreed))
+            return None if agreed == _FAILED else agreed
+
+        result = find_micro_batch_size(
+            probe, max_size=max_size, capacity=capacity, max_probes=self.max_probes
+        )
+        return int(result.size)
+
+    def _apply_sizes(self) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        engine.eval_micro_batch_size = self._sizes["eval_micro_batch_size"]
+        if engine.smallest_failed_size is not None:
+            return  # OOMBackoff restored a size it backed off to; that one is current
+        engine.micro_batch_size = self._sizes["micro_batch_size"]
+        engine.max_micro_batch_size = self._sizes["micro_batch_size"]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._sizes)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._sizes.update(state_dict)
+        self._apply_sizes()

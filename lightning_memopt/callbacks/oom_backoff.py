@@ -1,0 +1,128 @@
+"""OOMBackoff: retry a step that ran out of memory with more, smaller micro-batches, on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_memopt.batching.engine import MicroBatchEngine
+
+__all__ = ["OOMBackoff"]
+
+
+class OOMBackoff(Callback):
+    """Catch out-of-memory errors in a step, restore the step's start, split the batch further and retry.
+
+    The DataLoader batch stays the optimizer batch: a step that runs out of memory (forward, backward or
+    optimizer step; on any rank) is thrown away — its gradients dropped, BatchNorm statistics,
+    torchmetrics states, RNGs and the GradScaler put back as they were at the step's start — and the
+    same batch runs again as twice as many micro-batches, whose gradients accumulate to the same update.
+    Under DDP every rank retries with the same size (the ranks agree with one 8-byte all-reduce per
+    step), so no rank waits in a collective that another will never reach. Validation, test and predict
+    steps halve their own micro-batch likewise. At one sample per micro-batch it raises
+    :class:`~lightning_memopt.batching.engine.MicroBatchOOMError` with the step's memory breakdown and a
+    checklist of what to do.
+
+    Works with :class:`~lightning_memopt.AutoAccumulation` (which picks the starting size; both share one
+    engine) or alone (starting from the whole batch).
+
+    Only out-of-memory errors are caught (``torch.OutOfMemoryError`` and the device and CPU allocators'
+    messages, see :func:`~lightning_memopt.batching.oom.is_out_of_memory`); any other error propagates.
+
+    Args:
+        grow_after: After this many steps in a row without an out-of-memory error at a reduced size, try
+            twice the size again (never above the starting size, nor up to a size that already failed).
+            Default None: never grow back.
+        log: Log the keys below from the training step. Default True.
+
+    Logged keys (per step, ``on_step=True``):
+
+    ==========================  ====================================================================
+    ``memopt/micro_batch_size``  samples per micro-batch of this step
+    ``memopt/num_micro_batches`` micro-batches this step ran as
+    ``memopt/oom_retries``       out-of-memory retries since the fit started (cumulative count)
+    ==========================  ====================================================================
+
+    Raises:
+        ValueError: If ``grow_after`` is not a positive int.
+        MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
+            ``accumulate_grad_batches > 1`` (make the DataLoader batch the optimizer batch instead).
+
+    Example::
+
+        >>> from lightning_memopt import OOMBackoff
+        >>> trainer = pl.Trainer(callbacks=[OOMBackoff(grow_after=100)], logger=False)
+    """
+
+    splits_batches = True  # read (duck-typed) by BatchNormToGroupNorm
+
+    def __init__(self, *, grow_after: int | None = None, log: bool = True) -> None:
+        if grow_after is not None and (
+            isinstance(grow_after, bool) or not isinstance(grow_after, int) or grow_after < 1
+        ):
+            raise ValueError(
+                f"grow_after must be a positive int (clean steps before trying a larger micro-batch) or None, "
+                f"got {grow_after!r}"
+            )
+        self.grow_after = grow_after
+        self.log = log
+        self._engine: MicroBatchEngine | None = None
+        self._loaded: dict[str, Any] = {}
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per training micro-batch now; None runs the whole batch."""
+        return (
+            self._engine.micro_batch_size
+            if self._engine is not None
+            else self._loaded.get("micro_batch_size")
+        )
+
+    @property
+    def engine(self) -> MicroBatchEngine | None:
+        """The engine this callback drives (set in ``setup``)."""
+        return self._engine
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        engine = MicroBatchEngine.for_trainer(trainer)
+        if stage == "fit":
+            engine.check(trainer, pl_module)
+        engine.retry_on_oom = True
+        engine.grow_after = self.grow_after
+        engine.log_metrics = engine.log_metrics or self.log
+        engine.install(trainer)
+        self._engine = engine
+        self._apply_loaded()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.uninstall()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        engine = self._engine
+        if engine is None:
+            return dict(self._loaded)
+        return {
+            "micro_batch_size": engine.micro_batch_size,
+            "eval_micro_batch_size": engine.eval_micro_batch_size,
+            "max_micro_batch_size": engine.max_micro_batch_size,
+            "smallest_failed_size": engine.smallest_failed_size,
+            "oom_retries": engine.oom_retries,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = dict(state_dict)
+        self._apply_loaded()
+
+    def _apply_loaded(self) -> None:
+        if self._engine is None or not self._loaded:
+            return
+        for key, value in self._loaded.items():
+            setattr(self._engine, key, value)

@@ -1,0 +1,128 @@
+"""Tiny Lightning modules and runners shared by the engine's tests."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def dataset(n: int = 40, features: int = 8, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class Net(pl.LightningModule):
+    """A two-layer MLP; with ``batchnorm``/``dropout`` it is not deterministic per sample any more."""
+
+    def __init__(self, optimizer: str = "sgd", batchnorm: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers: list[torch.nn.Module] = [torch.nn.Linear(8, 16)]
+        if batchnorm:
+            layers.append(torch.nn.BatchNorm1d(16))
+        layers += [torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1)]
+        self.net = torch.nn.Sequential(*layers)
+        self.optimizer = optimizer
+        self.events: list[str] = []
+        self.step_losses: list[float] = []
+        self.logged_losses: list[float] = []
+        self.seen_sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen_sizes.append(len(x))
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def on_before_backward(self, loss):
+        self.events.append("before_backward")
+
+    def on_after_backward(self):
+        self.events.append("after_backward")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.step_losses.append(float(outputs["loss"]))
+        self.logged_losses.append(float(self.trainer.callback_metrics["train_loss_step"]))
+
+    def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def fit(model: pl.LightningModule, callbacks=(), *, steps: int = 4, batch: int = 10, tmp_path=None, **kwargs):
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+    trainer.fit(model, DataLoader(dataset(), batch_size=batch, shuffle=False))
+    return trainer
+
+
+def assert_params_close(a: torch.nn.Module, b: torch.nn.Module, rel: float) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        err = ((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
+        assert err <= rel, f"{name}: relative difference {err:.3g} > {rel}"
+
+
+def oom(where: str) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate 2.00 MiB (test injection in {where})"
+    )
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, raise_now):
+        ctx.raise_now = raise_now
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.raise_now:
+            raise oom("backward")
+        return grad, None
+
+
+class CapSize(torch.nn.Module):
+    """Identity that runs out of memory (in ``phase``) when it sees more than ``max_size`` samples."""
+
+    def __init__(self, max_size: int, phase: str = "forward", ranks=None) -> None:
+        super().__init__()
+        self.max_size, self.phase, self.ranks = max_size, phase, ranks
+        self.raised = 0
+
+    def _active(self, x: torch.Tensor) -> bool:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return self.training and x.shape[0] > self.max_size and (self.ranks is None or rank in self.ranks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        active = self._active(x)
+        if active:
+            self.raised += 1
+        if active and self.phase == "forward":
+            raise oom("forward")
+        return _RaiseInBackward.apply(x, active and self.phase == "backward")
