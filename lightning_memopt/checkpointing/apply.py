@@ -1,0 +1,235 @@
+"""Apply a checkpointing plan to blocks, and take it off again.
+
+A block is never replaced by a wrapper module: its *instance* gets a ``forward`` attribute that runs the
+class's forward under the chosen treatment, and the original is kept to restore. The module tree,
+parameter names and ``state_dict`` keys stay exactly those of the bare model, and hooks registered on
+the block (FSDP2's all-gather/reshard, DDP's) still run around the checkpointed computation, never
+inside it, so recomputation in backward never re-runs a collective.
+
+Treatments (``Choice``):
+
+==============  ======================================================================================
+``keep``        nothing: autograd saves what it saves
+``selective``   non-reentrant checkpoint with torch's selective contexts: outputs of compute-heavy ops
+                (matmul, convolution, attention; the ops ``FlopCounterMode`` counts) are cached, cheap
+                pointwise ops are recomputed in backward
+``full``        non-reentrant checkpoint: only the block's inputs are kept; the block runs again in
+                backward (stopping early once everything needed is recomputed)
+``offload``     tensors saved for backward are copied to CPU memory and brought back in backward;
+                parameters are never offloaded. Costs transfer bytes, no FLOPs
+==============  ======================================================================================
+
+Nothing is recomputed or offloaded when the block is in ``eval()`` mode or gradients are disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
+
+__all__ = [
+    "CHOICES",
+    "Choice",
+    "apply_checkpointing",
+    "remove_checkpointing",
+    "checkpointed_blocks",
+    "observe_saved",
+    "is_compute_op",
+]
+
+Choice = Literal["keep", "selective", "full", "offload"]
+CHOICES: tuple[str, ...] = ("keep", "selective", "full", "offload")
+
+_STATE = "_memopt_checkpoint"  # instance attribute holding a block's _BlockState
+
+# Attention on CPU is not in FlopCounterMode's registry but is as expensive as the matmuls around it.
+_EXTRA_COMPUTE_OPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu}
+
+# Observers see tensors that the saved-tensor hooks of a MemoryTracker cannot: outputs cached by
+# selective checkpointing ("cached") and tensors copied to CPU by offloading ("offloaded").
+_OBSERVERS: list[Callable[[str, torch.Tensor], None]] = []
+
+
+def is_compute_op(op) -> bool:
+    """Whether ``op`` is compute-heavy (its output is worth caching rather than recomputing)."""
+    packet = getattr(op, "overloadpacket", op)
+    return packet in flop_registry or packet in _EXTRA_COMPUTE_OPS
+
+
+@contextlib.contextmanager
+def observe_saved(fn: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+    """Call ``fn(kind, tensor)`` for every tensor selective checkpointing caches (``kind="cached"``) or
+    offloading copies to CPU (``kind="offloaded"``, the CPU copy) while the context is entered.
+
+    Example::
+
+        >>> from lightning_memopt.memory import MemoryTracker
+        >>> tracker = MemoryTracker()
+        >>> with tracker, observe_saved(lambda kind, t: tracker.mark(t, "activations")):
+        ...     pass
+    """
+    _OBSERVERS.append(fn)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(fn)
+
+
+def _notify(kind: str, tensor: torch.Tensor) -> None:
+    for fn in list(_OBSERVERS):
+        fn(kind, tensor)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    if is_compute_op(op):
+        for t in _tensors(ctx.op_output):
+            _notify("cached", t)
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Like ``torch.autograd.graph.save_on_cpu``, but parameters stay where they are.
+
+    The copy is made even when the tensor already is on the CPU, so that the same bytes leave the
+    block's device tensors as would leave an accelerator (on a CPU-only machine this saves no memory:
+    the copy lands on the same device; the plan counts it as transfer bytes).
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        keep = {_storage_key(p) for p in block.parameters()} | {_storage_key(b) for b in block.buffers()}
+        pin = torch.cuda.is_available()
+
+        def pack(t: torch.Tensor):
+            if isinstance(t, nn.Parameter) or _storage_key(t) in keep:
+                return t, None
+            cpu = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin and t.is_cuda)
+            cpu.copy_(t)  # a copy, even from CPU: see the class docstring
+            _notify("offloaded", cpu)
+            return cpu, t.device
+
+        def unpack(packed):
+            t, device = packed
+            return t if device is None else t.to(device, non_blocking=pin)
+
+        super().__init__(pack, unpack)
+
+
+class _BlockState:
+    """What :func:`apply_checkpointing` leaves on a block: the choice, and how to restore it."""
+
+    def __init__(self, choice: str, own_forward) -> None:
+        self.choice = choice
+        self.own_forward = own_forward  # an instance-level ``forward`` the block had before, or None
+
+
+def _checkpointed_forward(block: nn.Module, *args, **kwargs):
+    state: _BlockState = block.__dict__[_STATE]
+    fn = state.own_forward if state.own_forward is not None else functools.partial(type(block).forward, block)
+    choice = state.choice
+    if choice == "keep" or not block.training or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    if choice == "offload":
+        with _OffloadHooks(block):
+            return fn(*args, **kwargs)
+    context_fn = _selective_contexts if choice == "selective" else _noop_contexts
+    # Non-reentrant only: reentrant checkpoint breaks with kwargs, DDP and inputs that need no grad.
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _noop_contexts():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def apply_checkpointing(model: nn.Module, plan) -> None:
+    """Make every block of ``plan`` run under its choice.
+
+    Applying again only updates the choices: a block is never wrapped twice. The model's module tree,
+    parameter names and ``state_dict`` keys do not change. Works on plain blocks and on blocks that are
+    already ``fully_shard``-ed (FSDP2) or will be: the block's hooks run outside the checkpointed region.
+
+    Args:
+        model: The model holding the blocks.
+        plan: A :class:`~lightning_memopt.checkpointing.Plan`, or a mapping from a block's qualified name
+            (as in ``model.named_modules()``) to ``"keep"``, ``"selective"``, ``"full"`` or ``"offload"``.
+
+    Raises:
+        ValueError: If a name is not a module of ``model`` or a choice is unknown.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> apply_checkpointing(model, {"0": "full", "1": "selective"})
+        >>> sorted(checkpointed_blocks(model).items())
+        [('0', 'full'), ('1', 'selective')]
+        >>> remove_checkpointing(model)
+        >>> checkpointed_blocks(model)
+        {}
+    """
+    choices: Mapping[str, str] = getattr(plan, "choices", plan)
+    if not isinstance(choices, Mapping):
+        raise ValueError(
+            f"plan must be a Plan or a mapping of block name to choice, got {type(plan).__name__}"
+        )
+    modules = dict(model.named_modules())
+    for name, choice in choices.items():
+        if choice not in CHOICES:
+            raise ValueError(f"choice for block {name!r} must be one of {CHOICES}, got {choice!r}")
+        if name not in modules:
+            raise ValueError(
+                f"block {name!r} is not a module of {type(model).__name__}; names come from model.named_modules()"
+            )
+    for name, choice in choices.items():
+        block = modules[name]
+        state = block.__dict__.get(_STATE)
+        if state is None:
+            state = _BlockState(choice, block.__dict__.get("forward"))
+            block.__dict__[_STATE] = state
+            block.__dict__["forward"] = types.MethodType(_checkpointed_forward, block)
+        state.choice = choice
+
+
+def remove_checkpointing(model: nn.Module) -> None:
+    """Restore every block of ``model`` that :func:`apply_checkpointing` touched, exactly as it was."""
+    for module in model.modules():
+        state = module.__dict__.pop(_STATE, None)
+        if state is None:
+            continue
+        if state.own_forward is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = state.own_forward
+
+
+def checkpointed_blocks(model: nn.Module) -> dict[str, str]:
+    """The blocks of ``model`` that carry a choice, by qualified name: ``{"h.0": "full", ...}``."""
+    return {name: m.__dict__[_STATE].choice for name, m in model.named_modules() if _STATE in m.__dict__}

@@ -1,0 +1,285 @@
+"""Choose a treatment per block: the least recompute cost whose activation bytes fit a budget.
+
+The problem is a multiple-choice knapsack along a chain. Each block takes one treatment; its activation
+bytes and its cost add up, except for one interaction: a block's input is the previous block's output
+(the same tensor), so when both hold it, it is counted once. The dynamic program therefore carries one
+bit of state, "the previous block holds its output", and keeps, per state, the Pareto frontier of
+(bytes, cost) over the prefixes seen so far. Dominated prefixes can never be completed into a better
+plan, so the result is the exact optimum (a test checks it against brute force on random instances).
+
+Cost of a treatment, in FLOP-equivalents::
+
+    recompute_flops + pointwise_flops_per_byte * recompute_bytes + offload_flops_per_byte * 2 * transfer_bytes
+
+Compute-heavy ops are counted in FLOPs; pointwise ops are memory-bound, so their recompute is charged by
+the bytes they move, converted at the device's FLOPs-per-byte ratio; offloaded bytes cross the host link
+twice (out in forward, back in backward).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from lightning_memopt.checkpointing.apply import CHOICES
+from lightning_memopt.checkpointing.profile import BlockProfile, OptionCost
+from lightning_memopt.memory import format_bytes, parse_bytes
+
+__all__ = [
+    "Plan",
+    "CostModel",
+    "plan_checkpointing",
+    "evaluate_plan",
+    "brute_force_plan",
+    "InfeasibleBudgetError",
+]
+
+
+class InfeasibleBudgetError(ValueError):
+    """The budget is below the smallest activation bytes any plan can reach."""
+
+    def __init__(self, message: str, minimum: int) -> None:
+        super().__init__(message)
+        self.minimum = minimum
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How recomputation and offloading are priced, in FLOP-equivalents."""
+
+    pointwise_flops_per_byte: float = 50.0
+    """FLOPs the device could do in the time it moves one byte (peak FLOP/s over memory bandwidth).
+    Recomputed pointwise ops cost this per byte they read and write. ~150 on an A100, ~10-30 on CPUs."""
+    offload_flops_per_byte: float = 5000.0
+    """FLOPs the device could do in the time one byte crosses to the host (FLOP/s over host-link B/s).
+    ~10,000 for an A100 on PCIe 4. Raise it to discourage offloading."""
+
+    def __post_init__(self) -> None:
+        for name in ("pointwise_flops_per_byte", "offload_flops_per_byte"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+    def cost(self, option: OptionCost) -> float:
+        return (
+            option.recompute_flops
+            + self.pointwise_flops_per_byte * option.recompute_bytes
+            + self.offload_flops_per_byte * 2 * option.transfer_bytes
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A treatment per block and what it is predicted to hold and cost.
+
+    ``activation_bytes`` are the bytes the blocks hold for backward at the end of the forward (each
+    boundary tensor counted once, in the block that first holds it), ``baseline_bytes`` the same with
+    every block kept. Activations outside the blocks (embeddings, head, loss) are not included.
+    """
+
+    choices: dict[str, str]
+    activation_bytes: int
+    baseline_bytes: int
+    extra_flops: int
+    extra_pointwise_bytes: int
+    transfer_bytes: int
+    cost: float
+    budget: int | None = None
+    block_bytes: dict[str, int] = field(default_factory=dict)
+    predicted: bool = True
+    """False for a plan whose blocks were not profiled: its byte and cost figures are unknown (zero)."""
+
+    @classmethod
+    def unprofiled(cls, choices: dict[str, str]) -> Plan:
+        """A plan of explicit choices with no predictions (blocks that cannot be profiled)."""
+        return cls(dict(choices), 0, 0, 0, 0, 0, 0.0, predicted=False)
+
+    def table(self) -> str:
+        """The plan as a fixed-width table, one row per block and a total."""
+        rows = [("block", "choice", "activations", "recompute GFLOP", "recompute pointwise", "offloaded")]
+        if not self.predicted:
+            rows = [("block", "choice")] + [(n, c) for n, c in self.choices.items()]
+            widths = [max(len(r[i]) for r in rows) for i in range(2)]
+            return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        for name, choice in self.choices.items():
+            rows.append((name, choice, format_bytes(self.block_bytes.get(name, 0)), "", "", ""))
+        ratio = self.activation_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
+        rows.append(
+            (
+                "total",
+                f"budget {format_bytes(self.budget)}" if self.budget else "",
+                f"{format_bytes(self.activation_bytes)} ({ratio:.2f}x)",
+                f"{self.extra_flops / 1e9:.3f}",
+                format_bytes(self.extra_pointwise_bytes),
+                format_bytes(self.transfer_bytes),
+            )
+        )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(**d)
+
+
+def _step(profile: BlockProfile, option: OptionCost, prev_holds_output: bool) -> int:
+    """Bytes ``option`` adds to the chain, given whether the previous block already holds our input."""
+    add = option.internal_bytes + profile.output_bytes * option.saves_output
+    if option.saves_input and not (profile.chained and prev_holds_output):
+        add += profile.input_bytes
+    return add
+
+
+def evaluate_plan(
+    profiles: Sequence[BlockProfile], choices: Sequence[str], cost_model: CostModel | None = None, budget=None
+) -> Plan:
+    """The :class:`Plan` of an explicit treatment per block (in the order of ``profiles``).
+
+    Example::
+
+        >>> plan = evaluate_plan(profiles, ["full"] * len(profiles))  # doctest: +SKIP
+    """
+    cost_model = cost_model or CostModel()
+    if len(choices) != len(profiles):
+        raise ValueError(f"need one choice per block ({len(profiles)}), got {len(choices)}")
+    total = flops = pw = transfer = baseline = 0
+    cost = 0.0
+    block_bytes = {}
+    prev = prev_keep = False
+    for p, choice in zip(profiles, choices):
+        if choice not in p.options:
+            raise ValueError(
+                f"block {p.name!r} has no profile for choice {choice!r}; profiled: {list(p.options)}"
+            )
+        o = p.options[choice]
+        block_bytes[p.name] = _step(p, o, prev)
+        total += block_bytes[p.name]
+        baseline += _step(p, p.options["keep"], prev_keep)
+        flops += o.recompute_flops
+        pw += o.recompute_bytes
+        transfer += o.transfer_bytes
+        cost += cost_model.cost(o)
+        prev, prev_keep = o.saves_output, p.options["keep"].saves_output
+    return Plan(
+        dict(zip((p.name for p in profiles), choices)),
+        total,
+        baseline,
+        flops,
+        pw,
+        transfer,
+        cost,
+        budget,
+        block_bytes,
+    )
+
+
+def _pareto(entries: list[tuple[int, float, tuple]]) -> list[tuple[int, float, tuple]]:
+    entries.sort(key=lambda e: (e[0], e[1], e[2]))
+    kept, best = [], float("inf")
+    for e in entries:
+        if e[1] < best:
+            kept.append(e)
+            best = e[1]
+    return kept
+
+
+def plan_checkpointing(
+    profiles: Sequence[BlockProfile],
+    budget: int | str,
+    *,
+    allowed: Sequence[str] = CHOICES,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """The plan of least recompute cost whose block activation bytes fit in ``budget``.
+
+    Args:
+        profiles: One :class:`BlockProfile` per block, in forward order (from ``profile_blocks``).
+        budget: Bytes the blocks may hold for backward: an int or a string like ``"6GiB"``.
+        allowed: Treatments to choose from (``keep``, ``selective``, ``full``, ``offload``). Leave out
+            ``offload`` where the device is the CPU (offloading to the CPU saves nothing there).
+        cost_model: Prices of pointwise recompute and offload; :class:`CostModel` defaults.
+
+    Returns:
+        The optimal :class:`Plan` (exact: a dynamic program over Pareto frontiers, not greedy).
+
+    Raises:
+        ValueError: If ``budget`` is not a positive byte size or ``allowed`` names an unknown treatment.
+        InfeasibleBudgetError: (a ``ValueError``) If no plan fits; the message gives the smallest
+            achievable bytes and what else to try.
+
+    Example::
+
+        >>> plan = plan_checkpointing(profile_blocks(model, find_blocks(model), x), "200MB")  # doctest: +SKIP
+        >>> print(plan.table())  # doctest: +SKIP
+    """
+    budget = parse_bytes(budget, name="budget")
+    allowed = list(dict.fromkeys(allowed))
+    for choice in allowed:
+        if choice not in CHOICES:
+            raise ValueError(f"allowed treatments must be among {CHOICES}, got {choice!r}")
+    if not allowed:
+        raise ValueError(f"allowed must name at least one treatment of {CHOICES}, got an empty list")
+    missing = sorted({c for p in profiles for c in allowed if c not in p.options})
+    if missing:
+        raise ValueError(f"profiles lack the treatments {missing}; profile them or leave them out of allowed")
+    cost_model = cost_model or CostModel()
+    best = _search(profiles, allowed, cost_model, budget)
+    if best is None:
+        minimum = min(e[0] for e in _search(profiles, allowed, cost_model, None, frontier=True))
+        hint = "allow 'offload', " if "offload" not in allowed else ""
+        raise InfeasibleBudgetError(
+            f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest activation bytes "
+            f"reachable with {allowed}: {format_bytes(minimum)} ({minimum} bytes). Raise the budget, "
+            f"{hint}or use a smaller micro-batch (e.g. AutoAccumulation).",
+            minimum,
+        )
+    return evaluate_plan(profiles, best, cost_model, budget)
+
+
+def _search(profiles, allowed, cost_model, budget, frontier=False):
+    states: dict[bool, list] = {False: [(0, 0.0, ())]}
+    for p in profiles:
+        new: dict[bool, list] = defaultdict(list)
+        for prev, entries in states.items():
+            for choice in allowed:
+                o = p.options[choice]
+                add, c = _step(p, o, prev), cost_model.cost(o)
+                for b, cost, chosen in entries:
+                    if budget is None or b + add <= budget:
+                        new[o.saves_output].append((b + add, cost + c, (*chosen, choice)))
+        states = {k: _pareto(v) for k, v in new.items()}
+    final = [e for v in states.values() for e in v]
+    if frontier:
+        return final
+    if not final:
+        return None
+    return list(min(final, key=lambda e: (e[1], e[0], e[2]))[2])
+
+
+def brute_force_plan(
+    profiles: Sequence[BlockProfile],
+    budget: int,
+    *,
+    allowed: Sequence[str] = CHOICES,
+    cost_model: CostModel | None = None,
+) -> Plan | None:
+    """Try all ``len(allowed) ** len(profiles)`` plans; the reference :func:`plan_checkpointing` must match.
+
+    Returns None when nothing fits. Use only for small instances (benchmarks, tests).
+    """
+    cost_model = cost_model or CostModel()
+    best = None
+    for choices in itertools.product(allowed, repeat=len(profiles)):
+        plan = evaluate_plan(profiles, choices, cost_model, budget)
+        if plan.activation_bytes <= budget and (
+            best is None or (plan.cost, plan.activation_bytes) < (best.cost, best.activation_bytes)
+        ):
+            best = plan
+    return best

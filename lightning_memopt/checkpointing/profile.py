@@ -1,0 +1,426 @@
+"""Profile blocks: what each treatment holds for backward, and what it costs to recompute.
+
+How. The model runs forward once without gradients to capture every block's inputs (and to tell
+whether a block's input is the previous block's output). Each block is then run alone on its captured
+inputs, once per treatment, forward and backward (``torch.autograd.grad``: parameters' ``.grad`` are
+left alone; RNG and buffers are restored afterwards):
+
+- activation bytes: a :class:`~lightning_memopt.memory.MemoryTracker` entered around the forward, with
+  the tensors cached by selective checkpointing marked as activations (they bypass saved-tensor hooks);
+  its ``activations`` bytes when the forward returns are what the block holds for backward.
+- recompute cost: the compute-heavy FLOPs (``FlopCounterMode``'s formulas) and the bytes moved by every
+  other op (pointwise ops are memory-bound: they cost bytes, not FLOPs) run during backward, minus the
+  same numbers for ``keep``; that difference is exactly the recomputation.
+- transfer bytes: bytes copied to CPU by ``offload`` (they come back, so twice that crosses the bus).
+
+Blocks with the same class, configuration (``repr``), parameter shapes and input shapes are profiled
+once. Everything runs in the precision context given (autocast), so bf16 activations count half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from lightning_memopt.checkpointing.apply import (
+    _STATE,
+    CHOICES,
+    _storage_key,
+    _tensors,
+    apply_checkpointing,
+    observe_saved,
+    remove_checkpointing,
+)
+from lightning_memopt.memory import MemoryTracker
+
+__all__ = [
+    "OptionCost",
+    "BlockProfile",
+    "BlockInputs",
+    "capture_block_inputs",
+    "record_block_inputs",
+    "profile_blocks",
+    "ActivationMeter",
+]
+
+_aten = torch.ops.aten
+# Attention on CPU is missing from FlopCounterMode's registry; count it with torch's own formulas.
+_CPU_ATTENTION = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: "fwd",
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: "bwd",
+}
+
+
+@dataclass
+class OptionCost:
+    """What one treatment of one block holds and costs. Bytes and FLOPs are per training step."""
+
+    internal_bytes: int
+    """Bytes held for backward, other than the block's primary input and output."""
+    saves_input: bool
+    """Whether the block's primary input (its first tensor argument) is held for backward."""
+    saves_output: bool
+    """Whether the block's primary output (its first output tensor) is held for backward."""
+    recompute_flops: int = 0
+    """Compute-heavy FLOPs run again in backward."""
+    recompute_bytes: int = 0
+    """Bytes read and written by the other (pointwise, memory-bound) ops run again in backward."""
+    transfer_bytes: int = 0
+    """Bytes copied to CPU in forward (and back in backward)."""
+
+
+@dataclass
+class BlockProfile:
+    """One block's profile: sizes of its boundary tensors and the cost of every treatment."""
+
+    name: str
+    forward_flops: int
+    input_bytes: int
+    output_bytes: int
+    chained: bool
+    """Whether the block's primary input is the previous block's primary output (the same storage)."""
+    options: dict[str, OptionCost] = field(default_factory=dict)
+
+    def activation_bytes(self, choice: str) -> int:
+        """Bytes the block alone holds for backward under ``choice`` (boundaries included)."""
+        o = self.options[choice]
+        return o.internal_bytes + self.input_bytes * o.saves_input + self.output_bytes * o.saves_output
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BlockProfile:
+        d = dict(d)
+        d["options"] = {k: OptionCost(**v) for k, v in d["options"].items()}
+        return cls(**d)
+
+
+@dataclass
+class BlockInputs:
+    """A block's inputs from one forward of the model, detached, and whether it chains to the last."""
+
+    args: tuple
+    kwargs: dict
+    chained: bool
+
+
+class _OpCounter(TorchDispatchMode):
+    """Count compute-heavy FLOPs and the bytes moved by every other (non-view) op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet in _CPU_ATTENTION:
+            q, k, v = _qkv(packet, args)
+            if _CPU_ATTENTION[packet] == "fwd":
+                self.flops += sdpa_flop_count(q.shape, k.shape, v.shape)
+            else:
+                self.flops += sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape)
+        elif not func.is_view:
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _qkv(packet, args):
+    if _CPU_ATTENTION[packet] == "fwd":
+        return args[0], args[1], args[2]
+    return args[1], args[2], args[3]  # backward: (grad_out, query, key, value, ...)
+
+
+def _detach(value):
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
+
+
+@contextlib.contextmanager
+def record_block_inputs(blocks: Iterable[tuple[str, nn.Module]]) -> Iterator[dict[str, BlockInputs]]:
+    """Keep each block's inputs (detached) from the forwards run while entered; yields the dict it fills.
+
+    Only the first call of each block is kept (not recomputations). Used by :func:`capture_block_inputs`
+    and, around a real training step, by ``AutoCheckpoint``.
+    """
+    captured: dict[str, BlockInputs] = {}
+    last_output: list[int | None] = [None]
+
+    def pre_hook(name):
+        def hook(module, a, kw):
+            if name not in captured:
+                first = next(iter(_tensors((a, kw))), None)
+                chained = first is not None and _storage_key(first) == last_output[0]
+                captured[name] = BlockInputs(_detach(a), _detach(kw), chained)
+
+        return hook
+
+    def post_hook(module, a, kw, out):
+        first = next(iter(_tensors(out)), None)
+        last_output[0] = _storage_key(first) if first is not None else None
+
+    handles = []
+    for name, block in blocks:
+        handles.append(block.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
+        handles.append(block.register_forward_hook(post_hook, with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture_block_inputs(
+    model: nn.Module,
+    blocks: Iterable[tuple[str, nn.Module]],
+    *args,
+    context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    **kwargs,
+) -> dict[str, BlockInputs]:
+    """Run ``model(*args, **kwargs)`` without gradients and keep each block's inputs (detached).
+
+    ``context`` (e.g. an autocast) is entered around the run. The global RNG state and the model's
+    buffers are as they were afterwards.
+    """
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        # Leave no trace: RNG and buffers (BatchNorm statistics) are restored after the run.
+        with (
+            record_block_inputs(blocks) as captured,
+            torch.random.fork_rng(devices=[]),
+            torch.no_grad(),
+            (context or contextlib.nullcontext)(),
+        ):
+            model(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    return captured
+
+
+def profile_blocks(
+    model: nn.Module,
+    blocks: Iterable[tuple[str, nn.Module]],
+    *args,
+    inputs: dict[str, BlockInputs] | None = None,
+    context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    choices: Iterable[str] = CHOICES,
+    **kwargs,
+) -> list[BlockProfile]:
+    """Profile every block under every treatment in ``choices``.
+
+    Args:
+        model: The model; run once forward on ``*args, **kwargs`` to capture block inputs, unless
+            ``inputs`` (from :func:`capture_block_inputs`) are given.
+        blocks: ``(name, module)`` pairs, e.g. from :func:`~lightning_memopt.checkpointing.find_blocks`.
+        inputs: Captured block inputs to profile on instead of running the model.
+        context: A callable returning the precision context to run under (autocast), or None.
+        choices: Treatments to profile; ``keep`` is always profiled (recompute is measured against it).
+
+    Returns:
+        One :class:`BlockProfile` per block, in the order given.
+
+    Raises:
+        ValueError: If a block was not called by the model's forward.
+
+    Example::
+
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)])
+        >>> profiles = profile_blocks(model, find_blocks(model), torch.randn(4, 8))
+        >>> profiles[0].options["full"].internal_bytes, profiles[0].options["full"].saves_input
+        (0, True)
+    """
+    blocks = list(blocks)
+    if inputs is None:
+        inputs = capture_block_inputs(model, blocks, *args, context=context, **kwargs)
+    choices = ["keep"] + [c for c in choices if c != "keep"]
+    cache: dict[tuple, BlockProfile] = {}
+    profiles = []
+    for name, block in blocks:
+        if name not in inputs:
+            raise ValueError(
+                f"block {name!r} was not called during the model's forward; it cannot be profiled"
+            )
+        captured = inputs[name]
+        key = _signature(block, captured)
+        if key not in cache:
+            cache[key] = _profile_block(name, block, captured, choices, context)
+        profile = copy.deepcopy(cache[key])
+        profile.name, profile.chained = name, captured.chained
+        profiles.append(profile)
+    return profiles
+
+
+def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
+    def meta(v):
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
+        return repr(v)
+
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
+    return (
+        type(block),
+        repr(block),
+        block.training,
+        params,
+        str(tree_map(meta, (captured.args, captured.kwargs))),
+    )
+
+
+def _profile_block(name, block, captured: BlockInputs, choices, context) -> BlockProfile:
+    state = block.__dict__.get(_STATE)
+    before = state.choice if state is not None else None
+    fake_model = nn.Module()  # apply_checkpointing works on a model; give the block a one-entry tree
+    fake_model.add_module("b", block)
+    buffers = {n: b.detach().clone() for n, b in block.named_buffers()}
+    options: dict[str, OptionCost] = {}
+    keep_bwd = (0, 0)
+    forward_flops = in_bytes = out_bytes = 0
+    try:
+        for choice in choices:
+            apply_checkpointing(fake_model, {"b": choice})
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                cost, fwd_flops, bwd, sizes = _run(block, captured, context)
+            with torch.no_grad():
+                for n, b in block.named_buffers():
+                    b.copy_(buffers[n])
+            if choice == "keep":
+                keep_bwd, forward_flops, (in_bytes, out_bytes) = bwd, fwd_flops, sizes
+            cost.recompute_flops = max(bwd[0] - keep_bwd[0], 0)
+            cost.recompute_bytes = max(bwd[1] - keep_bwd[1], 0)
+            options[choice] = cost
+    finally:
+        if before is None:
+            remove_checkpointing(fake_model)
+        else:
+            state.choice = before
+        del fake_model._modules["b"]
+    return BlockProfile(name, forward_flops, in_bytes, out_bytes, captured.chained, options)
+
+
+def _run(block, captured: BlockInputs, context):
+    def fresh(t):
+        if isinstance(t, torch.Tensor):
+            t = t.detach().clone()
+            if t.is_floating_point():
+                t.requires_grad_(True)
+        return t
+
+    args, kwargs = tree_map(fresh, (captured.args, captured.kwargs))
+    leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    primary_in = next(iter(_tensors((args, kwargs))), None)
+    tracker = MemoryTracker(block)
+    offloaded = [0]
+
+    def seen(kind, t):
+        if kind == "cached":
+            tracker.mark(t, "activations")
+        else:
+            offloaded[0] += t.untyped_storage().nbytes()
+
+    counter = _OpCounter()
+    with tracker, observe_saved(seen), counter, (context or contextlib.nullcontext)():
+        out = block(*args, **kwargs)
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    primary_out = next(iter(_tensors(out)), None)
+    acts = tracker.current_breakdown["activations"]
+    saves_in = primary_in is not None and tracker.category_of(primary_in) == "activations"
+    saves_out = primary_out is not None and tracker.category_of(primary_out) == "activations"
+    in_bytes = primary_in.untyped_storage().nbytes() if primary_in is not None else 0
+    out_bytes = primary_out.untyped_storage().nbytes() if primary_out is not None else 0
+    if (
+        primary_in is not None
+        and primary_out is not None
+        and _storage_key(primary_in) == _storage_key(primary_out)
+    ):
+        saves_out = False  # one storage: count it once, as the input
+    internal = acts - in_bytes * saves_in - out_bytes * saves_out
+    cost = OptionCost(internal, saves_in, saves_out, transfer_bytes=offloaded[0])
+    params = [p for p in block.parameters() if p.requires_grad]
+    bwd_counter = _OpCounter()
+    if outs:
+        loss = sum(o.float().sum() for o in outs)
+        with bwd_counter:
+            torch.autograd.grad(loss, leaves + params, allow_unused=True)
+    return cost, counter.flops, (bwd_counter.flops, bwd_counter.bytes), (in_bytes, out_bytes)
+
+
+class ActivationMeter:
+    """Measure, with a :class:`~lightning_memopt.memory.MemoryTracker`, the bytes each block makes autograd
+    hold during a forward: the growth of the tracker's ``activations`` while the block runs (so a boundary
+    tensor counts in the block that holds it first, as in :class:`~lightning_memopt.checkpointing.Plan`).
+
+    Tensors cached by selective checkpointing are marked as activations (they bypass saved-tensor hooks);
+    tensors offloaded to CPU are not counted (they leave the device; on a CPU-only machine they are
+    ``other`` bytes of the same memory).
+
+    Args:
+        model: The model; its parameters are categorized as such.
+        blocks: ``(name, module)`` pairs to attribute bytes to.
+        optimizers: Optimizers whose state the tracker should categorize, optional.
+
+    Example::
+
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)])
+        >>> with ActivationMeter(model, find_blocks(model)) as meter:
+        ...     loss = model(torch.randn(4, 8)).sum()
+        >>> meter.block_bytes
+        {'0': 256, '1': 512}
+    """
+
+    def __init__(self, model: nn.Module, blocks: Iterable[tuple[str, nn.Module]], optimizers=None) -> None:
+        self.blocks = list(blocks)
+        self.tracker = MemoryTracker(model, optimizers)
+        self.block_bytes: dict[str, int] = {}
+        self._stack = contextlib.ExitStack()
+
+    @property
+    def total(self) -> int:
+        """Bytes held by all blocks together."""
+        return sum(self.block_bytes.values())
+
+    def _mark(self, kind: str, t: torch.Tensor) -> None:
+        if kind == "cached":
+            self.tracker.mark(t, "activations")
+
+    def __enter__(self) -> ActivationMeter:
+        start: dict[str, int] = {}
+
+        def pre(name):
+            def hook(module, args):
+                if torch.is_grad_enabled() and name not in self.block_bytes:
+                    start[name] = self.tracker.current_breakdown["activations"]
+
+            return hook
+
+        def post(name):
+            def hook(module, args, out):
+                if name in start and name not in self.block_bytes:
+                    self.block_bytes[name] = self.tracker.current_breakdown["activations"] - start.pop(name)
+
+            return hook
+
+        for name, block in self.blocks:
+            self._stack.callback(block.register_forward_pre_hook(pre(name)).remove)
+            self._stack.callback(block.register_forward_hook(post(name)).remove)
+        self._stack.enter_context(self.tracker)
+        self._stack.enter_context(observe_saved(self._mark))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()

@@ -1,0 +1,248 @@
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_memopt.callbacks.auto_checkpoint as ac_module
+from lightning_memopt import AutoCheckpoint
+from lightning_memopt.checkpointing import checkpointed_blocks, find_blocks
+from tests.checkpointing.models import TinyGPT
+
+
+class GPTModule(pl.LightningModule):
+    def __init__(self, n_layer=3, build_in_configure=True):
+        super().__init__()
+        self.n_layer = n_layer
+        self.model = None if build_in_configure else TinyGPT(n_layer)
+        self.seen_choices = []
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = TinyGPT(self.n_layer)
+
+    def training_step(self, batch, batch_idx):
+        self.seen_choices.append(checkpointed_blocks(self))
+        (idx,) = batch
+        logits = self.model(idx)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randint(0, 32, (8, 8), generator=g)), batch_size=4)
+
+
+def _trainer(tmp_path, callbacks, steps=2, **kwargs):
+    return pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def test_zero_arguments_on_cpu_checkpoints_every_block_built_in_configure_model(tmp_path):
+    torch.manual_seed(0)
+    module, cb = GPTModule(), AutoCheckpoint()
+    trainer = _trainer(tmp_path, [cb])
+    trainer.fit(module)
+    assert module.seen_choices[0] == {"model.h.0": "full", "model.h.1": "full", "model.h.2": "full"}
+    assert cb.plan.choices == module.seen_choices[1] and cb.plan.predicted
+    metrics = trainer.callback_metrics
+    # Full checkpointing holds exactly each block's input: B * T * h fp32 = 4 * 8 * 16 * 4 bytes.
+    assert metrics["auto_checkpoint/activation_bytes_predicted"].item() == 3 * 4 * 8 * 16 * 4
+    assert metrics["auto_checkpoint/activation_bytes_measured"].item() == 3 * 4 * 8 * 16 * 4
+    assert metrics["auto_checkpoint/recompute_gflops"].item() > 0
+    # Teardown takes everything off again.
+    assert checkpointed_blocks(module) == {} and "configure_model" not in module.__dict__
+
+
+def test_gradients_match_plain_training(tmp_path):
+    params = []
+    for callbacks in ([], [AutoCheckpoint(mode="selective")]):
+        torch.manual_seed(0)
+        module = GPTModule(build_in_configure=False)
+        _trainer(tmp_path, callbacks, steps=3).fit(module)
+        params.append(torch.cat([p.detach().flatten() for p in module.parameters()]))
+    torch.testing.assert_close(params[1], params[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"mode": "every_n", "every_n": 2}, {"model.h.0": "full", "model.h.1": "keep", "model.h.2": "full"}),
+        ({"mode": "offload"}, {"model.h.0": "offload", "model.h.1": "offload", "model.h.2": "offload"}),
+        ({"blocks": ["model.h.1"], "mode": "selective"}, {"model.h.1": "selective"}),
+    ],
+)
+def test_forced_modes(tmp_path, kwargs, expected):
+    module = GPTModule()
+    cb = AutoCheckpoint(**kwargs)
+    _trainer(tmp_path, [cb], steps=1).fit(module)
+    assert module.seen_choices[0] == expected == cb.plan.choices
+
+
+def test_budget_plans_after_first_batch_and_meets_it(tmp_path):
+    torch.manual_seed(0)
+    module = GPTModule()
+    # Params + grads (SGD: no state) of TinyGPT(3) plus outside activations, plus room for ~2 kept blocks.
+    cb = AutoCheckpoint(budget=10**6)
+    trainer = _trainer(tmp_path, [cb], steps=3)
+    trainer.fit(module)
+    assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
+    assert set(module.seen_choices[1].values()) == {"keep"}  # 1 MB is plenty: nothing recomputed
+    assert cb.plan.cost == 0
+    measured = trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
+    assert measured == cb.plan.activation_bytes
+
+
+def test_capacity_known_plans_under_capacity(tmp_path, monkeypatch):
+    param_bytes = sum(p.numel() * 4 for p in TinyGPT(3).parameters())
+    # Outside the blocks autograd holds: the embedding's indices (int64), ln_f's input and its stats
+    # (B*T*h*4 + 2*B*T*4), the head's input (B*T*h*4), the log-softmax output (B*T*vocab*4) and
+    # nll_loss's total weight (a fp32 scalar).
+    B, T, h, vocab = 4, 8, 16, 32
+    outside = B * T * 8 + 2 * B * T * h * 4 + 2 * B * T * 4 + B * T * vocab * 4 + 4
+
+    class FakeDevice:
+        def capacity(self):
+            return 2 * param_bytes + outside + 40_000  # parameters, SGD gradients, 40 kB for the blocks
+
+    monkeypatch.setattr(ac_module, "device_memory", lambda *a, **k: FakeDevice())
+    torch.manual_seed(0)
+    module = GPTModule()
+    cb = AutoCheckpoint(headroom=0.0)
+    trainer = _trainer(tmp_path, [cb], steps=3)
+    trainer.fit(module)
+    assert cb.plan.predicted and cb.plan.budget == 40_000
+    assert cb.plan.activation_bytes <= cb.plan.budget < cb.plan.baseline_bytes
+    assert "keep" in cb.plan.choices.values() or "selective" in cb.plan.choices.values()
+    assert (
+        trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
+        == cb.plan.activation_bytes
+    )
+
+
+def test_infeasible_budget_raises(tmp_path):
+    with pytest.raises(MisconfigurationException, match="does not even hold the parameters"):
+        _trainer(tmp_path, [AutoCheckpoint(budget=1000)]).fit(GPTModule())
+
+
+def test_mismatch_warns(tmp_path):
+    class Flaky(GPTModule):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:  # this step's blocks see twice the sequence length the plan was made for
+                batch = [torch.cat([batch[0], batch[0]], dim=1)]
+            return super().training_step(batch, batch_idx)
+
+    cb = AutoCheckpoint(budget=10**6)
+    with pytest.warns(UserWarning, match=r"the plan predicted .* \(more than 10% apart\)"):
+        _trainer(tmp_path, [cb], steps=2).fit(Flaky())
+
+
+def test_resume_reapplies_plan_without_profiling(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    cb = AutoCheckpoint(budget=10**6)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False
+    )
+    trainer.callbacks.append(cb)
+    trainer.fit(GPTModule())
+    ckpt = trainer.checkpoint_callback.best_model_path
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    assert any(v.get("plan", {}) and v["plan"]["choices"] == cb.plan.choices for v in saved.values())
+
+    def boom(*a, **k):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(ac_module, "profile_blocks", boom)
+    module, cb2 = GPTModule(), AutoCheckpoint(budget=10**6)
+    _trainer(tmp_path, [cb2], steps=3).fit(module, ckpt_path=ckpt)
+    assert cb2.plan == cb.plan
+    assert module.seen_choices[0] == cb.plan.choices
+
+
+def test_checkpoint_loads_into_bare_model(tmp_path):
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[AutoCheckpoint()],
+    )
+    trainer.fit(GPTModule(build_in_configure=False))
+    bare = GPTModule(build_in_configure=False)
+    state = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)["state_dict"]
+    assert list(state) == list(bare.state_dict())
+    bare.load_state_dict(state)
+
+
+def test_no_repeated_blocks_warns_once_and_changes_nothing(tmp_path):
+    class Small(GPTModule):
+        def configure_model(self):
+            self.model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+
+    module = Small()
+    with pytest.warns(UserWarning, match="found no repeated blocks in Small and changes nothing") as record:
+        _trainer(tmp_path, [AutoCheckpoint()], steps=1).fit(module)
+    assert sum("no repeated blocks" in str(w.message) for w in record) == 1
+    assert module.seen_choices == [{}]
+
+
+def test_blocks_matching_nothing_lists_candidates(tmp_path):
+    with pytest.raises(ValueError, match=r"candidate block classes found: \['Block'\]"):
+        _trainer(tmp_path, [AutoCheckpoint(blocks=["encoder.*"])], steps=1).fit(GPTModule())
+
+
+def test_fsdp_strategy_policy_is_not_doubled(tmp_path):
+    strategy = FSDPStrategy(activation_checkpointing_policy={torch.nn.Linear})
+    cb, module = AutoCheckpoint(), GPTModule()
+    trainer = type("T", (), {"strategy": strategy})()
+    with pytest.warns(UserWarning, match="already checkpoints activations .* AutoCheckpoint does nothing"):
+        cb.setup(trainer, module, "fit")
+    assert "configure_model" not in module.__dict__
+
+
+def test_fraction_budget_needs_known_capacity(tmp_path):
+    with pytest.raises(
+        MisconfigurationException, match=r"budget=0.5\) is a fraction of device capacity, but the capacity"
+    ):
+        _trainer(tmp_path, [AutoCheckpoint(budget=0.5)]).fit(GPTModule())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"budget": "-1GB"}, "budget must be a byte size, got '-1GB'"),
+        ({"budget": "banana"}, "budget must be a byte size, got 'banana'"),
+        ({"budget": 0}, "budget must be positive, got 0"),
+        ({"budget": 1.5}, r"must be in \(0, 1\], got 1.5"),
+        ({"budget": 0.0}, r"must be in \(0, 1\], got 0.0"),
+        ({"mode": "fast"}, "mode must be one of .* got 'fast'"),
+        ({"mode": "full", "budget": "1GB"}, "only used by mode='auto', got mode='full'"),
+        ({"every_n": 0}, "every_n must be an int >= 1, got 0"),
+        ({"headroom": 1.0}, r"headroom must be in \[0, 1\), got 1.0"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoCheckpoint(**kwargs)
+
+
+def test_find_blocks_of_module_used_by_callback():
+    assert [n for n, _ in find_blocks(GPTModule(build_in_configure=False))] == [
+        "model.h.0",
+        "model.h.1",
+        "model.h.2",
+    ]

@@ -1,0 +1,289 @@
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_memopt.checkpointing import (
+    CHOICES,
+    ActivationMeter,
+    BlockProfile,
+    CostModel,
+    InfeasibleBudgetError,
+    OptionCost,
+    apply_checkpointing,
+    brute_force_plan,
+    checkpointed_blocks,
+    evaluate_plan,
+    find_blocks,
+    plan_checkpointing,
+    profile_blocks,
+    remove_checkpointing,
+)
+from tests.checkpointing.models import Block, TinyGPT
+
+
+def _grads(model, idx, seed=0):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    model(idx).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ find_blocks
+def test_find_blocks_gpt_and_encoder_and_resnet_like():
+    assert [n for n, _ in find_blocks(TinyGPT(3))] == ["h.0", "h.1", "h.2"]
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    assert [n for n, _ in find_blocks(enc)] == ["layers.0", "layers.1", "layers.2"]
+
+    class Bottleneck(nn.Sequential):
+        pass
+
+    stage1 = nn.Sequential(*[Bottleneck(nn.Conv2d(4, 4, 1)) for _ in range(2)])
+    stage2 = nn.Sequential(*[Bottleneck(nn.Conv2d(8, 8, 3)) for _ in range(2)])
+    resnet = nn.Sequential(stage1, nn.Conv2d(4, 8, 1), stage2)
+    # Two runs of two blocks: the one with more parameters wins.
+    assert [n for n, _ in find_blocks(resnet)] == ["2.0", "2.1"]
+
+
+def test_find_blocks_overrides():
+    model = TinyGPT(2)
+    assert [n for n, _ in find_blocks(model, [Block])] == ["h.0", "h.1"]
+    assert [n for n, _ in find_blocks(model, "Block")] == ["h.0", "h.1"]
+    assert [n for n, _ in find_blocks(model, ["h.*"])] == ["h.0", "h.1"]
+    assert [n for n, _ in find_blocks(model, ["*.fc", "head"])] == ["h.0.fc", "h.1.fc", "head"]
+
+
+def test_find_blocks_errors():
+    with pytest.raises(
+        ValueError, match=r"matched no module of TinyGPT; candidate block classes found: \['Block'\]"
+    ):
+        find_blocks(TinyGPT(2), ["nope.*"])
+    with pytest.raises(
+        ValueError, match="blocks must be module classes, class names or name patterns, got 3"
+    ):
+        find_blocks(TinyGPT(2), [3])
+    assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
+
+
+# ------------------------------------------------------------------ apply / remove
+@pytest.mark.parametrize("choice", CHOICES)
+def test_gradients_equal_and_state_dict_unchanged(choice):
+    torch.manual_seed(0)
+    model = TinyGPT(3)
+    idx = torch.randint(0, 32, (2, 8))
+    ref = _grads(model, idx)
+    keys = list(model.state_dict())
+    apply_checkpointing(model, {n: choice for n, _ in find_blocks(model)})
+    assert list(model.state_dict()) == keys
+    got = _grads(model, idx)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("choice", ["selective", "full"])
+def test_gradients_equal_with_dropout(choice):
+    torch.manual_seed(0)
+    model = TinyGPT(2, dropout=0.3)
+    idx = torch.randint(0, 32, (2, 8))
+    ref = _grads(model, idx, seed=5)
+    apply_checkpointing(model, {"h.0": choice, "h.1": choice})
+    got = _grads(model, idx, seed=5)
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
+
+
+def test_apply_twice_does_not_double_wrap_and_remove_restores():
+    model = TinyGPT(2)
+    block = model.h[0]
+    assert "forward" not in block.__dict__
+    apply_checkpointing(model, {"h.0": "full"})
+    wrapped = block.__dict__["forward"]
+    apply_checkpointing(model, {"h.0": "selective", "h.1": "full"})
+    assert block.__dict__["forward"] is wrapped
+    assert checkpointed_blocks(model) == {"h.0": "selective", "h.1": "full"}
+    remove_checkpointing(model)
+    assert "forward" not in block.__dict__ and checkpointed_blocks(model) == {}
+    # A block with its own instance forward gets exactly that back.
+    own = block.forward
+    block.forward = own
+    apply_checkpointing(model, {"h.0": "full"})
+    remove_checkpointing(model)
+    assert block.__dict__["forward"] is own
+
+
+def test_checkpoint_loads_into_bare_model_and_back(tmp_path):
+    model = TinyGPT(2)
+    apply_checkpointing(model, {"h.0": "full", "h.1": "selective"})
+    torch.save(model.state_dict(), tmp_path / "ac.pt")
+    bare = TinyGPT(2)
+    bare.load_state_dict(torch.load(tmp_path / "ac.pt"))
+    torch.save(bare.state_dict(), tmp_path / "bare.pt")
+    again = TinyGPT(2)
+    apply_checkpointing(again, {"h.0": "full"})
+    again.load_state_dict(torch.load(tmp_path / "bare.pt"))
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_nothing_recomputed_under_eval_or_no_grad():
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    idx = torch.randint(0, 32, (2, 8))
+    apply_checkpointing(model, {"h.0": "full", "h.1": "full"})
+    with FlopCounterMode(display=False) as train:
+        model(idx).sum().backward()
+    model.eval()
+    with FlopCounterMode(display=False) as evaluated:
+        model(idx).sum().backward()
+    model.train()
+    remove_checkpointing(model)
+    with FlopCounterMode(display=False) as bare:
+        model(idx).sum().backward()
+    assert evaluated.get_total_flops() == bare.get_total_flops() < train.get_total_flops()
+    apply_checkpointing(model, {"h.0": "full", "h.1": "full"})
+    with torch.no_grad(), ActivationMeter(model, find_blocks(model)) as meter:
+        model(idx)
+    assert meter.block_bytes == {}
+
+
+def test_apply_errors():
+    model = TinyGPT(1)
+    with pytest.raises(ValueError, match=r"choice for block 'h.0' must be one of .*got 'fast'"):
+        apply_checkpointing(model, {"h.0": "fast"})
+    with pytest.raises(ValueError, match="block 'h.9' is not a module of TinyGPT"):
+        apply_checkpointing(model, {"h.9": "full"})
+    with pytest.raises(ValueError, match="plan must be a Plan or a mapping"):
+        apply_checkpointing(model, ["full"])
+
+
+# ------------------------------------------------------------------ profiling
+def test_profile_bytes_exact_and_predictions_match_measurement():
+    torch.manual_seed(0)
+    B, T, h = 2, 8, 16
+    model = TinyGPT(3, h=h)
+    idx = torch.randint(0, 32, (B, T))
+    blocks = find_blocks(model)
+    profiles = profile_blocks(model, blocks, idx)
+    x_bytes = B * T * h * 4
+    p = profiles[1]
+    assert (p.input_bytes, p.output_bytes, p.chained) == (x_bytes, x_bytes, True)
+    assert not profiles[0].chained  # its input comes from the embedding
+    full = p.options["full"]
+    assert (full.internal_bytes, full.saves_input, full.saves_output) == (0, True, False)
+    assert p.options["offload"].internal_bytes == 0 and not p.options["offload"].saves_input
+    # Selective caches exactly the outputs of the 6 matmul-class ops: attn (B,T,3h), q@k (B,2,T,T),
+    # att@v (B,2,T,h/2), proj (B,T,h), fc (B,T,4h), fc_proj (B,T,h); plus the input it keeps.
+    cached = B * T * (3 * h + h + 4 * h + h) * 4 + B * 2 * T * T * 4 + B * T * h * 4
+    assert p.options["selective"].internal_bytes == cached
+    # Full recompute re-runs every matmul but the last (early stop: fc_proj's output is not needed).
+    assert full.recompute_flops == p.forward_flops - 2 * B * T * 4 * h * h
+    assert p.options["selective"].recompute_flops == 0 < p.options["selective"].recompute_bytes
+    mixes = [
+        ("keep",) * 3,
+        ("full", "keep", "offload"),
+        ("keep", "selective", "full"),
+        ("offload", "keep", "keep"),
+    ]
+    for choices in mixes + [(c,) * 3 for c in ("selective", "full", "offload")]:
+        predicted = evaluate_plan(profiles, choices)
+        apply_checkpointing(model, predicted)
+        with ActivationMeter(model, blocks) as meter:
+            loss = model(idx).sum()
+        loss.backward()
+        assert meter.block_bytes == predicted.block_bytes, choices
+
+
+def test_profile_bf16_autocast_halves_activations():
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    idx = torch.randint(0, 32, (2, 8))
+    blocks = find_blocks(model)
+    fp32 = profile_blocks(model, blocks, idx, choices=["selective"])
+    bf16 = profile_blocks(
+        model, blocks, idx, choices=["selective"], context=lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    )
+    # The cached matmul outputs are bf16 under autocast: half the bytes (the fp32 block input stays).
+    f, b = fp32[1].options["selective"].internal_bytes, bf16[1].options["selective"].internal_bytes
+    assert b == f // 2
+
+
+def test_profile_leaves_model_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)) for _ in range(2)]
+    )
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(8, 4)
+    rng = torch.get_rng_state()
+    profile_blocks(model, find_blocks(model), x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert checkpointed_blocks(model) == {}
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+# ------------------------------------------------------------------ planner
+def _random_profiles(rng: random.Random, n: int) -> list[BlockProfile]:
+    profiles = []
+    for i in range(n):
+        size = rng.choice([100, 200, 300])
+        keep = OptionCost(rng.randint(500, 1000), True, rng.random() < 0.5)
+        sel = OptionCost(rng.randint(100, 500), True, False, 0, rng.randint(10, 100))
+        full = OptionCost(0, True, False, rng.randint(1000, 5000), rng.randint(10, 100))
+        off = OptionCost(0, False, False, transfer_bytes=rng.randint(500, 1000))
+        options = {"keep": keep, "selective": sel, "full": full, "offload": off}
+        profiles.append(BlockProfile(f"b{i}", 1000, size, size, i > 0, options))
+    return profiles
+
+
+def test_dp_equals_brute_force_on_random_instances():
+    rng = random.Random(0)
+    cost_model = CostModel(pointwise_flops_per_byte=20, offload_flops_per_byte=3)
+    for trial in range(40):
+        profiles = _random_profiles(rng, rng.randint(1, 6))
+        allowed = ["keep", "selective", "full", "offload"] if trial % 2 else ["keep", "selective", "full"]
+        top = evaluate_plan(profiles, ["keep"] * len(profiles)).activation_bytes
+        budget = rng.randint(top // 5, top)
+        brute = brute_force_plan(profiles, budget, allowed=allowed, cost_model=cost_model)
+        if brute is None:
+            with pytest.raises(InfeasibleBudgetError):
+                plan_checkpointing(profiles, budget, allowed=allowed, cost_model=cost_model)
+            continue
+        plan = plan_checkpointing(profiles, budget, allowed=allowed, cost_model=cost_model)
+        assert plan.cost == brute.cost, trial
+        assert plan.activation_bytes <= budget
+
+
+def test_plan_uses_boundary_sharing():
+    # Block 0 keeps its output; block 1 keeping its input costs nothing extra.
+    keep = OptionCost(10, True, True)
+    profiles = [
+        BlockProfile("a", 0, 100, 100, False, {"keep": keep}),
+        BlockProfile("b", 0, 100, 100, True, {"keep": OptionCost(10, True, False)}),
+    ]
+    plan = evaluate_plan(profiles, ["keep", "keep"])
+    assert plan.block_bytes == {"a": 210, "b": 10} and plan.activation_bytes == 220
+
+
+def test_plan_budget_errors_and_table():
+    profiles = _random_profiles(random.Random(1), 3)
+    minimum = evaluate_plan(profiles, ["full"] * 3).activation_bytes
+    with pytest.raises(
+        InfeasibleBudgetError, match=rf"smallest activation bytes .*\({minimum} bytes\).*allow 'offload'"
+    ):
+        plan_checkpointing(profiles, minimum - 1, allowed=["keep", "selective", "full"])
+    for bad in ["-1GB", "banana", 0]:
+        with pytest.raises(ValueError, match="budget must be"):
+            plan_checkpointing(profiles, bad)
+    with pytest.raises(ValueError, match="allowed treatments must be among .* got 'cheap'"):
+        plan_checkpointing(profiles, 10**6, allowed=["cheap"])
+    with pytest.raises(ValueError, match="pointwise_flops_per_byte must be >= 0, got -1"):
+        CostModel(pointwise_flops_per_byte=-1)
+    plan = plan_checkpointing(profiles, 10**6)
+    assert set(plan.choices.values()) == {"keep"} and plan.cost == 0
+    table = plan.table()
+    assert table.splitlines()[0].split()[:3] == ["block", "choice", "activations"] and "total" in table
