@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.utils._pytree import tree_map
 
 __all__ = [
     "ConversionReport",
@@ -247,7 +248,8 @@ def convert_batchnorm(
             layers are converted; each count must divide the layer's ``C``.
         example_input: an input for one no-grad, eval-mode forward that records each BatchNorm's input
             shape (RNG and training flags are restored); a tuple is passed as positional arguments and a
-            dict as keyword arguments, as Lightning's ``example_input_array``. Layers whose input has no
+            dict as keyword arguments, as Lightning's ``example_input_array``; its tensors are moved to the
+            model's device (``meta`` included) and float dtype when all parameters share one. Layers whose input has no
             spatial extent, such as ``BatchNorm1d`` on ``(N, C)``, get one group.
 
     Returns:
@@ -265,7 +267,7 @@ def convert_batchnorm(
 
         model = nn.Sequential(nn.Conv2d(3, 48, 3), nn.BatchNorm2d(48), nn.ReLU())
         report = convert_batchnorm(model, example_input=torch.randn(2, 3, 8, 8))
-        print(report)  # 1: BatchNorm2d(48) -> GroupNorm(24, 48), input (2, 48, 6, 6)
+        print(report)  # '1': BatchNorm2d(48) -> GroupNorm(24, 48), input (2, 48, 6, 6)
     """
     _check_positive("num_groups", num_groups)
     if group_size is not None:
@@ -382,7 +384,8 @@ def revert_groupnorm(module: nn.Module) -> nn.Module:
     Each :class:`SwappedGroupNorm` is replaced by the BatchNorm it was made from: same class and
     attributes (``eps``, ``momentum``, ``track_running_stats``, subclass state), the GroupNorm's current
     ``weight``/``bias`` Parameter objects and training flag, and the running statistics the BatchNorm
-    had at the swap (or those loaded from a pre-swap checkpoint since), moved to the weight's device.
+    had at the swap (or those loaded from a pre-swap checkpoint since), moved to the weight's device and
+    floating dtype (reset to zeros/ones when the model was materialized from meta after the swap).
 
     Args:
         module: the converted model.
@@ -405,13 +408,28 @@ def revert_groupnorm(module: nn.Module) -> nn.Module:
                     bn.register_parameter(name, None)
                 else:
                     setattr(bn, name, param)
-            device = sub.weight.device if sub.weight is not None else None
-            for name, buf in list(bn.named_buffers(recurse=False)):
-                if device is not None and buf.device != device and not device.type == "meta":
-                    setattr(bn, name, buf.to(device))
+            _follow(bn, sub.weight)
             bn.train(sub.training)
             replacements[id(sub)] = bn
     return _replace(module, replacements)
+
+
+def _follow(bn: nn.Module, weight: torch.Tensor | None) -> None:
+    """Move the held BatchNorm's statistics to where the model went since the swap (device, float dtype)."""
+    if weight is None:
+        return
+    materialized = False
+    for name, buf in list(bn.named_buffers(recurse=False)):
+        dtype = weight.dtype if buf.is_floating_point() else buf.dtype
+        if buf.device == weight.device and buf.dtype == dtype:
+            continue
+        if buf.is_meta:  # the model was materialized (to_empty) after the swap: fresh statistics
+            setattr(bn, name, torch.empty_like(buf, device=weight.device, dtype=dtype))
+            materialized = True
+        else:
+            setattr(bn, name, buf.to(device=weight.device, dtype=dtype))
+    if materialized and getattr(bn, "track_running_stats", False):
+        bn.reset_running_stats()
 
 
 def _replace(root: nn.Module, replacements: dict[int, nn.Module]) -> nn.Module:
@@ -471,6 +489,19 @@ def _probe_input_shapes(
         if args and isinstance(args[0], torch.Tensor):
             shapes.setdefault(id(layer), tuple(args[0].shape))
 
+    # Run where the model is and in its float dtype (when it has one device and one float dtype): a model
+    # built on meta is probed with meta inputs, for free; a bf16 model gets bf16 inputs.
+    devices = {p.device for p in root.parameters()}
+    dtypes = {p.dtype for p in root.parameters() if p.is_floating_point()}
+    device = next(iter(devices)) if len(devices) == 1 else None
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+    example_input = tree_map(move, example_input)
     handles = [layer.register_forward_pre_hook(record) for layer in layers]
     modes = [(m, m.training) for m in root.modules()]
     try:

@@ -258,6 +258,20 @@ def test_probe_restores_modes_rng_and_statistics():
         assert torch.equal(getattr(layer, name.split(".")[1]), value)
 
 
+def test_probe_of_a_meta_model_runs_on_meta():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.BatchNorm1d(8 * 16))
+    report = convert_batchnorm(model, example_input=torch.randn(2, 3, 6, 6))  # a CPU input
+    assert [layer.input_shape for layer in report.converted] == [(2, 8, 4, 4), (2, 128)]
+    assert (model[1].num_groups, model[3].num_groups) == (8, 1) and model[1].weight.is_meta
+
+
+def test_probe_casts_the_input_to_the_model_dtype():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).to(torch.bfloat16)
+    report = convert_batchnorm(model, example_input=torch.randn(2, 3, 5, 5))  # float32 input, bf16 model
+    assert report.converted[0].input_shape == (2, 8, 3, 3) and model[1].weight.dtype == torch.bfloat16
+
+
 def test_probe_with_keyword_input():
     class Model(nn.Module):
         def __init__(self):
@@ -434,7 +448,9 @@ def test_second_conversion_changes_nothing():
 def test_optimizer_created_before_the_swap_still_trains_the_groupnorm():
     model = _cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    order = [id(p) for p in model.parameters()]
     convert_batchnorm(model, example_input=X)
+    assert [id(p) for p in model.parameters()] == order  # so optimizer state_dicts (by position) still map
     before = model[1].weight.detach().clone()
     model(torch.randn(4, 3, 6, 6)).sum().backward()
     opt.step()
@@ -527,3 +543,33 @@ def test_micro_batch_gradients_match_the_full_batch():
     assert rel(grads(model, 2), grads(model, 8)) > 0.1  # BatchNorm: micro-batching changes the gradient
     convert_batchnorm(model, example_input=X)
     assert rel(grads(model, 2), grads(model, 8)) < 1e-6  # GroupNorm: only float rounding (rel 1e-6)
+
+
+def test_explicit_plan_with_two_counts_for_one_shared_layer_raises():
+    bn = nn.BatchNorm2d(4)
+    model = nn.Sequential(bn, bn)
+    with pytest.raises(
+        ValueError, match=r"groups gives different counts \[1, 2\] to the shared layer \('0', '1'\)"
+    ):
+        convert_batchnorm(model, groups={"0": 2, "1": 1})
+
+
+def test_revert_follows_the_model_to_a_new_dtype_and_out_of_meta():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), _randomize(nn.BatchNorm2d(4)))
+    stats = model[1].running_var.clone()
+    convert_batchnorm(model)
+    model.double()
+    revert_groupnorm(model)
+    assert model[1].running_var.dtype == torch.float64 and torch.equal(model[1].running_var, stats.double())
+    assert model[1].num_batches_tracked.dtype == torch.int64
+    model(torch.randn(2, 3, 2, 2, dtype=torch.float64))  # BatchNorm runs with its statistics in float64
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    convert_batchnorm(model)
+    model.to_empty(device="cpu")
+    revert_groupnorm(model)
+    assert torch.equal(model[1].running_mean, torch.zeros(4)) and torch.equal(
+        model[1].running_var, torch.ones(4)
+    )
+    assert model[1].num_batches_tracked.item() == 0 and not model[1].running_mean.is_meta

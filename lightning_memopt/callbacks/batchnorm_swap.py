@@ -55,6 +55,8 @@ class BatchNormToGroupNorm(Callback):
 
     Raises:
         ValueError: an argument out of range (message names it and the valid choices).
+        MisconfigurationException: in ``setup``, when the model has a layer that cannot be converted
+            faithfully (see :func:`~lightning_memopt.norm.convert_batchnorm`) or the probe forward fails.
 
     Example::
 
@@ -143,7 +145,7 @@ class BatchNormToGroupNorm(Callback):
     def _swap(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         swap, why = self._decide(trainer)
         if not swap:
-            self._groups = {}
+            self._groups = _swapped_groups(pl_module)  # {} unless an earlier run on this module swapped
             rank_zero_info(f"BatchNormToGroupNorm: BatchNorm layers kept ({why})")
             return
         example = pl_module.example_input_array if self.probe else None
@@ -158,6 +160,11 @@ class BatchNormToGroupNorm(Callback):
                     f"BatchNormToGroupNorm could not probe BatchNorm input shapes with "
                     f"{type(pl_module).__name__}.example_input_array: {err.__cause__!r}. Fix example_input_array "
                     "or pass BatchNormToGroupNorm(probe=False)"
+                ) from err
+            except (TypeError, ValueError) as err:
+                # a layer of this model cannot be converted faithfully (the message says which and why)
+                raise MisconfigurationException(
+                    f"BatchNormToGroupNorm cannot swap the BatchNorm layers of {type(pl_module).__name__}: {err}"
                 ) from err
         for warning in caught:  # re-emitted once, on rank zero
             rank_zero_warn(str(warning.message), category=warning.category)
