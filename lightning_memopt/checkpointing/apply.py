@@ -161,13 +161,41 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
     if choice == "offload":
         with _OffloadHooks(block):
             return fn(*args, **kwargs)
-    context_fn = _selective_contexts if choice == "selective" else _noop_contexts
+    contexts = _selective_contexts if choice == "selective" else _noop_contexts
+    buffers = [b for b in block.buffers() if b.is_floating_point() or b.dtype == torch.long]
+
+    def context_fn():
+        forward_ctx, recompute_ctx = contexts()
+        if not buffers:
+            return forward_ctx, recompute_ctx
+        return forward_ctx, _RestoreBuffers(buffers, recompute_ctx)
+
     # Non-reentrant only: reentrant checkpoint breaks with kwargs, DDP and inputs that need no grad.
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def _noop_contexts():
     return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+class _RestoreBuffers:
+    """Around recomputation: put the block's buffers back as they were, so BatchNorm's running statistics
+    are updated once per step (by the forward), not twice (forward and recomputation)."""
+
+    def __init__(self, buffers: list[torch.Tensor], inner) -> None:
+        self.buffers, self.inner = buffers, inner
+
+    def __enter__(self):
+        self.saved = [b.detach().clone() for b in self.buffers]
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            with torch.no_grad():
+                for b, saved in zip(self.buffers, self.saved):
+                    b.copy_(saved)
 
 
 def apply_checkpointing(model: nn.Module, plan) -> None:

@@ -287,3 +287,28 @@ def test_plan_budget_errors_and_table():
     assert set(plan.choices.values()) == {"keep"} and plan.cost == 0
     table = plan.table()
     assert table.splitlines()[0].split()[:3] == ["block", "choice", "activations"] and "total" in table
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+@pytest.mark.parametrize("choice", ["selective", "full"])
+def test_batchnorm_statistics_updated_once_and_gradients_equal(choice):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), *[Bottleneck() for _ in range(2)])
+    x = torch.randn(2, 3, 8, 8)
+    ref_model = copy.deepcopy(model)
+    ref_model(x).square().mean().backward()
+    apply_checkpointing(model, {"1": choice, "2": choice})
+    model(x).square().mean().backward()
+    for (n, a), b in zip(model.state_dict().items(), ref_model.state_dict().values()):
+        assert torch.equal(a, b), n  # running_mean/var and num_batches_tracked: one update
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)

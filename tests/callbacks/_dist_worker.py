@@ -1,0 +1,102 @@
+"""One rank of a 2-process CPU gloo run of AutoCheckpoint (started by test_auto_checkpoint_distributed.py).
+
+Usage: python _dist_worker.py OUT_DIR. For DDP, then ModelParallelStrategy (FSDP2), runs the same training
+twice in this process, with and without AutoCheckpoint, and saves both final parameter vectors and the
+plan for the test to compare. One launch for both strategies: process start-up dominates the test's time.
+"""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memopt import AutoCheckpoint
+from lightning_memopt.checkpointing import apply_checkpointing, checkpointed_blocks
+from tests.checkpointing.models import TinyGPT
+
+
+class Module(pl.LightningModule):
+    def __init__(self, shard: bool, checkpoint_first: bool = False) -> None:
+        super().__init__()
+        self.shard = shard
+        self.checkpoint_first = checkpoint_first
+        self.model = None
+        self.seen = []
+
+    def configure_model(self):
+        if self.model is not None:
+            return
+        torch.manual_seed(0)
+        self.model = TinyGPT(3, dropout=0.1)
+        if self.checkpoint_first:  # torchtitan's order: AC, then FSDP
+            apply_checkpointing(self.model, {"h.0": "selective", "h.1": "full", "h.2": "offload"})
+        if self.shard:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.h:
+                fully_shard(block, mesh=mesh)  # sharded BEFORE AutoCheckpoint installs (the harder order)
+            fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(checkpointed_blocks(self))
+        (idx,) = batch
+        logits = self.model(idx)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randint(0, 32, (16, 8), generator=g)), batch_size=4)
+
+
+def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Tensor, list]:
+    strategy = (
+        DDPStrategy(process_group_backend="gloo")
+        if kind == "ddp"
+        else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
+    )
+    module = Module(shard=kind == "fsdp2", checkpoint_first=checkpoint_first)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=2,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(1)  # the same dropout masks in both runs
+    trainer.fit(module)
+    params = []
+    for p in module.model.parameters():
+        p = p.detach()
+        params.append((p.full_tensor() if hasattr(p, "full_tensor") else p).flatten())
+    return torch.cat(params), module.seen
+
+
+def main() -> None:
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    for kind in ("ddp", "fsdp2"):
+        plain, _ = run(kind, [])
+        cb = AutoCheckpoint()
+        checkpointed, seen = run(kind, [cb])
+        result = {"plain": plain, "checkpointed": checkpointed}
+        if kind == "fsdp2":
+            result["checkpoint_first"], result["seen_first"] = run(kind, [], checkpoint_first=True)
+        torch.save(result, os.path.join(out, f"{kind}_params{rank}.pt"))
+        with open(os.path.join(out, f"{kind}_plan{rank}.json"), "w") as f:
+            json.dump({"seen": seen, "choices": cb.plan.choices, "predicted": cb.plan.predicted}, f)
+
+
+if __name__ == "__main__":
+    main()
