@@ -96,6 +96,10 @@ class MicroBatchOOMError(RuntimeError):
     """
 
 
+class _PeerOutOfMemory(Exception):
+    """Raised at a sync point when another rank ran out of memory (FSDP2: collectives inside forward)."""
+
+
 class MicroBatchEngine:
     """Runs each optimizer batch as micro-batches; shared by ``AutoAccumulation`` and ``OOMBackoff``.
 
@@ -236,15 +240,20 @@ class MicroBatchEngine:
             size = min(self.micro_batch_size or total, total)
             self._zero_grad(module, batch_idx)
             failure: str | None = None
+            peer = False  # another rank's OOM was learned at a sync point (which was this step's agreement)
             try:
                 result = self._run_micro_batches(batch, args[1:], kwargs, total, size)
+            except _PeerOutOfMemory:
+                peer = True
             except BaseException as error:
                 if not (self.retry_on_oom and is_out_of_memory(error)):
                     raise
                 failure = f"{type(error).__name__}: {error}"
                 self.last_failure = failure + "\n" + self._memory_report(module)
             # Outside the except block: the traceback, and the attempt's tensors its frames hold, are gone.
-            if self.retry_on_oom and self._agreement_needed():
+            if peer:
+                failed = True
+            elif self.retry_on_oom and self._agreement_needed():
                 failed = any_rank(failure is not None, self._device())
             else:
                 failed = failure is not None
@@ -254,7 +263,7 @@ class MicroBatchEngine:
             self._recover(module, size, total)
             step_retries += 1
         loss, extras, recorder = result
-        if self.retry_on_oom and self._agreement_needed():
+        if self.retry_on_oom and self._agreement_needed() and not self._fsdp_modules():
             all_reduce_gradients(p for p in trainer.strategy.model.parameters())
         if own_state:
             self._state = None
@@ -279,14 +288,22 @@ class MicroBatchEngine:
         self.num_micro_batches = len(parts)
         agree = self.retry_on_oom and self._agreement_needed()
         ddp = _ddp_module(strategy)
+        # FSDP2 gathers parameters inside forward and backward: a rank that ran out of memory must tell
+        # the others before their next collective. Sync points (a tiny all-reduce) run before each
+        # sharded module's forward and before each backward; gradients reduce-scatter in every
+        # micro-batch's backward, so a failed attempt leaves nothing in FSDP's unsharded buffers.
+        sharded = agree and bool(self._fsdp_modules())
         full_loss: torch.Tensor | None = None
         extras: dict | None = None
-        with _LogRecorder(module) as recorder:
+        with _LogRecorder(module) as recorder, self._sync_points(armed=sharded):
             for i, (part, weight) in enumerate(zip(parts, weights)):
                 last = i == len(parts) - 1
                 # Gradients synchronize in the last micro-batch's backward, unless the ranks must first
                 # agree that nobody ran out of memory (then they are averaged after the agreement).
-                sync = contextlib.nullcontext() if last and not agree else _no_sync(strategy)
+                if sharded:
+                    sync = contextlib.nullcontext()
+                else:
+                    sync = contextlib.nullcontext() if last and not agree else _no_sync(strategy)
                 recorder.weight = weight
                 _buffer_broadcast(ddp, on=i == 0)
                 with sync:
@@ -295,6 +312,8 @@ class MicroBatchEngine:
                     scaled = loss * weight
                     if scaler is not None:
                         scaled = scaler.scale(scaled)
+                    if sharded:
+                        self._sync_point()
                     scaled.backward()
                 part_loss = loss.detach().float() * weight
                 full_loss = part_loss if full_loss is None else full_loss + part_loss
@@ -544,6 +563,32 @@ class MicroBatchEngine:
 
     def _agreement_needed(self) -> bool:
         return is_distributed()
+
+    def _fsdp_modules(self) -> list[torch.nn.Module]:
+        """The FSDP2 (``fully_shard``) modules of the model, root first; empty without FSDP2."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # torch without FSDP2
+            return []
+        return [m for m in self._trainer.strategy.model.modules() if isinstance(m, FSDPModule)]
+
+    def _sync_point(self) -> None:
+        """All ranks: has anyone run out of memory? (A rank that did answers from its except path.)"""
+        if any_rank(False, self._device()):
+            raise _PeerOutOfMemory
+
+    @contextlib.contextmanager
+    def _sync_points(self, armed: bool):
+        handles = []
+        if armed:
+            for m in self._fsdp_modules():
+                # prepend: before FSDP's own pre-forward hook, which all-gathers the parameters
+                handles.append(m.register_forward_pre_hook(lambda *_: self._sync_point(), prepend=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def _device(self) -> torch.device:
         return self._trainer.strategy.root_device

@@ -7,7 +7,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_memopt.batching.distributed import max_over_ranks, min_over_ranks
@@ -39,8 +41,9 @@ class AutoAccumulation(Callback):
 
     Args:
         micro_batch_size: A fixed training micro-batch size; skips probing. Default None: probe.
-        eval_micro_batch_size: Samples per validation/test/predict micro-batch. Default None: the whole
-            batch (evaluation keeps no activations for backward, so it usually fits whole).
+        eval_micro_batch_size: Samples per validation/test/predict micro-batch. Default None: probed
+            separately (evaluation keeps no activations for backward, so it fits larger), up to the
+            training batch size; the whole batch when nothing is probed.
         max_memory: The memory the step may use, in bytes or a string like ``"6GiB"``. Default None: the
             CUDA device's capacity. Required to probe on CPU (there is no device limit to ask); without
             it the CPU run is not split.
@@ -55,7 +58,9 @@ class AutoAccumulation(Callback):
             step. Default True.
 
     Attributes:
-        probes: ``(size, peak bytes or None)`` of each probe step this fit ran (empty on resume).
+        probes: ``(size, peak bytes or None)`` of each training probe this fit ran (empty on resume).
+        eval_probes: The same for the evaluation size (probed with ``validation_step`` under ``no_grad``
+            on the first training batch, when the module has a ``validation_step``).
 
     Raises:
         ValueError: For a bad argument (see the message).
@@ -105,6 +110,7 @@ class AutoAccumulation(Callback):
         self.split_fn = split_fn
         self.log = log
         self.probes: list[tuple[int, int | None]] = []
+        self.eval_probes: list[tuple[int, int | None]] = []
         self._fixed = micro_batch_size
         self._sizes: dict[str, Any] = {
             "micro_batch_size": micro_batch_size,
@@ -152,49 +158,72 @@ class AutoAccumulation(Callback):
         capacity = self._capacity(trainer)
         if capacity is None:
             return
-        size = self._find_size(trainer, pl_module, batch, capacity)
-        self._sizes["micro_batch_size"] = size
+        # The smallest device decides, and every rank must search with the same budget to take the
+        # same path (the same number of probes, hence of collectives).
+        capacity = min_over_ranks(capacity, trainer.strategy.root_device)
+        self._sizes["micro_batch_size"] = self._find_size(
+            trainer, pl_module, batch, capacity, evaluation=False
+        )
+        if self._sizes["eval_micro_batch_size"] is None and is_overridden("validation_step", pl_module):
+            self._sizes["eval_micro_batch_size"] = self._find_size(
+                trainer, pl_module, batch, capacity, evaluation=True
+            )
         self._apply_sizes()
 
     def _capacity(self, trainer: pl.Trainer) -> int | None:
         device = trainer.strategy.root_device
         if self.max_memory is not None:
-            total = self.max_memory
-        elif device.type == "cuda":
-            total = device_memory(device).capacity()
-        else:
-            rank_zero_warn(
-                f"AutoAccumulation cannot ask a {device.type!r} device how much memory it has; pass "
-                "max_memory= (e.g. '6GiB') to pick a micro-batch size. Running whole batches."
-            )
-            return None
-        return int(total * (1 - self.headroom))
+            return self.max_memory
+        if device.type == "cuda":
+            return device_memory(device).capacity()
+        rank_zero_warn(
+            f"AutoAccumulation cannot ask a {device.type!r} device how much memory it has; pass "
+            "max_memory= (e.g. '6GiB') to pick a micro-batch size. Running whole batches."
+        )
+        return None
 
     def _find_size(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, capacity: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        capacity: int,
+        *,
+        evaluation: bool,
     ) -> int:
-        from lightning_memopt.batching.sizing import find_micro_batch_size
+        from lightning_memopt.batching.sizing import find_micro_batch_size  # noqa: I001 (btools' module)
 
         engine = self._engine
         assert engine is not None
         device = trainer.strategy.root_device
         max_size = min_over_ranks(engine._batch_size(batch, pl_module), device)
+        # BatchNorm in training mode cannot normalize one sample; evaluation uses running statistics.
+        has_bn = any(isinstance(m, _BatchNorm) and m.training for m in pl_module.modules())
+        min_size = 2 if has_bn and not evaluation and max_size >= 2 else 1
 
         def probe(size: int) -> int | None:
             tracker = None
             if device.type != "cuda":
                 tracker = MemoryTracker(trainer.strategy.model, trainer.optimizers)
-            peak = engine.probe(batch, size, tracker=tracker)
+            peak = engine.probe(batch, size, tracker=tracker, evaluation=evaluation)
             # Every rank sees the largest peak of all ranks (a rank that ran out of memory reports "too
             # much"), so the search takes the same path on every rank: one 8-byte collective per probe.
             agreed = max_over_ranks(_FAILED if peak is None else peak, device)
-            self.probes.append((size, None if agreed == _FAILED else agreed))
-            return None if agreed == _FAILED else agreed
+            result = None if agreed == _FAILED else agreed
+            (self.eval_probes if evaluation else self.probes).append((size, result))
+            return result
 
         result = find_micro_batch_size(
-            probe, max_size=max_size, capacity=capacity, max_probes=self.max_probes
+            probe,
+            max_size=max_size,
+            capacity=capacity,
+            headroom=self.headroom,
+            min_size=min_size,
+            max_probes=self.max_probes,
+            # evaluation keeps no activations: try the whole batch first, one probe when it fits
+            start=max_size if evaluation else None,
         )
-        return int(result.size)
+        return min_over_ranks(int(result.size), device)
 
     def _apply_sizes(self) -> None:
         engine = self._engine

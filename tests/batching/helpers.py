@@ -64,11 +64,11 @@ class Net(pl.LightningModule):
 
 
 def fit(model: pl.LightningModule, callbacks=(), *, steps: int = 4, batch: int = 10, tmp_path=None, **kwargs):
-    trainer = pl.Trainer(
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    options = dict(
         accelerator="cpu",
         devices=1,
         max_steps=steps,
-        callbacks=list(callbacks),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -76,9 +76,10 @@ def fit(model: pl.LightningModule, callbacks=(), *, steps: int = 4, batch: int =
         num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=tmp_path,
-        **kwargs,
     )
-    trainer.fit(model, DataLoader(dataset(), batch_size=batch, shuffle=False))
+    options.update(kwargs)
+    trainer = pl.Trainer(callbacks=list(callbacks), **options)
+    trainer.fit(model, DataLoader(dataset(), batch_size=batch, shuffle=False), ckpt_path=ckpt_path)
     return trainer
 
 

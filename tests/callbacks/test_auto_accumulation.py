@@ -1,9 +1,11 @@
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_memopt import AutoAccumulation
-from tests.batching.helpers import Net, assert_params_close, fit
+from lightning_memopt.memory import MemoryTracker
+from tests.batching.helpers import Net, assert_params_close, dataset, fit
 
 
 class GradRecorder(pl.Callback):
@@ -41,3 +43,161 @@ def test_fixed_micro_batches_equal_unsplit_sgd(tmp_path):
     )
     # the engine is removed at teardown
     assert "training_step" not in vars(trainer.strategy) and "optimizer_zero_grad" not in vars(split)
+
+
+def peak_bytes(model: torch.nn.Module, batch, size: int) -> int:
+    """Peak live bytes of one forward+backward of ``size`` samples, measured outside Lightning."""
+    x, y = batch
+    with MemoryTracker(model) as tracker:
+        torch.nn.functional.mse_loss(model(x[:size]), y[:size]).backward()
+    for p in model.parameters():
+        p.grad = None
+    return tracker.peak
+
+
+def test_probing_finds_the_largest_size_that_fits_and_changes_nothing(tmp_path):
+    batch = tuple(t.clone() for t in dataset(64)[:32])  # a collated batch owns its storage
+    sizes = range(2, 33)  # BatchNorm cannot train on one sample
+    peaks = {s: peak_bytes(Net(batchnorm=True, dropout=0.2), batch, s) for s in sizes}
+    capacity = (peaks[13] + peaks[14]) // 2  # 13 samples fit, 14 do not
+    callback = AutoAccumulation(max_memory=capacity, headroom=0.0)
+    model = Net(batchnorm=True, dropout=0.2)
+    fit(model, [callback], steps=2, batch=32, tmp_path=tmp_path)
+    assert callback.micro_batch_size == 13
+    assert 3 <= len(callback.probes) <= 6
+    assert model.seen_sizes[-4:] == [11, 11, 10, 8]  # 32 samples as 3 micro-batches of at most 13; then 8
+    # evaluation probes start from the whole batch: no activations kept, so it fits whole here
+    assert callback.eval_probes[0][0] == 32
+    # probing left weights, BatchNorm statistics and RNG as they were: same as a fixed size from the start
+    reference = Net(batchnorm=True, dropout=0.2)
+    fit(reference, [AutoAccumulation(micro_batch_size=13)], steps=2, batch=32, tmp_path=tmp_path)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_resume_does_not_probe_again(tmp_path):
+    batch = tuple(t.clone() for t in dataset(64)[:32])  # a collated batch owns its storage
+    capacity = peak_bytes(Net(), batch, 9)
+    first = AutoAccumulation(max_memory=capacity, headroom=0.0)
+    fit(
+        Net(),
+        [first, ModelCheckpoint(dirpath=tmp_path)],
+        steps=2,
+        batch=32,
+        tmp_path=tmp_path,
+        enable_checkpointing=True,
+    )
+    assert first.probes and first.micro_batch_size == 9
+    ckpt = next(tmp_path.glob("*.ckpt"))
+    assert torch.load(ckpt, weights_only=False)["callbacks"]["AutoAccumulation"]["micro_batch_size"] == 9
+    resumed = AutoAccumulation(max_memory=capacity, headroom=0.0)
+    model = Net()
+    fit(model, [resumed], steps=4, batch=32, tmp_path=tmp_path, ckpt_path=ckpt)
+    assert resumed.probes == [] and resumed.micro_batch_size == 9
+    # batches of 32 run as 4 x 8 (at most 9 each), of 8 as one: no other size, no probe
+    assert set(model.seen_sizes) == {8} and len(model.seen_sizes) >= 5
+
+
+def test_cpu_without_max_memory_runs_whole_batches(tmp_path):
+    callback = AutoAccumulation()
+    model = Net()
+    with pytest.warns(UserWarning, match="pass max_memory="):
+        fit(model, [callback], steps=1, tmp_path=tmp_path)
+    assert callback.micro_batch_size is None and model.seen_sizes == [10]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"micro_batch_size": 0}, "micro_batch_size must be a positive int"),
+        ({"eval_micro_batch_size": 2.5}, "eval_micro_batch_size must be a positive int"),
+        ({"headroom": 1.0}, r"headroom must be a fraction in \[0, 1\)"),
+        ({"max_probes": 2}, "max_probes must be an int >= 3"),
+        ({"max_memory": "lots"}, "max_memory must be a byte size"),
+    ],
+)
+def test_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoAccumulation(**kwargs)
+
+
+def test_token_weighted_loss(tmp_path):
+    """With count_fn, micro-batch losses are weighted by their share of counted elements (tokens)."""
+
+    class TokenNet(Net):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.seen_sizes.append(len(x))
+            mask = (x[:, 0] > 0).float()  # a "token" is a sample with a positive first feature
+            per_sample = ((self(x) - y) ** 2).squeeze(1)
+            loss = (per_sample * mask).sum() / mask.sum().clamp_min(1)
+            self.log("train_loss", loss, on_step=True, on_epoch=True)
+            return loss
+
+    base, split = TokenNet(), TokenNet()
+    fit(base, tmp_path=tmp_path)
+    fit(
+        split,
+        [AutoAccumulation(micro_batch_size=3, count_fn=lambda b: float((b[0][:, 0] > 0).sum()))],
+        tmp_path=tmp_path,
+    )
+    assert_params_close(split, base, rel=1e-6)
+
+
+class Pair:
+    """A batch type the built-in splitter does not know."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+
+def _pair_collate(samples):
+    x, y = zip(*samples)
+    return Pair(torch.stack(x), torch.stack(y))
+
+
+class PairNet(Net):
+    def training_step(self, batch, batch_idx):
+        self.seen_sizes.append(len(batch))
+        loss = torch.nn.functional.mse_loss(self(batch.x), batch.y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=len(batch))
+        return loss
+
+
+def _fit_pairs(model, callbacks, tmp_path):
+    from torch.utils.data import DataLoader
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, DataLoader(dataset(), batch_size=10, collate_fn=_pair_collate))
+
+
+def test_unknown_batch_type_names_the_hook(tmp_path):
+    with pytest.raises(
+        TypeError, match=r"define `split_batch\(self, batch, sizes\)` on your LightningModule"
+    ):
+        _fit_pairs(PairNet(), [AutoAccumulation(micro_batch_size=4)], tmp_path)
+
+
+def test_split_batch_hook_on_the_module(tmp_path):
+    class Hooked(PairNet):
+        def split_batch(self, batch, sizes):
+            xs, ys = torch.split(batch.x, sizes), torch.split(batch.y, sizes)
+            return [Pair(x, y) for x, y in zip(xs, ys)]
+
+    base, split = Hooked(), Hooked()
+    _fit_pairs(base, [], tmp_path)
+    _fit_pairs(split, [AutoAccumulation(micro_batch_size=4)], tmp_path)
+    assert split.seen_sizes == [4, 3, 3] * 2
+    assert_params_close(split, base, rel=1e-6)

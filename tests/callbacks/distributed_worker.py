@@ -1,0 +1,91 @@
+"""One rank of the 2-process CPU tests (run by tests/callbacks/test_distributed.py, not by pytest).
+
+Usage: python -m tests.callbacks.distributed_worker OUT STRATEGY:PHASE [STRATEGY:PHASE ...]
+(RANK etc. in the environment). Importing Lightning takes most of a worker's time, so one launch runs
+several fits, one after another in the same process group, and writes OUT/<strategy>-<phase>-rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_memopt import AutoAccumulation, OOMBackoff
+from tests.batching.helpers import CapSize, Net, dataset
+
+
+class ShardedNet(Net):
+    """Net with its layers sharded by FSDP2 (``fully_shard``) in ``configure_model``."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.net:
+            if any(p.requires_grad for p in layer.parameters()):
+                fully_shard(layer, mesh=self.device_mesh)
+        fully_shard(self, mesh=self.device_mesh)
+
+
+def run(strategy_name: str, phase: str, out: str) -> None:
+    model = ShardedNet() if strategy_name == "fsdp2" else Net()
+    if phase not in ("none", "plain", "probe"):
+        layers = list(model.net)
+        layers.insert(len(layers) - 1, CapSize(4, phase, ranks={1}))  # rank 1 only runs out of memory
+        model.net = torch.nn.Sequential(*layers)
+    if strategy_name == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        strategy = DDPStrategy(process_group_backend="gloo")
+    if phase == "probe":  # rank 1 has less memory: both ranks must use its size
+        callback = AutoAccumulation(max_memory=2900 if int(os.environ["RANK"]) == 1 else 10**6, headroom=0.0)
+    else:
+        callback = OOMBackoff()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=2,
+        callbacks=[] if phase == "plain" else [callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    # rank r gets samples r, r + 2, ...: a step's two batches of 10 are the first 20 samples
+    sampler = DistributedSampler(dataset(), num_replicas=2, rank=trainer.global_rank, shuffle=False)
+    trainer.fit(model, DataLoader(dataset(), batch_size=10, sampler=sampler))
+    params = {}
+    for name, p in model.named_parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        params[name.replace("net.4.", "net.3.")] = p.detach().tolist()  # the cap layer shifts the last index
+    result = {
+        "rank": trainer.global_rank,
+        "micro_batch_size": callback.micro_batch_size,
+        "oom_retries": callback.engine.oom_retries if callback.engine else 0,
+        "raised": model.net[-2].raised if phase not in ("none", "plain", "probe") else 0,
+        "probes": getattr(callback, "probes", []),
+        "params": params,
+        "losses": model.step_losses,
+    }
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def main(out_dir: str, *runs: str) -> None:
+    for spec in runs:
+        strategy_name, phase = spec.split(":")
+        rank = int(os.environ["RANK"])
+        run(strategy_name, phase, os.path.join(out_dir, f"{strategy_name}-{phase}-rank{rank}.json"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,120 @@
+"""Two real CPU processes (gloo): an OOM on rank 1 only makes both ranks back off, with no hang.
+
+DDP with OOMs in forward and in backward; ModelParallelStrategy (FSDP2) with an OOM in forward. (An OOM
+in one rank's FSDP2 backward is not recovered: FSDP2 all-gathers and reduce-scatters inside backward,
+where no sync point can be put in front of each collective; see README.)"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.batching.helpers import Net, fit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RUNS = ("ddp:forward", "ddp:backward", "fsdp2:forward", "ddp:probe")
+
+
+def run_two_ranks(runs, tmp_path: Path, timeout: float = 200) -> dict[str, list[dict]]:
+    """Launch 2 ranks that run ``runs`` (``strategy:phase``) in turn; their results, by run."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            PYTHONPATH=str(ROOT),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [sys.executable, "-m", "tests.callbacks.distributed_worker", str(tmp_path), *runs]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0].decode())
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the ranks hung for more than {timeout}s")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return {
+        spec: [
+            json.loads((tmp_path / f"{spec.replace(':', '-')}-rank{r}.json").read_text()) for r in range(2)
+        ]
+        for spec in runs
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_two_ranks(RUNS, tmp_path_factory.mktemp("ranks"))
+
+
+def single_process_params(tmp_path) -> dict:
+    # DistributedSampler(shuffle=False) gives rank r the samples r, r+2, ...: two ranks of 10 per step
+    # average to the mean over the first 20 samples, which is one process with batches of 20.
+    model = Net()
+    fit(model, steps=2, batch=20, tmp_path=tmp_path)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_ddp_oom_on_rank_one_only(results, tmp_path, phase):
+    results = results[f"ddp:{phase}"]
+    assert [r["raised"] for r in results] == [0, 2]  # only rank 1 ran out of memory (at 10, then 5)
+    assert [r["micro_batch_size"] for r in results] == [3, 3]  # both backed off to the same size
+    assert [r["oom_retries"] for r in results] == [2, 2]
+    expected = single_process_params(tmp_path)
+    for r in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_oom_on_rank_one_only(results, tmp_path):
+    """ModelParallelStrategy (FSDP2 ``fully_shard``): an OOM in rank 1's forward, between two sharded
+    layers, reaches rank 0 at its next sync point; both ranks retry at the same size."""
+    results = results["fsdp2:forward"]
+    assert [r["raised"] for r in results] == [0, 2]
+    assert [r["micro_batch_size"] for r in results] == [3, 3]
+    assert [r["oom_retries"] for r in results] == [2, 2]
+    expected = single_process_params(tmp_path)
+    for r in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(240)
+def test_ddp_probing_agrees_on_the_smallest_device(results, tmp_path):
+    """AutoAccumulation under DDP: rank 1 is given less memory; both ranks probe the same sizes (one
+    agreed peak per probe) and train with the same micro-batch, equal to one process's result."""
+    results = results["ddp:probe"]
+    sizes = [r["micro_batch_size"] for r in results]
+    assert sizes[0] == sizes[1] and 1 < sizes[0] < 10
+    assert results[0]["probes"] == results[1]["probes"] and len(results[0]["probes"]) <= 6
+    expected = single_process_params(tmp_path)
+    for r in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
