@@ -41,7 +41,14 @@ _MIB = 2**20
 
 
 def empty_record(step: int, phases: Sequence[str] = PHASES, *, breakdown: bool = True) -> dict[str, int]:
-    """A record for ``step`` with every peak (and, with ``breakdown``, every category) at 0 bytes."""
+    """A record for ``step`` with every peak (and, with ``breakdown``, every category) at 0 bytes.
+
+    Raises:
+        ValueError: If a phase name contains ``_`` (it separates phase and category in the keys).
+    """
+    for phase in phases:
+        if "_" in phase or phase in ("step", "steps"):
+            raise ValueError(f"phase names must not contain '_' nor be 'step'/'steps', got {phase!r}")
     record = {"step": step, "steps": 1}
     for phase in phases:
         record[phase] = 0
