@@ -10,8 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from jsonargparse import ArgumentParser
+from lightning.pytorch.callbacks import Callback
 
-from lightning_memopt import MemoryMonitor
+import lightning_memopt
+from lightning_memopt import (
+    AutoAccumulation,
+    AutoCheckpoint,
+    BatchNormToGroupNorm,
+    MemoryMonitor,
+    OOMBackoff,
+)
+from lightning_memopt.memory import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -93,8 +103,22 @@ def test_gpt_memopt_config_instantiates_callbacks_with_yaml_values(gpt_train):
     path = EXAMPLES / "gpt" / "memopt.yaml"
     cli = gpt_train.main(["--config", str(path)], run=False)
     listed = _yaml_callbacks(path)
-    assert "lightning_memopt.MemoryMonitor" in listed
+    assert list(listed) == [
+        "lightning_memopt.AutoCheckpoint",
+        "lightning_memopt.AutoAccumulation",
+        "lightning_memopt.OOMBackoff",
+        "lightning_memopt.MemoryMonitor",
+    ]
+    (checkpoint,) = _callbacks(cli, AutoCheckpoint)
+    (accumulation,) = _callbacks(cli, AutoAccumulation)
+    (backoff,) = _callbacks(cli, OOMBackoff)
     (monitor,) = _callbacks(cli, MemoryMonitor)
+    # Byte strings from the YAML arrive as bytes.
+    assert listed["lightning_memopt.AutoCheckpoint"]["budget"] == "40MiB"
+    assert parse_bytes(checkpoint.budget) == 40 * 2**20  # AutoCheckpoint parses it when it plans
+    assert listed["lightning_memopt.AutoAccumulation"]["max_memory"] == "48MiB"
+    assert accumulation.max_memory == parse_bytes("48MiB") == 48 * 2**20
+    assert backoff.grow_after is None
     assert monitor.log_every_n_steps == listed["lightning_memopt.MemoryMonitor"]["log_every_n_steps"] == 10
     # Same job as baseline.yaml except for the callbacks.
     baseline = yaml.safe_load((EXAMPLES / "gpt" / "baseline.yaml").read_text())
@@ -105,16 +129,87 @@ def test_gpt_memopt_config_instantiates_callbacks_with_yaml_values(gpt_train):
     assert memopt["trainer"] == baseline["trainer"]
 
 
-def test_resnet_config_instantiates_callbacks(resnet_train):
+def test_resnet_config_instantiates_callbacks_with_yaml_values(resnet_train):
     path = EXAMPLES / "resnet" / "config.yaml"
     cli = resnet_train.main(["--config", str(path)], run=False)
+    (swap,) = _callbacks(cli, BatchNormToGroupNorm)
+    (accumulation,) = _callbacks(cli, AutoAccumulation)
     (monitor,) = _callbacks(cli, MemoryMonitor)
+    assert (swap.num_groups, swap.when) == (8, "micro_batching")
+    assert accumulation.micro_batch_size == 8
     assert monitor.log_every_n_steps == 10
     assert cli.model.hparams.num_classes == cli.datamodule.hparams.num_classes == 10  # linked
 
 
+def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
+    """Every callback the package exports, from YAML: with zero arguments in a LightningCLI config, and
+    with typical init_args (byte strings included) through jsonargparse, as LightningCLI parses them
+    (the Trainer refuses two stateful callbacks of one type, so the variants are parsed on their own)."""
+    exported = {name for name in lightning_memopt.__all__ if name[0].isupper()}
+    assert exported == {
+        "AutoAccumulation",
+        "AutoCheckpoint",
+        "BatchNormToGroupNorm",
+        "MemoryMonitor",
+        "OOMBackoff",
+    }
+    config = tmp_path / "callbacks.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n"
+        + "".join(f"    - class_path: lightning_memopt.{name}\n" for name in sorted(exported))
+    )
+    cli = gpt_train.main(["--config", str(config)], run=False)
+    ours = [
+        type(c).__name__ for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_memopt")
+    ]
+    assert ours == sorted(exported)
+
+    variants = tmp_path / "variants.yaml"
+    variants.write_text(
+        """callbacks:
+  - class_path: lightning_memopt.AutoCheckpoint
+    init_args: {budget: 6GiB, headroom: 0.2}
+  - class_path: lightning_memopt.AutoCheckpoint
+    init_args: {budget: 0.5}
+  - class_path: lightning_memopt.AutoCheckpoint
+    init_args: {mode: every_n, every_n: 3}
+  - class_path: lightning_memopt.AutoAccumulation
+    init_args: {max_memory: 1.5 GB, headroom: 0.05, eval_micro_batch_size: 64}
+  - class_path: lightning_memopt.OOMBackoff
+    init_args: {grow_after: 100}
+  - class_path: lightning_memopt.BatchNormToGroupNorm
+    init_args: {group_size: 4, when: micro_batching, micro_batch_size_below: 16}
+  - class_path: lightning_memopt.MemoryMonitor
+    init_args: {breakdown: never, report: false, max_history: 64}
+"""
+    )
+    parser = ArgumentParser()
+    parser.add_argument("--config", action="config")
+    parser.add_argument("--callbacks", type=list[Callback])
+    callbacks = parser.instantiate_classes(parser.parse_args(["--config", str(variants)])).callbacks
+    ckpt_gib, ckpt_fraction, ckpt_every, accumulation, backoff, swap, monitor = callbacks
+    assert (parse_bytes(ckpt_gib.budget), ckpt_gib.headroom) == (6 * 2**30, 0.2)
+    assert ckpt_fraction.budget == 0.5
+    assert (ckpt_every.mode, ckpt_every.every_n) == ("every_n", 3)
+    assert (accumulation.max_memory, accumulation.headroom) == (1_500_000_000, 0.05)
+    assert accumulation._sizes["eval_micro_batch_size"] == 64
+    assert backoff.grow_after == 100
+    assert (swap.group_size, swap.when, swap.micro_batch_size_below) == (4, "micro_batching", 16)
+    assert (monitor.breakdown, monitor.report, monitor.max_history) == ("never", False, 64)
+
+
+def test_bad_yaml_value_is_reported_with_the_callbacks_message(tmp_path, gpt_train):
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_memopt.AutoCheckpoint\n      init_args: {budget: banana}\n"
+    )
+    with pytest.raises(ValueError, match="banana"):
+        gpt_train.main(["--config", str(config)], run=False)
+
+
 # ------------------------------------------------------------------------------------- a few steps
 def test_gpt_memopt_fit_prints_the_comparison(gpt_train, tmp_path, capsys):
+    pytest.importorskip("lightning_memopt.batching.sizing")  # AutoAccumulation's search; until btools is merged
     cli = gpt_train.main(
         ["fit", "--config", str(EXAMPLES / "gpt" / "memopt.yaml"), *TINY_GPT, *_quiet(tmp_path)]
     )
