@@ -1,4 +1,5 @@
 import logging
+import multiprocessing
 import os
 import socket
 import warnings
@@ -7,7 +8,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -377,6 +377,10 @@ trainer:
         num_groups: 4
 """
     )
+    from lightning.pytorch.cli import (
+        LightningCLI,  # imported here: the distributed workers need not import it
+    )
+
     cli = LightningCLI(BNNet, args=["fit", "--config", str(config)], save_config_callback=None)
     (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, BatchNormToGroupNorm)]
     assert callback.num_groups == 4
@@ -385,6 +389,8 @@ trainer:
 
 
 def test_lightning_cli_zero_arguments(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
     cli = LightningCLI(
         BNNet,
         args=[
@@ -409,6 +415,24 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _run_two_ranks(worker, tmp_path):
+    """Run ``worker(rank, port, out_dir)`` in 2 processes forked from a fresh forkserver.
+
+    Not plain fork: forking this process (threads of earlier tests alive) can deadlock the children. Not
+    spawn: each rank would import lightning again. The forkserver imports it once, runs nothing, and forks
+    both ranks (and those of later tests) from that clean state.
+    """
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["lightning.pytorch", __name__])
+    torch.multiprocessing.start_processes(
+        worker,
+        args=(_free_port(), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        daemon=True,
+        start_method="forkserver",
+    )
 
 
 def _ddp_worker(rank, port, out_dir):
@@ -452,10 +476,7 @@ def _ddp_worker(rank, port, out_dir):
 
 @pytest.mark.timeout(180)
 def test_ddp_two_processes(tmp_path):
-    # fork: the children inherit the imported torch and lightning (spawn would re-import them, ~10 s each)
-    torch.multiprocessing.start_processes(
-        _ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork"
-    )
+    _run_two_ranks(_ddp_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["swapped"] == r1["swapped"] == {"net.1": 8, "net.5": 1}
     assert r0["optimizer_holds_gn"] and r1["optimizer_holds_gn"]
@@ -518,9 +539,7 @@ def _fsdp2_worker(rank, port, out_dir):
 
 @pytest.mark.timeout(180)
 def test_fsdp2_convert_before_sharding(tmp_path):
-    torch.multiprocessing.start_processes(
-        _fsdp2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork"
-    )
+    _run_two_ranks(_fsdp2_worker, tmp_path)
     for rank in (0, 1):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result[True]["swapped"] == {"net.1": 8, "net.5": 1} and len(result[True]["losses"]) == 2
