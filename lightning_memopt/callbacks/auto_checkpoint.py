@@ -206,9 +206,10 @@ class AutoCheckpoint(Callback):
         if self._skip or not self._blocks or not self._needs_check or self._batch_stack is not None:
             return
         stack = contextlib.ExitStack()
+        meter = self._meter = stack.enter_context(ActivationMeter(pl_module, self._blocks))
         if self.plan is not None and not self.plan.predicted:
-            self._inputs = stack.enter_context(record_block_inputs(self._blocks))
-        self._meter = stack.enter_context(ActivationMeter(pl_module, self._blocks))
+            held = lambda t: meter.tracker.category_of(t) == "activations"  # noqa: E731
+            self._inputs = stack.enter_context(record_block_inputs(self._blocks, held))
         self._batch_stack = stack
 
     @override

@@ -132,7 +132,7 @@ class Plan:
 def _step(profile: BlockProfile, option: OptionCost, prev_holds_output: bool) -> int:
     """Bytes ``option`` adds to the chain, given whether the previous block already holds our input."""
     add = option.internal_bytes + profile.output_bytes * option.saves_output
-    if option.saves_input and not (profile.chained and prev_holds_output):
+    if option.saves_input and not (profile.chained and prev_holds_output) and not profile.input_held:
         add += profile.input_bytes
     return add
 

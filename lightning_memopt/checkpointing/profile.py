@@ -1,7 +1,8 @@
 """Profile blocks: what each treatment holds for backward, and what it costs to recompute.
 
-How. The model runs forward once without gradients to capture every block's inputs (and to tell
-whether a block's input is the previous block's output). Each block is then run alone on its captured
+How. The model runs forward once, recording the graph but keeping no tensor, to capture every block's
+inputs (and to tell whether a block's input is the previous block's output, or is already held for
+backward by an op outside the blocks). Each block is then run alone on its captured
 inputs, once per treatment, forward and backward (``torch.autograd.grad``: parameters' ``.grad`` are
 left alone; RNG and buffers are restored afterwards):
 
@@ -88,6 +89,9 @@ class BlockProfile:
     chained: bool
     """Whether the block's primary input is the previous block's primary output (the same storage)."""
     options: dict[str, OptionCost] = field(default_factory=dict)
+    input_held: bool = False
+    """Whether an op outside the blocks already holds the primary input for backward (a ReLU before the
+    first block saves its output): then keeping the input costs the block nothing."""
 
     def activation_bytes(self, choice: str) -> int:
         """Bytes the block alone holds for backward under ``choice`` (boundaries included)."""
@@ -111,6 +115,7 @@ class BlockInputs:
     args: tuple
     kwargs: dict
     chained: bool
+    input_held: bool = False
 
 
 class _OpCounter(TorchDispatchMode):
@@ -150,27 +155,31 @@ def _detach(value):
 
 
 @contextlib.contextmanager
-def record_block_inputs(blocks: Iterable[tuple[str, nn.Module]]) -> Iterator[dict[str, BlockInputs]]:
+def record_block_inputs(
+    blocks: Iterable[tuple[str, nn.Module]], is_held: Callable[[torch.Tensor], bool] | None = None
+) -> Iterator[dict[str, BlockInputs]]:
     """Keep each block's inputs (detached) from the forwards run while entered; yields the dict it fills.
 
-    Only the first call of each block is kept (not recomputations). Used by :func:`capture_block_inputs`
-    and, around a real training step, by ``AutoCheckpoint``.
+    Only the first call of each block is kept (not recomputations). ``is_held(tensor)`` tells whether
+    autograd already holds a tensor (used for a block's input that is not the previous block's output).
+    Used by :func:`capture_block_inputs` and, around a real training step, by ``AutoCheckpoint``.
     """
     captured: dict[str, BlockInputs] = {}
-    last_output: list[int | None] = [None]
+    last_output: list[torch.Tensor | None] = [None]  # a reference, so its storage key cannot be reused
 
     def pre_hook(name):
         def hook(module, a, kw):
             if name not in captured:
                 first = next(iter(_tensors((a, kw))), None)
-                chained = first is not None and _storage_key(first) == last_output[0]
-                captured[name] = BlockInputs(_detach(a), _detach(kw), chained)
+                last = last_output[0]
+                chained = first is not None and last is not None and _storage_key(first) == _storage_key(last)
+                held = first is not None and not chained and is_held is not None and is_held(first)
+                captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held)
 
         return hook
 
     def post_hook(module, a, kw, out):
-        first = next(iter(_tensors(out)), None)
-        last_output[0] = _storage_key(first) if first is not None else None
+        last_output[0] = next(iter(_tensors(out)), None)
 
     handles = []
     for name, block in blocks:
@@ -179,6 +188,7 @@ def record_block_inputs(blocks: Iterable[tuple[str, nn.Module]]) -> Iterator[dic
     try:
         yield captured
     finally:
+        last_output[0] = None
         for h in handles:
             h.remove()
 
@@ -190,22 +200,45 @@ def capture_block_inputs(
     context: Callable[[], contextlib.AbstractContextManager] | None = None,
     **kwargs,
 ) -> dict[str, BlockInputs]:
-    """Run ``model(*args, **kwargs)`` without gradients and keep each block's inputs (detached).
+    """Run ``model(*args, **kwargs)`` once and keep each block's inputs (detached).
 
     ``context`` (e.g. an autocast) is entered around the run. The global RNG state and the model's
     buffers are as they were afterwards.
     """
+    blocks = list(blocks)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # Autograd records the graph but the blocks' saved tensors are dropped (pack returns nothing): memory
+    # as without gradients plus what ops outside the blocks save, and we learn which storages those hold.
+    # Outside ops' saved tensors stay referenced for the run: a freed storage's key could be reused.
+    held: dict[int | None, torch.Tensor] = {}
+    depth = [0]
+
+    def pack(t):
+        if depth[0] == 0:
+            held[_storage_key(t)] = t
+
+    def enter(*_):
+        depth[0] += 1
+
+    def leave(*_):
+        depth[0] -= 1
+
+    handles = [
+        h for _, b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))
+    ]
     try:
         # Leave no trace: RNG and buffers (BatchNorm statistics) are restored after the run.
         with (
-            record_block_inputs(blocks) as captured,
+            record_block_inputs(blocks, lambda t: _storage_key(t) in held) as captured,
             torch.random.fork_rng(devices=[]),
-            torch.no_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
             (context or contextlib.nullcontext)(),
         ):
             model(*args, **kwargs)
     finally:
+        held.clear()
+        for h in handles:
+            h.remove()
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
@@ -260,7 +293,7 @@ def profile_blocks(
         if key not in cache:
             cache[key] = _profile_block(name, block, captured, choices, context)
         profile = copy.deepcopy(cache[key])
-        profile.name, profile.chained = name, captured.chained
+        profile.name, profile.chained, profile.input_held = name, captured.chained, captured.input_held
         profiles.append(profile)
     return profiles
 
@@ -310,7 +343,9 @@ def _profile_block(name, block, captured: BlockInputs, choices, context) -> Bloc
         else:
             state.choice = before
         del fake_model._modules["b"]
-    return BlockProfile(name, forward_flops, in_bytes, out_bytes, captured.chained, options)
+    return BlockProfile(
+        name, forward_flops, in_bytes, out_bytes, captured.chained, options, captured.input_held
+    )
 
 
 def _run(block, captured: BlockInputs, context):
@@ -380,7 +415,7 @@ class ActivationMeter:
         >>> with ActivationMeter(model, find_blocks(model)) as meter:
         ...     loss = model(torch.randn(4, 8)).sum()
         >>> meter.block_bytes
-        {'0': 256, '1': 512}
+        {'0': 256, '1': 256}
     """
 
     def __init__(self, model: nn.Module, blocks: Iterable[tuple[str, nn.Module]], optimizers=None) -> None:

@@ -312,3 +312,65 @@ def test_batchnorm_statistics_updated_once_and_gradients_equal(choice):
         assert torch.equal(a, b), n  # running_mean/var and num_batches_tracked: one update
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_input_held_by_op_outside_blocks_counted_once():
+    torch.manual_seed(0)
+    # The stem's ReLU saves its output, which is the first block's input: keeping it costs block 0 nothing.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), *[Bottleneck() for _ in range(2)])
+    x = torch.randn(2, 3, 8, 8)
+    blocks = find_blocks(model, [Bottleneck])
+    profiles = profile_blocks(model, blocks, x, choices=["full"])
+    assert [(p.chained, p.input_held) for p in profiles] == [(False, True), (True, False)]
+    plan = evaluate_plan(profiles, ["full", "full"])
+    assert plan.block_bytes == {"2": 0, "3": 2 * 4 * 6 * 6 * 4}
+    apply_checkpointing(model, plan)
+    with ActivationMeter(model, blocks) as meter:
+        model(x).sum().backward()
+    assert meter.block_bytes == plan.block_bytes
+
+
+def test_profile_on_fake_tensors_gives_the_same_bytes_and_flops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    real = profile_blocks(
+        model, find_blocks(model), torch.randint(0, 32, (2, 8)), choices=["full", "selective"]
+    )
+    with FakeTensorMode():  # nothing allocated: the model and batch are fake
+        model = TinyGPT(2)
+        fake = profile_blocks(
+            model, find_blocks(model), torch.randint(0, 32, (2, 8)), choices=["full", "selective"]
+        )
+    for r, f in zip(real, fake):
+        assert (r.forward_flops, r.input_bytes, r.output_bytes, r.chained) == (
+            f.forward_flops,
+            f.input_bytes,
+            f.output_bytes,
+            f.chained,
+        )
+        for choice in ("keep", "full", "selective"):
+            a, b = r.options[choice], f.options[choice]
+            assert (a.internal_bytes, a.saves_input, a.saves_output, a.recompute_flops) == (
+                b.internal_bytes,
+                b.saves_input,
+                b.saves_output,
+                b.recompute_flops,
+            )
+
+
+def test_profile_and_plan_input_errors():
+    model = TinyGPT(2)
+    with pytest.raises(ValueError, match="block 'extra' was not called during the model's forward"):
+        profile_blocks(model, [*find_blocks(model), ("extra", nn.Linear(2, 2))], torch.randint(0, 32, (1, 4)))
+    profiles = _random_profiles(random.Random(2), 2)
+    with pytest.raises(ValueError, match=r"need one choice per block \(2\), got 1"):
+        evaluate_plan(profiles, ["keep"])
+    del profiles[0].options["offload"]
+    with pytest.raises(ValueError, match="block 'b0' has no profile for choice 'offload'"):
+        evaluate_plan(profiles, ["offload", "keep"])
+    with pytest.raises(ValueError, match=r"profiles lack the treatments \['offload'\]"):
+        plan_checkpointing(profiles, 10**6)
+    with pytest.raises(ValueError, match="allowed must name at least one treatment"):
+        plan_checkpointing(profiles, 10**6, allowed=[])
