@@ -309,13 +309,15 @@ class MicroBatchEngine:
                 with sync:
                     out = self._originals["training_step"](part, *rest, **kwargs)
                     loss = _loss_of(out)
-                    scaled = loss * weight
+                    scaled = loss * weight if len(parts) > 1 else loss  # k=1: no extra op in the graph
                     if scaler is not None:
                         scaled = scaler.scale(scaled)
                     if sharded:
                         self._sync_point()
                     scaled.backward()
-                part_loss = loss.detach().float() * weight
+                part_loss = loss.detach().float()
+                if len(parts) > 1:
+                    part_loss = part_loss * weight
                 full_loss = part_loss if full_loss is None else full_loss + part_loss
                 if isinstance(out, Mapping):
                     extras = {k: _detach(v) for k, v in out.items() if k != "loss"}
@@ -630,12 +632,22 @@ class MicroBatchEngine:
         return "\n".join(lines)
 
     def _log_engine_metrics(self, log: Callable[..., Any]) -> None:
-        for name, value in (
-            ("memopt/micro_batch_size", self.micro_batch_size or self._last_total or 0),
-            ("memopt/num_micro_batches", self.num_micro_batches),
-            ("memopt/oom_retries", self.oom_retries),
-        ):
-            log(name, float(value), on_step=True, on_epoch=False, batch_size=1)
+        """Log ``memopt/*`` when a value changed and every ``log_every_n_steps`` (when Lightning writes to
+        the logger); ``self.log`` costs about as much as a small step's arithmetic, so not every step."""
+        values = (
+            ("memopt/micro_batch_size", float(self.micro_batch_size or self._last_total or 0)),
+            ("memopt/num_micro_batches", float(self.num_micro_batches)),
+            ("memopt/oom_retries", float(self.oom_retries)),
+        )
+        trainer = self._trainer
+        every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
+        if values == self._logged and trainer.global_step % every != 0:
+            return
+        self._logged = values
+        for name, value in values:
+            log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    _logged: tuple = ()
 
 
 # ---------------------------------------------------------------------- module-level helpers
@@ -663,6 +675,9 @@ class _LogRecorder:
     def flush(self) -> None:
         for name, records in self._records.items():
             value, _, args, kwargs = records[-1]
+            if len(records) == 1:  # one micro-batch: log exactly what the user logged
+                self.original_log(name, value, *args, **kwargs)
+                continue
             numeric = [
                 r
                 for r in records

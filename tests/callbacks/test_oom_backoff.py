@@ -81,8 +81,12 @@ def test_hundred_ooms_leak_nothing(tmp_path):
         lives.append(recorder.live)
         raised = model.net[-2].raised
     assert raised == 100
-    # live tensor bytes after every step, the 100 recoveries included, equal the run without any OOM
-    assert lives[1] == lives[0]
+    # live tensor bytes after 100 recoveries equal the run without any OOM, and never rise above it (an
+    # attempt's leaked activations would add 960 bytes per step); the few bytes in between are the
+    # scalars Lightning keeps for logged values, which differ with the number of micro-batches
+    assert lives[1][-1] == lives[0][-1]
+    assert max(lives[1]) <= max(lives[0])
+    assert max(lives[1]) - min(lives[1]) < 64
 
 
 class OOMInStep(pl.Callback):

@@ -1,0 +1,229 @@
+import math
+import random
+
+import pytest
+import torch
+
+from lightning_memopt.batching.sizing import MemoryModel, SizingResult, find_micro_batch_size
+from lightning_memopt.memory import MemoryTracker
+
+
+def _device(peak, capacity):
+    """A probe for a simulated device: the peak if it fits in ``capacity``, else out of memory."""
+    calls = []
+
+    def probe(size):
+        calls.append(size)
+        return peak(size) if peak(size) <= capacity else None
+
+    return probe, calls
+
+
+def _true_max(peak, budget, max_size):
+    return max(s for s in range(1, max_size + 1) if peak(s) <= budget)
+
+
+def _check(result, peak, capacity, headroom, max_size, calls):
+    budget = math.floor(capacity * (1 - headroom))
+    assert result.budget == budget
+    assert result.probes == [(s, peak(s) if peak(s) <= capacity else None) for s in calls]
+    assert (result.size, peak(result.size)) in result.probes  # probed, and it did not fail
+    assert peak(result.size) <= budget
+    assert 1 <= result.size <= max_size
+    return result.size / _true_max(peak, budget, max_size)
+
+
+@pytest.mark.parametrize("headroom", [0.0, 0.1])
+@pytest.mark.parametrize(
+    ("fixed", "per_sample", "true", "max_size"),
+    [
+        (1e9, 1e6, 300, 8192),
+        (1e6, 1e5, 45, 256),
+        (5e9, 1e3, 7000, 8192),
+        (2e8, 4e6, 1000, 1024),
+        (1e7, 1e7, 3, 64),
+    ],
+)
+def test_affine_curve_exact(fixed, per_sample, true, max_size, headroom):
+    def peak(s):
+        return int(fixed + per_sample * s)
+
+    capacity = math.ceil(peak(true) / (1 - headroom))
+    probe, calls = _device(peak, capacity)
+    result = find_micro_batch_size(
+        probe, max_size=max_size, capacity=capacity, headroom=headroom, max_probes=6
+    )
+    assert _check(result, peak, capacity, headroom, max_size, calls) == 1.0
+    assert len(result.probes) <= 6
+    assert result.model.per_sample == pytest.approx(per_sample, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("true", "max_size", "probes"),
+    # Within 6 probes when the answer is a few hundred samples; larger answers, reached through more
+    # stepping stones from the first small probes, take 7 or 8 (a known shortfall against the 6 aimed at).
+    [(300, 4096, 6), (60, 256, 6), (1500, 4096, 7), (5000, 8192, 8)],
+)
+def test_slightly_convex_curve_within_3_percent(true, max_size, probes):
+    # Activations grow 2% faster than linear by the true maximum; default headroom 0.1.
+    fixed, per_sample = 5e8, 1e6
+    curve = 0.02 * per_sample / true
+
+    def peak(s):
+        return int(fixed + per_sample * s + curve * s * s)
+
+    capacity = math.ceil(peak(true) / 0.9)
+    probe, calls = _device(peak, capacity)
+    result = find_micro_batch_size(probe, max_size=max_size, capacity=capacity, max_probes=8)
+    assert _check(result, peak, capacity, 0.1, max_size, calls) >= 0.97
+    assert len(result.probes) <= probes
+
+
+def test_whole_batch_fits():
+    probe, calls = _device(lambda s: 1000 + s, 10**6)
+    result = find_micro_batch_size(probe, max_size=32, capacity=10**6)
+    assert result.size == 32
+    assert calls == [1, 29, 32]  # 29: a stepping stone towards the extrapolated 899
+    result = find_micro_batch_size(probe, max_size=32, capacity=10**6, start=32)
+    assert result.probes == [(32, 1032)]
+
+
+def test_oom_at_first_probe_goes_down():
+    def peak(s):
+        return 10_000 + 100 * s
+
+    probe, calls = _device(peak, peak(40))
+    result = find_micro_batch_size(probe, max_size=512, capacity=peak(40), headroom=0.0, start=512)
+    assert result.probes[0] == (512, None)
+    assert calls[1] == 1  # started again from min_size
+    assert result.size == 40
+    assert len(result.probes) <= 6
+
+
+def test_probe_raising_oom_counts_as_none_and_other_errors_propagate():
+    def probe(size):
+        if size > 10:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return 100 + size
+
+    result = find_micro_batch_size(probe, max_size=64, capacity=10**6, headroom=0.0)
+    assert result.size == 10
+    assert (11, None) in result.probes or any(p is None for _, p in result.probes)
+
+    def broken(size):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        find_micro_batch_size(broken, max_size=64, capacity=10**6)
+
+
+def test_nothing_fits():
+    with pytest.raises(RuntimeError, match=r"even min_size=2 does not fit: its probe ran out of memory"):
+        find_micro_batch_size(lambda s: None, max_size=64, capacity="1GiB", min_size=2)
+    with pytest.raises(
+        RuntimeError,
+        match=r"even min_size=1 does not fit: its probe peaked at 950 bytes, over the budget of 900",
+    ):
+        find_micro_batch_size(lambda s: 950, max_size=64, capacity=1000)
+
+
+def test_max_probes_spent_before_anything_fits():
+    with pytest.raises(
+        RuntimeError, match=r"no probed size fitted the budget of 1000 bytes within max_probes=1"
+    ):
+        find_micro_batch_size(
+            lambda s: None, max_size=64, capacity=1000, headroom=0.0, start=64, max_probes=1
+        )
+
+
+def test_random_curves_never_return_a_failed_size():
+    rng = random.Random(0)
+    for _ in range(300):
+        fixed, per_sample = rng.choice([1e6, 1e9]), rng.choice([1e3, 1e6])
+        kink, ratio = rng.randint(1, 500), rng.choice([1.0, 2.0, 3.5])
+        max_size, true = rng.choice([64, 1024, 4096]), rng.randint(1, 3000)
+
+        def peak(s, fixed=fixed, per_sample=per_sample, kink=kink, ratio=ratio):
+            return int(
+                max(fixed + per_sample * s, fixed + per_sample * kink + ratio * per_sample * (s - kink))
+            )
+
+        headroom = rng.choice([0.0, 0.1])
+        capacity = math.ceil(peak(true) / (1 - headroom))
+        if peak(1) > capacity * (1 - headroom):
+            continue
+        probe, calls = _device(peak, capacity)
+        result = find_micro_batch_size(
+            probe, max_size=max_size, capacity=capacity, headroom=headroom, max_probes=6
+        )
+        _check(result, peak, capacity, headroom, max_size, calls)
+        assert len(calls) <= 6 and len(set(calls)) == len(calls)  # never probes a size twice
+
+
+def test_real_mlp_measured_with_memory_tracker():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 2),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    measured = {}
+
+    def peak(n):  # one real training step, its peak live bytes
+        if n not in measured:
+            x, y = torch.randn(n, 32), torch.randint(0, 2, (n,))
+            with MemoryTracker(model, opt) as tracker:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            measured[n] = tracker.peak
+        return measured[n]
+
+    # The curve is convex with a kink: small batches peak in the optimizer step, large ones in backward.
+    assert peak(2) - peak(1) < (peak(101) - peak(100)) / 2
+    for true in (300,):
+        capacity = math.ceil(peak(true) / 0.9)
+        probe, calls = _device(peak, capacity)
+        result = find_micro_batch_size(probe, max_size=1024, capacity=capacity, max_probes=6)
+        assert peak(true) <= result.budget < peak(true + 1)  # so the true maximum is `true`
+        assert result.size >= 0.97 * true
+        assert (result.size, peak(result.size)) in result.probes
+
+
+def test_memory_model():
+    model = MemoryModel.through((2, 1200), (10, 2000))
+    assert (model.fixed, model.per_sample) == (1000.0, 100.0)
+    assert model.predict(5) == 1500.0
+    assert model.largest_fitting(1550) == 5
+    assert MemoryModel(fixed=5.0, per_sample=0.0).largest_fitting(10) == math.inf
+    result = SizingResult(size=3, budget=10, probes=[(3, 7), (4, None)])
+    assert result.peak == 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_size": 0}, "max_size must be a positive int, got 0"),
+        ({"min_size": 1.5}, "min_size must be a positive int, got 1.5"),
+        ({"max_probes": True}, "max_probes must be a positive int, got True"),
+        ({"min_size": 9, "max_size": 8}, r"min_size \(9\) must be at most max_size \(8\)"),
+        ({"capacity": "big"}, "capacity must be a byte size, got 'big'"),
+        ({"headroom": 1.0}, r"headroom must be a fraction in \[0, 1\), got 1.0"),
+        ({"headroom": -0.1}, r"headroom must be a fraction in \[0, 1\), got -0.1"),
+        ({"start": 100}, r"start must be an int in \[min_size, max_size\] = \[1, 8\], got 100"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    kwargs = {"max_size": 8, "capacity": 1000, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        find_micro_batch_size(lambda s: 1, **kwargs)
+
+
+def test_bad_probe_result():
+    with pytest.raises(
+        ValueError, match=r"probe\(1\) must return peak bytes as a positive int or None, got 1.5"
+    ):
+        find_micro_batch_size(lambda s: 1.5, max_size=8, capacity=1000)
