@@ -13,6 +13,7 @@ on its own; nothing in this file knows about lightning_memopt.
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 VOCAB_SIZE = 256  # byte values
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 
 
 # ----------------------------------------------------------------------------------------- the model
@@ -187,16 +189,18 @@ def stdlib_corpus(max_bytes: int) -> torch.Tensor:
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if rel[0] in ("site-packages", "dist-packages", "test", "idlelib") or "tests" in rel:
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
+    for directory, subdirectories, files in os.walk(root):
+        # Walk in sorted order, and never into installed packages or the test suites.
+        subdirectories[:] = sorted(d for d in subdirectories if d not in _SKIP_DIRS)
+        for name in sorted(f for f in files if f.endswith(".py")):
+            try:
+                data = (Path(directory) / name).read_bytes()
+            except OSError:
+                continue
+            chunks.append(data)
+            total += len(data)
+            if total >= max_bytes:
+                break
         if total >= max_bytes:
             break
     if total == 0:
