@@ -27,13 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (script, title, extra arguments, extra arguments in --quick mode, timeout in seconds)
 BENCHMARKS = [
-    ("checkpointing.py", "Activation checkpointing (AutoCheckpoint's planner)", [], ["--quick"], 330),
-    ("anchors.py", "Anchors: torch apply_activation_checkpointing, torch.compile memory budget", [], [], 180),
-    ("batching.py", "Micro-batch sizing vs Lightning's BatchSizeFinder", [], [], 180),
-    ("engine_overhead.py", "Micro-batch engine step-time overhead at k=1", [], [], 60),
-    ("memory_monitor.py", "MemoryMonitor: what it reports and what measuring costs", [], [], 60),
+    ("checkpointing.py", "Activation checkpointing (AutoCheckpoint's planner)", [], ["--quick"], 360),
+    ("anchors.py", "Anchors: torch apply_activation_checkpointing, torch.compile memory budget", [], [], 150),
+    ("batching.py", "Micro-batch sizing vs Lightning's BatchSizeFinder", [], [], 150),
+    ("engine_overhead.py", "Micro-batch engine step-time overhead at k=1", [], [], 90),
+    ("memory_monitor.py", "MemoryMonitor: what it reports and what measuring costs", [], [], 90),
     ("batchnorm_swap.py", "BatchNorm -> GroupNorm swap", [], [], 60),
-]  # the timeouts add up to 14 minutes: the whole run stays under 15
+]  # timeouts add up to 15 minutes, a cap for a loaded machine; on an idle 2-core one each takes far less
 
 
 def run(script: str, args: list[str], timeout: float) -> tuple[str, float, str]:
