@@ -89,7 +89,7 @@ class AutoCheckpoint(Callback):
         self,
         *,
         blocks: list[type[torch.nn.Module] | str] | str | None = None,
-        budget: int | str | float | None = None,
+        budget: int | float | str | None = None,
         mode: Literal["auto", "full", "selective", "offload", "every_n"] = "auto",
         every_n: int = 2,
         headroom: float = 0.1,
@@ -236,6 +236,13 @@ class AutoCheckpoint(Callback):
                 # Blocks already fully_shard-ed in configure_model: profiling one alone would run FSDP's
                 # collectives out of step; the plan stays as chosen, without predictions.
                 self._needs_check = False
+                if self._needs_plan:
+                    self._needs_plan = False
+                    rank_zero_warn(
+                        "AutoCheckpoint cannot profile blocks that configure_model already sharded with "
+                        "fully_shard, so it cannot plan under a budget: every block stays fully checkpointed. "
+                        "Pass mode='selective' or mode='every_n' to recompute less."
+                    )
                 rank_zero_info(
                     "AutoCheckpoint plan (blocks are sharded; not profiled):\n" + self.plan.table()
                 )

@@ -246,3 +246,33 @@ def test_find_blocks_of_module_used_by_callback():
         "model.h.1",
         "model.h.2",
     ]
+
+
+def test_configurable_from_yaml_like_arguments():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(AutoCheckpoint, "cb")
+    for args, budget in (
+        [["--cb.budget=6GiB"], "6GiB"],
+        [["--cb.budget=0.5"], 0.5],
+        [["--cb.budget=1000"], 1000],
+    ):
+        cfg = parser.parse_args([*args, "--cb.blocks=[h.*]", "--cb.cost_model.pointwise_flops_per_byte=20"])
+        cb = (
+            parser.instantiate(cfg).cb
+            if hasattr(parser, "instantiate")
+            else parser.instantiate_classes(cfg).cb
+        )
+        assert (cb.budget, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (budget, ["h.*"], 20.0)
+
+
+def test_budget_with_sharded_blocks_warns_and_keeps_full(tmp_path, monkeypatch):
+    # Stand-in for blocks fully_shard-ed in configure_model (the real 2-process FSDP2 run is in
+    # test_auto_checkpoint_distributed.py): they are not profiled, so a budget cannot be planned for.
+    monkeypatch.setattr(ac_module, "_sharded", lambda blocks: True)
+    module, cb = GPTModule(), AutoCheckpoint(budget=10**6)
+    with pytest.warns(UserWarning, match="cannot profile blocks that configure_model already sharded"):
+        _trainer(tmp_path, [cb], steps=2).fit(module)
+    assert module.seen_choices[1] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
+    assert not cb.plan.predicted
