@@ -1,19 +1,42 @@
-"""lightning_memopt: make large models fit in accelerator memory, as Lightning callbacks."""
+"""lightning_memopt: make large models fit in accelerator memory, as Lightning callbacks.
 
-from lightning_memopt.callbacks import (
-    AutoAccumulation,
-    AutoCheckpoint,
-    BatchNormToGroupNorm,
-    MemoryMonitor,
-    OOMBackoff,
-)
+The callbacks are imported on first use, so that ``import lightning_memopt.memory`` (or any other
+plain-torch core) does not import Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__: list[str] = [
-    "AutoAccumulation",
-    "AutoCheckpoint",
-    "BatchNormToGroupNorm",
-    "MemoryMonitor",
-    "OOMBackoff",
-]
+# public name -> module that defines it
+_CALLBACKS = {
+    "AutoAccumulation": "lightning_memopt.callbacks.auto_accumulation",
+    "AutoCheckpoint": "lightning_memopt.callbacks.auto_checkpoint",
+    "BatchNormToGroupNorm": "lightning_memopt.callbacks.batchnorm_swap",
+    "MemoryMonitor": "lightning_memopt.callbacks.memory_monitor",
+    "OOMBackoff": "lightning_memopt.callbacks.oom_backoff",
+}
+
+__all__ = ["AutoAccumulation", "AutoCheckpoint", "BatchNormToGroupNorm", "MemoryMonitor", "OOMBackoff"]
+
+if TYPE_CHECKING:
+    from lightning_memopt.callbacks import (
+        AutoAccumulation,
+        AutoCheckpoint,
+        BatchNormToGroupNorm,
+        MemoryMonitor,
+        OOMBackoff,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CALLBACKS:
+        return getattr(importlib.import_module(_CALLBACKS[name]), name)
+    raise AttributeError(f"module 'lightning_memopt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

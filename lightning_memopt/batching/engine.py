@@ -40,6 +40,7 @@ What one training step does (``_training_step``), top to bottom:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping
@@ -111,6 +112,9 @@ class MicroBatchEngine:
         eval_micro_batch_size: Samples per validation/test/predict micro-batch; None = whole batch.
         retry_on_oom: Catch out-of-memory errors, restore the step and retry with half the size.
         grow_after: After this many clean steps at a reduced size, try a larger one (None: never).
+        overlap_after: Under DDP with OOM retry, after this many clean steps at one size, let the last
+            micro-batch synchronize gradients inside its backward (overlap) after agreeing on the first
+            k-1; an OOM in that last micro-batch then ends the run. None (default): never.
         count_fn: ``count_fn(micro_batch) -> number`` of loss elements (e.g. non-padding tokens) for
             losses that are a mean over something other than samples; None weighs by samples.
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut.
@@ -130,6 +134,10 @@ class MicroBatchEngine:
         self.oom_retries = 0
         self.eval_oom_retries = 0
         self.clean_steps = 0
+        self.stable_steps = 0  # clean steps in a row at the current size (overlap mode needs overlap_after)
+        self.overlap_after: int | None = None
+        self._overlapping = False
+        self._past_sync_point = False
         self.max_micro_batch_size: int | None = None  # cap when growing back (the size we started at)
         self.smallest_failed_size: int | None = None
         self.last_failure: str | None = None
@@ -241,6 +249,7 @@ class MicroBatchEngine:
             self._zero_grad(module, batch_idx)
             failure: str | None = None
             peer = False  # another rank's OOM was learned at a sync point (which was this step's agreement)
+            self._overlapping = self._past_sync_point = False
             try:
                 result = self._run_micro_batches(batch, args[1:], kwargs, total, size)
             except _PeerOutOfMemory:
@@ -253,6 +262,16 @@ class MicroBatchEngine:
             # Outside the except block: the traceback, and the attempt's tensors its frames hold, are gone.
             if peer:
                 failed = True
+            elif failure is not None and self._past_sync_point:
+                # Overlap mode: this rank ran out of memory while gradients synchronize in backward; the
+                # other ranks are inside DDP's all-reduce and no agreement can reach them any more.
+                raise MicroBatchOOMError(
+                    "out of memory in the last micro-batch while DDP synchronizes gradients during backward "
+                    "(OOMBackoff(overlap_after=...) mode); this cannot be retried on every rank. Keep "
+                    f"overlap_after=None (the default) to make every OOM recoverable.\n{self.last_failure}"
+                )
+            elif self._overlapping and failure is None:
+                failed = False  # the sync point before the last micro-batch was this step's agreement
             elif self.retry_on_oom and self._agreement_needed():
                 failed = any_rank(failure is not None, self._device())
             else:
@@ -263,7 +282,12 @@ class MicroBatchEngine:
             self._recover(module, size, total)
             step_retries += 1
         loss, extras, recorder = result
-        if self.retry_on_oom and self._agreement_needed() and not self._fsdp_modules():
+        if (
+            self.retry_on_oom
+            and self._agreement_needed()
+            and not self._fsdp_modules()
+            and not self._overlapping
+        ):
             all_reduce_gradients(p for p in trainer.strategy.model.parameters())
         if own_state:
             self._state = None
@@ -293,6 +317,17 @@ class MicroBatchEngine:
         # sharded module's forward and before each backward; gradients reduce-scatter in every
         # micro-batch's backward, so a failed attempt leaves nothing in FSDP's unsharded buffers.
         sharded = agree and bool(self._fsdp_modules())
+        # Overlap mode (opt-in, DDP, sizes stable): the ranks agree after the first k-1 micro-batches,
+        # then the last one synchronizes gradients inside its backward as DDP normally does. The same
+        # size just ran k-1 times in this step, but an OOM in that last micro-batch is not recoverable.
+        self._overlapping = (
+            agree
+            and ddp is not None
+            and not sharded
+            and len(parts) >= 2
+            and self.overlap_after is not None
+            and self.stable_steps >= self.overlap_after
+        )
         full_loss: torch.Tensor | None = None
         extras: dict | None = None
         with _LogRecorder(module) as recorder, self._sync_points(armed=sharded):
@@ -301,6 +336,10 @@ class MicroBatchEngine:
                 # Gradients synchronize in the last micro-batch's backward, unless the ranks must first
                 # agree that nobody ran out of memory (then they are averaged after the agreement).
                 if sharded:
+                    sync = contextlib.nullcontext()
+                elif self._overlapping and last:
+                    self._sync_point()
+                    self._past_sync_point = True
                     sync = contextlib.nullcontext()
                 else:
                     sync = contextlib.nullcontext() if last and not agree else _no_sync(strategy)
@@ -345,11 +384,12 @@ class MicroBatchEngine:
             return original(optimizer, closure, model, **kwargs)
         module = self._trainer.lightning_module
         self._state = self._capture(module)
+        step_closure = closure
         try:
             while True:
                 failure: str | None = None
                 try:
-                    return original(optimizer, closure, model, **kwargs)
+                    return original(optimizer, step_closure, model, **kwargs)
                 except BaseException as error:
                     if not is_out_of_memory(error):
                         raise
@@ -367,6 +407,9 @@ class MicroBatchEngine:
                 total = self._last_total or 1
                 size = min(self.micro_batch_size or total, total)
                 self._recover(module, size, total)
+                # Run the training step (and its hooks) at the smaller size now, before the optimizer's
+                # own pre-step work, so that the retried step starts from the new micro-batches' state.
+                step_closure = functools.partial(_return, closure())
         finally:
             self._state = None
 
@@ -374,6 +417,16 @@ class MicroBatchEngine:
     def _recover(self, module: Any, size: int, total: int) -> None:
         """Drop the failed attempt, restore the step's start, and pick a smaller micro-batch."""
         drop_gradients([self._trainer.strategy.model])
+        sharded = self._fsdp_modules()
+        if sharded:
+            # An attempt that failed inside a sharded module left FSDP mid-iteration (parameters
+            # gathered, the forward root set); torch's recovery call reshards and clears that state.
+            root = sharded[0]  # the outermost fully_shard module: modules() yields it first
+            if hasattr(root, "reset_iter_state"):  # torch >= 2.13
+                root.reset_iter_state()
+            else:
+                for m in sharded:
+                    m.reshard()
         if self._state is not None:
             self._state.restore()
         memory = self._device_memory()
@@ -381,6 +434,7 @@ class MicroBatchEngine:
             memory.empty_cache()
         self.oom_retries += 1
         self.clean_steps = 0
+        self.stable_steps = 0
         self.smallest_failed_size = min(self.smallest_failed_size or size, size)
         if size <= 1:
             raise MicroBatchOOMError(
@@ -393,6 +447,7 @@ class MicroBatchEngine:
 
     def _after_clean_step(self, step_retries: int, total: int) -> None:
         self._last_total = total
+        self.stable_steps += 1  # a step that succeeded at the current size (after its retries, if any)
         if step_retries:
             return
         self.clean_steps += 1
@@ -404,6 +459,7 @@ class MicroBatchEngine:
         grown = min(self.micro_batch_size * 2, cap)
         if grown > self.micro_batch_size:
             self.micro_batch_size = grown
+            self.stable_steps = 0  # a new size is unsettled again
         self.clean_steps = 0
 
     _last_total: int | None = None
@@ -691,6 +747,11 @@ class _LogRecorder:
                     kwargs = {**kwargs, "batch_size": sum(r[3].get("batch_size", 0) for r in records)}
             self.original_log(name, value, *args, **kwargs)
         self._records.clear()
+
+
+def _return(value: Any) -> Any:
+    """A closure that was already run: the precision plugin calls it once and gets its loss."""
+    return value
 
 
 def _as_tensor(value: Any) -> torch.Tensor:

@@ -30,6 +30,8 @@ _BACKOFF = (0.8, 0.5)
 # points it rests on are small batches, whose peak is often dominated by a phase (the optimizer step,
 # gradients) that grows more slowly with the batch than the activations do at larger sizes.
 _MAX_JUMP = 4
+# An extrapolation (not bracketed by a size measured over the budget) is probed this fraction of the way.
+_SHORT_OF = 0.95
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,9 @@ def find_micro_batch_size(
     The search: probe ``start``; from one measured point, jump to the largest size that surely fits if
     peak memory is proportional to size (or double, whichever is larger); from two, fit
     ``fixed + per_sample * size`` through the two points nearest the boundary and probe the largest size
-    it predicts to fit, or, if that is more than 4 times the largest size known to fit, the geometric
-    mean of the two (small batches often peak in a phase that grows more slowly than the activations of
-    large ones, so a long extrapolation overshoots). A probe that runs out of memory is followed by one
+    it predicts to fit (95% of the way there when it extrapolates), or, if that is more than 4 times the
+    largest size known to fit, the geometric mean of the two (small batches often peak in a phase that
+    grows more slowly than the activations of large ones, so a long extrapolation overshoots). A probe that runs out of memory is followed by one
     80% of the way back from it to the largest size known to fit, then by bisection. The search stops
     when the line predicts no larger size, when sizes ``n`` (fits) and ``n + 1`` (does not) are both
     known, or after ``max_probes`` probes. Sizes are any integers in ``[min_size, max_size]``.
@@ -195,6 +197,8 @@ def find_micro_batch_size(
         # The line nearest the boundary: through the largest fitting size and the smallest size measured
         # over the budget (bracketing), else through the two largest fitting sizes (extrapolating).
         bracketing = hi <= max_size and peaks[hi] is not None
+        # The curve is straight here if the previous line predicted the newest fitting size's peak.
+        straight = model is not None and abs(model.predict(lo) - peaks[lo]) <= 1e-3 * peaks[lo]
         if bracketing:
             model = MemoryModel.through((lo, peaks[lo]), (hi, peaks[hi]))
         elif len(good) >= 2:
@@ -209,6 +213,10 @@ def find_micro_batch_size(
             target = max(math.floor(lo * budget / peaks[lo]), 2 * lo)
         if not bracketing and _MAX_JUMP * lo < target < math.inf:
             target = math.isqrt(lo * target)  # a stepping stone: the geometric mean of here and there
+        elif not bracketing and model is not None and target < math.inf and not straight:
+            # Stop a little short of an extrapolated prediction: memory curves bend upwards, so it tends
+            # to overshoot, and a probe that fits tells more than one that runs out of memory.
+            target = lo + math.floor(_SHORT_OF * (target - lo))
         if target >= hi <= max_size:
             # The estimate says a size that ran out of memory fits: it is wrong by an unknown amount, so
             # bisect. A line through the OOM point at exactly `capacity` meets the budget at an upper

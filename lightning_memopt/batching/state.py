@@ -21,7 +21,8 @@ import torch
 
 __all__ = ["StepState", "drop_gradients"]
 
-# What a torchmetrics Metric keeps besides its registered states (``_defaults``).
+# What a torchmetrics Metric keeps besides its registered states (``_defaults``); only those stored on
+# the instance are restored (some versions make ``_update_called`` a read-only property).
 _METRIC_EXTRAS = ("_update_count", "_computed", "_forward_cache", "_update_called")
 
 
@@ -78,7 +79,7 @@ class StepState:
                 if _is_metric(sub):
                     saved = {name: _clone(getattr(sub, name)) for name in sub._defaults}
                     saved.update(
-                        {name: _clone(getattr(sub, name)) for name in _METRIC_EXTRAS if hasattr(sub, name)}
+                        {name: _clone(getattr(sub, name)) for name in _METRIC_EXTRAS if name in vars(sub)}
                     )
                     state._metrics.append((sub, saved))
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():

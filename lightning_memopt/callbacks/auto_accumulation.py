@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_memopt.batching.distributed import max_over_ranks, min_over_ranks
 from lightning_memopt.batching.engine import MicroBatchEngine
+from lightning_memopt.batching.sizing import find_micro_batch_size
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
@@ -191,8 +192,6 @@ class AutoAccumulation(Callback):
         *,
         evaluation: bool,
     ) -> int:
-        from lightning_memopt.batching.sizing import find_micro_batch_size  # noqa: I001 (btools' module)
-
         engine = self._engine
         assert engine is not None
         device = trainer.strategy.root_device

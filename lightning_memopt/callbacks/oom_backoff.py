@@ -36,6 +36,13 @@ class OOMBackoff(Callback):
         grow_after: After this many steps in a row without an out-of-memory error at a reduced size, try
             twice the size again (never above the starting size, nor up to a size that already failed).
             Default None: never grow back.
+        overlap_after: Under DDP, after this many steps in a row without an OOM at one size, and when a
+            step runs as 2 or more micro-batches, the ranks agree after the first k-1 micro-batches and
+            the last one synchronizes gradients inside its backward, as DDP does without this callback
+            (communication overlaps backward again; one 8-byte all-reduce per step). The price: an OOM
+            in that last micro-batch cannot be retried on every rank and ends the run with
+            :class:`~lightning_memopt.batching.engine.MicroBatchOOMError`. Default None: always agree
+            first, then average gradients (safe, no overlap).
         log: Log the keys below from the training step. Default True.
 
     Logged keys (per step, ``on_step=True``):
@@ -47,7 +54,7 @@ class OOMBackoff(Callback):
     ==========================  ====================================================================
 
     Raises:
-        ValueError: If ``grow_after`` is not a positive int.
+        ValueError: If ``grow_after`` is not a positive int, or ``overlap_after`` not an int >= 0.
         MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
             ``accumulate_grad_batches > 1`` (make the DataLoader batch the optimizer batch instead).
 
@@ -59,7 +66,9 @@ class OOMBackoff(Callback):
 
     splits_batches = True  # read (duck-typed) by BatchNormToGroupNorm
 
-    def __init__(self, *, grow_after: int | None = None, log: bool = True) -> None:
+    def __init__(
+        self, *, grow_after: int | None = None, overlap_after: int | None = None, log: bool = True
+    ) -> None:
         if grow_after is not None and (
             isinstance(grow_after, bool) or not isinstance(grow_after, int) or grow_after < 1
         ):
@@ -67,7 +76,15 @@ class OOMBackoff(Callback):
                 f"grow_after must be a positive int (clean steps before trying a larger micro-batch) or None, "
                 f"got {grow_after!r}"
             )
+        if overlap_after is not None and (
+            isinstance(overlap_after, bool) or not isinstance(overlap_after, int) or overlap_after < 0
+        ):
+            raise ValueError(
+                f"overlap_after must be an int >= 0 (clean steps before overlapping DDP's gradient sync with "
+                f"the last micro-batch's backward) or None, got {overlap_after!r}"
+            )
         self.grow_after = grow_after
+        self.overlap_after = overlap_after
         self.log = log
         self._engine: MicroBatchEngine | None = None
         self._loaded: dict[str, Any] = {}
@@ -93,6 +110,7 @@ class OOMBackoff(Callback):
             engine.check(trainer, pl_module)
         engine.retry_on_oom = True
         engine.grow_after = self.grow_after
+        engine.overlap_after = self.overlap_after
         engine.log_metrics = engine.log_metrics or self.log
         engine.install(trainer)
         self._engine = engine

@@ -93,37 +93,3 @@ def oom(where: str) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(
         f"CUDA out of memory. Tried to allocate 2.00 MiB (test injection in {where})"
     )
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, raise_now):
-        ctx.raise_now = raise_now
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.raise_now:
-            raise oom("backward")
-        return grad, None
-
-
-class CapSize(torch.nn.Module):
-    """Identity that runs out of memory (in ``phase``) when it sees more than ``max_size`` samples."""
-
-    def __init__(self, max_size: int, phase: str = "forward", ranks=None) -> None:
-        super().__init__()
-        self.max_size, self.phase, self.ranks = max_size, phase, ranks
-        self.raised = 0
-
-    def _active(self, x: torch.Tensor) -> bool:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return self.training and x.shape[0] > self.max_size and (self.ranks is None or rank in self.ranks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        active = self._active(x)
-        if active:
-            self.raised += 1
-        if active and self.phase == "forward":
-            raise oom("forward")
-        return _RaiseInBackward.apply(x, active and self.phase == "backward")

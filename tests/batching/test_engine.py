@@ -27,3 +27,35 @@ def test_lightning_surface_the_engine_relies_on_exists():
         assert call_name in backward
     assert "on_before_backward" in inspect.getsource(Precision.pre_backward)
     assert "on_after_backward" in inspect.getsource(Precision.post_backward)
+
+
+def test_check_refuses_deepspeed_and_double_wrapping():
+    import types
+
+    import pytest
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_memopt.batching.engine import MicroBatchEngine
+
+    class DeepSpeedStrategy:
+        pass
+
+    trainer = types.SimpleNamespace(strategy=DeepSpeedStrategy(), accumulate_grad_batches=1)
+    module = types.SimpleNamespace(automatic_optimization=True)
+    with pytest.raises(MisconfigurationException, match="DeepSpeed owns gradient accumulation"):
+        MicroBatchEngine().check(trainer, module)
+
+    class Strategy:
+        def training_step(self):
+            pass
+
+        backward = optimizer_step = validation_step = test_step = predict_step = training_step
+
+    strategy = Strategy()
+    strategy.training_step = lambda: None  # someone else replaced it on the instance already
+    with pytest.raises(RuntimeError, match="strategy.training_step is already replaced"):
+        MicroBatchEngine().install(types.SimpleNamespace(strategy=strategy))
+    engine = MicroBatchEngine()
+    engine.install(types.SimpleNamespace(strategy=Strategy()))
+    with pytest.raises(RuntimeError, match="a MicroBatchEngine serves one Trainer"):
+        engine.install(types.SimpleNamespace(strategy=Strategy()))

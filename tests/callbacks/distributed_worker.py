@@ -12,12 +12,12 @@ import os
 import sys
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
-from tests.batching.helpers import CapSize, Net, dataset
+from lightning_memopt.batching.inject import OOMInjector
+from tests.batching.helpers import Net, dataset
 
 
 class ShardedNet(Net):
@@ -34,16 +34,18 @@ class ShardedNet(Net):
 
 def run(strategy_name: str, phase: str, out: str) -> None:
     model = ShardedNet() if strategy_name == "fsdp2" else Net()
-    if phase not in ("none", "plain", "probe"):
-        layers = list(model.net)
-        layers.insert(len(layers) - 1, CapSize(4, phase, ranks={1}))  # rank 1 only runs out of memory
-        model.net = torch.nn.Sequential(*layers)
+    injector = None
+    if phase not in ("none", "plain", "probe"):  # rank 1 only runs out of memory, in the last layer
+        where = "forward" if phase == "overlap" else phase
+        injector = OOMInjector(model.net[-1], phase=where, max_size=4, ranks={1}).install()
     if strategy_name == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
     if phase == "probe":  # rank 1 has less memory: both ranks must use its size
         callback = AutoAccumulation(max_memory=2900 if int(os.environ["RANK"]) == 1 else 10**6, headroom=0.0)
+    elif phase == "overlap":  # step 1 backs off to 3 (k=4); step 2 overlaps the last micro-batch's sync
+        callback = OOMBackoff(overlap_after=1)
     else:
         callback = OOMBackoff()
     trainer = pl.Trainer(
@@ -66,13 +68,14 @@ def run(strategy_name: str, phase: str, out: str) -> None:
     params = {}
     for name, p in model.named_parameters():
         p = p.full_tensor() if hasattr(p, "full_tensor") else p
-        params[name.replace("net.4.", "net.3.")] = p.detach().tolist()  # the cap layer shifts the last index
+        params[name] = p.detach().tolist()
     result = {
         "rank": trainer.global_rank,
         "micro_batch_size": callback.micro_batch_size,
         "oom_retries": callback.engine.oom_retries if callback.engine else 0,
-        "raised": model.net[-2].raised if phase not in ("none", "plain", "probe") else 0,
+        "raised": injector.raised if injector is not None else 0,
         "probes": getattr(callback, "probes", []),
+        "overlapped": bool(callback.engine._overlapping),
         "params": params,
         "losses": model.step_losses,
     }

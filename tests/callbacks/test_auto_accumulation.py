@@ -201,3 +201,39 @@ def test_split_batch_hook_on_the_module(tmp_path):
     _fit_pairs(split, [AutoAccumulation(micro_batch_size=4)], tmp_path)
     assert split.seen_sizes == [4, 3, 3] * 2
     assert_params_close(split, base, rel=1e-6)
+
+
+def test_evaluation_micro_batches_join_predictions_and_average_logged_values(tmp_path):
+    from torch.utils.data import DataLoader
+
+    class Predicts(Net):
+        def predict_step(self, batch, batch_idx):
+            x, _ = batch
+            self.seen_sizes.append(len(x))
+            return {"prediction": self(x), "count": torch.tensor(len(x))}
+
+    def run(callbacks):
+        model = Predicts()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            callbacks=callbacks,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        loader = DataLoader(dataset(), batch_size=10)
+        predictions = trainer.predict(model, loader)
+        validated = trainer.validate(model, loader, verbose=False)
+        sizes.append(model.seen_sizes)
+        return predictions, validated
+
+    sizes = []
+
+    (whole, whole_val), (split, split_val) = run([]), run([AutoAccumulation(eval_micro_batch_size=3)])
+    assert sizes == [[10] * 4, [3, 3, 2, 2] * 4]
+    assert len(split) == len(whole) == 4
+    for a, b in zip(split, whole):
+        assert a["prediction"].shape == (10, 1)
+        torch.testing.assert_close(a["prediction"], b["prediction"])
+    assert split_val[0]["val_loss"] == pytest.approx(whole_val[0]["val_loss"], rel=1e-6)

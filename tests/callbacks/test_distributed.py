@@ -25,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-RUNS = ("ddp:forward", "ddp:backward", "fsdp2:forward", "ddp:probe")
+RUNS = ("ddp:forward", "ddp:backward", "fsdp2:forward", "ddp:probe", "ddp:overlap")
 
 
 def run_two_ranks(runs, tmp_path: Path, timeout: float = 200) -> dict[str, list[dict]]:
@@ -94,8 +94,9 @@ def test_ddp_oom_on_rank_one_only(results, tmp_path, phase):
 
 @pytest.mark.timeout(240)
 def test_fsdp2_oom_on_rank_one_only(results, tmp_path):
-    """ModelParallelStrategy (FSDP2 ``fully_shard``): an OOM in rank 1's forward, between two sharded
-    layers, reaches rank 0 at its next sync point; both ranks retry at the same size."""
+    """ModelParallelStrategy (FSDP2 ``fully_shard``): an OOM in rank 1's forward, inside the last sharded
+    layer (after its all-gather), reaches rank 0 at its next sync point; FSDP's iteration state is reset
+    and both ranks retry at the same size."""
     results = results["fsdp2:forward"]
     assert [r["raised"] for r in results] == [0, 2]
     assert [r["micro_batch_size"] for r in results] == [3, 3]
@@ -114,6 +115,19 @@ def test_ddp_probing_agrees_on_the_smallest_device(results, tmp_path):
     sizes = [r["micro_batch_size"] for r in results]
     assert sizes[0] == sizes[1] and 1 < sizes[0] < 10
     assert results[0]["probes"] == results[1]["probes"] and len(results[0]["probes"]) <= 6
+    expected = single_process_params(tmp_path)
+    for r in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(240)
+def test_ddp_overlap_after_stable_steps(results, tmp_path):
+    """OOMBackoff(overlap_after=1): the first step backs off (OOM on rank 1), the second runs its last
+    micro-batch with DDP's own gradient sync inside backward, after agreeing on the first three."""
+    results = results["ddp:overlap"]
+    assert [r["micro_batch_size"] for r in results] == [3, 3]
+    assert [r["overlapped"] for r in results] == [True, True]
     expected = single_process_params(tmp_path)
     for r in results:
         for name, value in expected.items():

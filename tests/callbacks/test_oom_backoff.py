@@ -4,26 +4,25 @@ import torch
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.batching.engine import MicroBatchOOMError
+from lightning_memopt.batching.inject import OOMInjector
 from lightning_memopt.memory import MemoryTracker
-from tests.batching.helpers import CapSize, Net, assert_params_close, fit, oom
+from tests.batching.helpers import Net, assert_params_close, fit, oom
 
 
-def capped(model: Net, max_size: int, phase: str = "forward") -> Net:
-    """Put a size cap before the last layer (after BatchNorm and dropout): ``model.net[-2]``."""
-    layers = list(model.net)
-    layers.insert(len(layers) - 1, CapSize(max_size, phase))
-    model.net = torch.nn.Sequential(*layers)
-    return model
+def injector(model: Net, max_size: int, phase: str = "forward") -> OOMInjector:
+    """OOMs above ``max_size`` samples in the last layer, after BatchNorm and dropout have run."""
+    return OOMInjector(model.net[-1], phase=phase, max_size=max_size)
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_retry_equals_unsplit_sgd(tmp_path, phase):
     base = Net()
     fit(base, tmp_path=tmp_path)
-    model = capped(Net(), max_size=4, phase=phase)
+    model = Net()
     callback = OOMBackoff()
-    trainer = fit(model, [callback], tmp_path=tmp_path)
-    assert model.net[-2].raised == 2  # 10 and 5 samples ran out of memory, then 3 fit
+    with injector(model, max_size=4, phase=phase) as oom_injector:
+        trainer = fit(model, [callback], tmp_path=tmp_path)
+    assert oom_injector.raised == 2  # 10 and 5 samples ran out of memory, then 3 fit
     assert callback.micro_batch_size == 3 and callback.engine.oom_retries == 2
     assert_params_close(model, base, rel=1e-6)
     assert model.step_losses == pytest.approx(base.step_losses, rel=1e-6)
@@ -37,26 +36,26 @@ def test_retry_equals_unsplit_sgd(tmp_path, phase):
 def test_retry_equals_unsplit_adamw_bf16(tmp_path):
     base = Net("adamw")
     fit(base, tmp_path=tmp_path, precision="bf16-mixed")
-    model = capped(Net("adamw"), max_size=4, phase="backward")
-    fit(model, [OOMBackoff()], tmp_path=tmp_path, precision="bf16-mixed")
-    assert model.net[-2].raised == 2
+    model = Net("adamw")
+    with injector(model, max_size=4, phase="backward") as oom_injector:
+        fit(model, [OOMBackoff()], tmp_path=tmp_path, precision="bf16-mixed")
+    assert oom_injector.raised == 2
     # bf16 autocast rounds each micro-batch's activations differently from the whole batch's
-    assert_params_close(model, base, rel=2e-2)
+    assert_params_close(model, base, rel=2e-3)  # measured 3.2e-4
 
 
 def test_retry_with_batchnorm_and_dropout_equals_smaller_size_from_the_start(tmp_path):
     reference = Net(batchnorm=True, dropout=0.3)
     fit(reference, [AutoAccumulation(micro_batch_size=3)], tmp_path=tmp_path)
-    # the cap sits after BatchNorm and dropout: the failed attempts updated statistics and drew masks
-    model = capped(Net(batchnorm=True, dropout=0.3), max_size=4)
-    fit(model, [OOMBackoff()], tmp_path=tmp_path)
-    assert model.net[-2].raised == 2
-    reference_state = dict(reference.net.named_parameters()) | dict(reference.net.named_buffers())
-    state = {k.replace("5.", "4.") if k.startswith("5.") else k: v for k, v in model.net.named_parameters()}
-    state |= dict(model.net.named_buffers())
-    assert reference_state.keys() == state.keys()
-    for name, value in reference_state.items():
-        assert torch.equal(state[name], value), name
+    # the OOM comes in the last layer: the failed attempts updated BatchNorm statistics and drew masks
+    model = Net(batchnorm=True, dropout=0.3)
+    with injector(model, max_size=4) as oom_injector:
+        fit(model, [OOMBackoff()], tmp_path=tmp_path)
+    assert oom_injector.raised == 2
+    reference_state = reference.state_dict()
+    assert reference_state.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, reference_state[name]), name
 
 
 class ResetSize(pl.Callback):
@@ -74,12 +73,12 @@ class ResetSize(pl.Callback):
 def test_hundred_ooms_leak_nothing(tmp_path):
     lives = []
     for max_size in (10, 5):  # no OOM; one OOM in every step
-        model = capped(Net(), max_size=max_size, phase="backward")
-        with MemoryTracker(model) as tracker:
+        model = Net()
+        with MemoryTracker(model) as tracker, injector(model, max_size, "backward") as oom_injector:
             recorder = ResetSize(tracker)
             fit(model, [OOMBackoff(), recorder], steps=100, tmp_path=tmp_path)
         lives.append(recorder.live)
-        raised = model.net[-2].raised
+        raised = oom_injector.raised
     assert raised == 100
     # live tensor bytes after 100 recoveries equal the run without any OOM, and never rise above it (an
     # attempt's leaked activations would add 960 bytes per step); the few bytes in between are the
@@ -89,27 +88,14 @@ def test_hundred_ooms_leak_nothing(tmp_path):
     assert max(lives[1]) - min(lives[1]) < 64
 
 
-class OOMInStep(pl.Callback):
-    def __init__(self, max_size):
-        self.max_size, self.raised, self.size = max_size, 0, None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.size = None
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        engine = trainer.callbacks[0].engine
-        if (engine.micro_batch_size or 10) > self.max_size:
-            self.raised += 1
-            raise oom("optimizer step")
-
-
 def test_oom_in_optimizer_step_retries(tmp_path):
     base = Net()
     fit(base, tmp_path=tmp_path)
     model = Net()
-    step_oom = OOMInStep(max_size=6)
-    fit(model, [OOMBackoff(), step_oom], tmp_path=tmp_path)
-    assert step_oom.raised == 1
+    # the step runs out of memory when the last micro-batch was larger than 6 samples
+    with OOMInjector(model.net[-1], phase="step", max_size=6) as oom_injector:
+        fit(model, [OOMBackoff()], tmp_path=tmp_path)
+    assert oom_injector.raised == 1
     assert model.seen_sizes[:3] == [10, 5, 5]  # the failed whole batch, then its retry as 2 x 5
     assert_params_close(model, base, rel=1e-6)
 
@@ -124,14 +110,17 @@ def test_other_errors_are_not_caught(tmp_path):
 
 
 def test_one_sample_per_micro_batch_raises_with_checklist(tmp_path):
-    model = capped(Net(), max_size=0)
-    with pytest.raises(MicroBatchOOMError, match="one sample per micro-batch") as info:
+    model = Net()
+    with (
+        injector(model, max_size=0) as oom_injector,
+        pytest.raises(MicroBatchOOMError, match="one sample per micro-batch") as info,
+    ):
         fit(model, [OOMBackoff()], tmp_path=tmp_path)
     message = str(info.value)
     for item in ("bf16-mixed", "AutoCheckpoint", "BatchNormToGroupNorm", "ModelParallelStrategy", "Offload"):
         assert item in message
     assert "parameters" in message and "optimizer state" in message
-    assert model.net[-2].raised == 5  # 10, 5, 3, 2, 1
+    assert oom_injector.raised == 5  # 10, 5, 3, 2, 1
 
 
 def test_grow_after(tmp_path):
@@ -150,9 +139,10 @@ def test_grow_after(tmp_path):
 
 
 def test_grow_back_after_clean_steps(tmp_path):
-    model = capped(Net(), max_size=4)
+    model = Net()
     callback = OOMBackoff(grow_after=1)
-    fit(model, [callback], steps=3, tmp_path=tmp_path)
+    with injector(model, max_size=4):
+        fit(model, [callback], steps=3, tmp_path=tmp_path)
     # 10 -> 5 -> 3 fits; growing is capped below the smallest failed size (5): 4
     assert callback.micro_batch_size == 4
     assert callback.engine.oom_retries == 2
@@ -193,6 +183,8 @@ def test_validation_oom_halves_eval_micro_batch(tmp_path):
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="grow_after must be a positive int"):
         OOMBackoff(grow_after=0)
+    with pytest.raises(ValueError, match="overlap_after must be an int >= 0"):
+        OOMBackoff(overlap_after=-1)
 
 
 def test_accumulate_grad_batches_is_refused(tmp_path):
@@ -208,3 +200,85 @@ def test_manual_optimization_is_refused(tmp_path):
 
     with pytest.raises(Exception, match="needs automatic optimization"):
         fit(Manual(), [OOMBackoff()], tmp_path=tmp_path)
+
+
+def test_retry_with_grad_scaler(tmp_path):
+    """16-mixed with a GradScaler: each micro-batch loss is scaled, and retries leave the scale alone."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def plugin():
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+
+    base = Net("adamw")
+    base_trainer = fit(base, tmp_path=tmp_path, plugins=[plugin()])
+    model = Net("adamw")
+    with injector(model, max_size=4, phase="backward") as oom_injector:
+        trainer = fit(model, [OOMBackoff()], tmp_path=tmp_path, plugins=[plugin()])
+    assert oom_injector.raised == 2
+    assert trainer.precision_plugin.scaler.get_scale() == base_trainer.precision_plugin.scaler.get_scale()
+    assert_params_close(model, base, rel=5e-4)  # fp16 autocast rounding; measured 5.9e-5
+
+
+def test_overlap_mode_oom_in_the_last_micro_batch_raises(tmp_path, monkeypatch):
+    """The overlap path, in one process posing as a DDP rank: an OOM after the sync point is an error."""
+    import types
+
+    import lightning_memopt.batching.engine as engine_module
+
+    monkeypatch.setattr(engine_module.MicroBatchEngine, "_agreement_needed", lambda self: True)
+    monkeypatch.setattr(engine_module, "any_rank", lambda flag, device=None: bool(flag))
+    monkeypatch.setattr(engine_module, "_ddp_module", lambda strategy: types.SimpleNamespace())
+    model = Net()
+    calls = []
+
+    def fail_fourth_forward(module, args):
+        calls.append(len(args[0]))
+        if len(calls) == 4:  # the last of [3, 3, 2, 2]
+            raise oom("last micro-batch")
+
+    model.net[-1].register_forward_pre_hook(fail_fourth_forward)
+    with pytest.raises(MicroBatchOOMError, match="while DDP synchronizes gradients during backward"):
+        fit(model, [AutoAccumulation(micro_batch_size=3), OOMBackoff(overlap_after=0)], tmp_path=tmp_path)
+    assert calls == [3, 3, 2, 2]
+
+
+def test_training_step_returning_none_is_refused(tmp_path):
+    class Skips(Net):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(Exception, match="training_step must return the loss tensor or a dict"):
+        fit(Skips(), [AutoAccumulation(micro_batch_size=3)], tmp_path=tmp_path)
+
+
+def test_distributed_optimizer_step_oom_raises(tmp_path, monkeypatch):
+    import lightning_memopt.batching.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "is_distributed", lambda: True)
+    model = Net()
+    with (
+        OOMInjector(model.net[-1], phase="step", max_size=6),
+        pytest.raises(MicroBatchOOMError, match="optimizer step on this rank under a distributed strategy"),
+    ):
+        fit(model, [OOMBackoff()], tmp_path=tmp_path)
+
+
+def test_validation_oom_at_one_sample_raises(tmp_path):
+    class AlwaysOOM(Net):
+        def validation_step(self, batch, batch_idx):
+            raise oom("validation")
+
+    from torch.utils.data import DataLoader
+
+    from tests.batching.helpers import dataset
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        callbacks=[OOMBackoff()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(MicroBatchOOMError, match="out of memory in validation_step with one sample"):
+        trainer.validate(AlwaysOOM(), DataLoader(dataset(), batch_size=10))
