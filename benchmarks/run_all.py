@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (script, title, extra arguments, extra arguments in --quick mode, timeout in seconds)
 BENCHMARKS = [
-    ("checkpointing.py", "Activation checkpointing (AutoCheckpoint's planner)", [], ["--quick"], 360),
+    # checkpointing.py without --quick adds the GPT-2 and a 12-layer GPT (~20 minutes on a shared
+    # 2-core machine): run it on its own for those; its small models (and the brute-force checks) run here.
+    ("checkpointing.py", "Activation checkpointing (AutoCheckpoint's planner)", ["--quick"], [], 360),
     ("anchors.py", "Anchors: torch apply_activation_checkpointing, torch.compile memory budget", [], [], 150),
     ("batching.py", "Micro-batch sizing vs Lightning's BatchSizeFinder", [], [], 150),
     ("engine_overhead.py", "Micro-batch engine step-time overhead at k=1", [], [], 90),
