@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -37,10 +37,6 @@ __all__ = ["InjectedOOM", "OOMInjector"]
 
 Phase = Literal["forward", "backward", "step"]
 _PHASES = ("forward", "backward", "step")
-
-
-class _Allocated(Protocol):
-    def allocated(self) -> int: ...
 
 
 @dataclass(frozen=True)

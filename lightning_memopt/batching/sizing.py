@@ -8,8 +8,9 @@ state, workspaces) plus a per-sample part (activations, inputs). Two probes fit 
 predicts the largest size under the budget; one more probe checks it. When the curve is not a line
 (activations that grow faster than the batch, a peak that moves from forward to backward as the batch
 grows), the search keeps the largest size known to fit and the smallest known not to, refits the line
-through the two points nearest the boundary, and bisects whenever a prediction has missed by running out
-of memory, so it always ends on a size that was probed and fitted.
+through the two points nearest the boundary, approaches long extrapolations through stepping stones and
+stops a little short of them, and backs off (then bisects) when a probe runs out of memory; it always ends
+on a size that was probed and fitted.
 """
 
 from __future__ import annotations
@@ -219,8 +220,9 @@ def find_micro_batch_size(
             target = lo + math.floor(_SHORT_OF * (target - lo))
         if target >= hi <= max_size:
             # The estimate says a size that ran out of memory fits: it is wrong by an unknown amount, so
-            # bisect. A line through the OOM point at exactly `capacity` meets the budget at an upper
-            # estimate (for an affine curve); take it when it is below the midpoint.
+            # back off from that size (80% of the way after one miss, then bisect). A line through the OOM
+            # point at exactly `capacity` meets the budget at an upper estimate (for an affine curve);
+            # take it when it is lower.
             through_oom = MemoryModel.through((lo, peaks[lo]), (hi, max(capacity, peaks[lo] + 1)))
             step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
             target = min(lo + math.floor(step * (hi - lo)), through_oom.largest_fitting(budget))
