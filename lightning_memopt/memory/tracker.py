@@ -58,16 +58,45 @@ class _Entry:
         return self.base
 
 
+# Every tracker entered now, in entry order. The hooks below serve them all: autograd calls only the
+# innermost saved-tensor hooks, and trackers are entered and exited in any order (a callback's tracker
+# spans a batch, another's only its forward), so no hook may belong to a single tracker.
+_ACTIVE: list[MemoryTracker] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
 class _Saved:
     """What autograd holds instead of a saved tensor; its death means autograd let the tensor go."""
 
-    __slots__ = ("tensor", "keys", "tracker", "__weakref__")
+    __slots__ = ("tensor", "holders", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, keys: list[int], tracker: MemoryTracker) -> None:
-        self.tensor, self.keys, self.tracker = tensor, keys, tracker
+    def __init__(self, tensor: torch.Tensor, holders: list[tuple[MemoryTracker, list[int]]]) -> None:
+        self.tensor, self.holders = tensor, holders
 
     def __del__(self) -> None:
-        self.tracker._release(self.keys)
+        for tracker, keys in self.holders:
+            tracker._release(keys)
+
+
+def _pack(t: torch.Tensor) -> _Saved:
+    holders = [(tracker, tracker._hold(t)) for tracker in dict.fromkeys(_ACTIVE)]
+    # Detached: a tensor saved by its own grad_fn (an output) would otherwise hold its graph, which
+    # holds this object: a cycle through C++ that gc cannot see, leaking every graph that never ran
+    # backward (an attempt that ran out of memory).
+    return _Saved(t.detach(), holders)
+
+
+def _unpack(saved: _Saved) -> torch.Tensor:
+    return saved.tensor
+
+
+def _resize(storage: torch.UntypedStorage, size: int):
+    """``resize_`` is not a dispatched op (FSDP frees unsharded parameters with it): patched while any
+    tracker is entered."""
+    result = _ORIGINAL_RESIZE(storage, size)
+    for tracker in dict.fromkeys(_ACTIVE):
+        tracker._resized(storage)
+    return result
 
 
 def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]]:
@@ -94,17 +123,17 @@ def _size(storage: torch.UntypedStorage, device: torch.device) -> int:
 
 
 class _DispatchHook(TorchDispatchMode):
-    def __init__(self, tracker: MemoryTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
+    """Registers every tensor an op reads or writes with every entered tracker."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tracker = self.tracker
-        for t in tree_flatten((args, kwargs, out))[0]:
-            if isinstance(t, torch.Tensor):
-                tracker._register(t, "other")
-        tracker._update_peak()
+        trackers = dict.fromkeys(_ACTIVE)
+        if trackers:
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            for tracker in trackers:
+                for t in tensors:
+                    tracker._register(t, "other")
+                tracker._update_peak()
         return out
 
 
@@ -211,30 +240,28 @@ class MemoryTracker:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> MemoryTracker:
-        mode = _DispatchHook(self)
-        saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        orig_resize = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resize_(storage, size):  # resize_ is not a dispatched op (FSDP frees unsharded params with it)
-            result = orig_resize(storage, size)
-            tracker._resized(storage)
-            return result
-
-        torch.UntypedStorage.resize_ = resize_
+        # Each entry pushes a dispatch mode and saved-tensor hooks that serve every entered tracker, so
+        # nested trackers each see all ops and saved tensors, and exits in any order pop equivalent hooks.
+        saved = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        mode = _DispatchHook()
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _resize
+        _ACTIVE.append(self)
         saved.__enter__()
         mode.__enter__()
-        self._stack.append((mode, saved, orig_resize))
+        self._stack.append((mode, saved))
         self._mark_modules(self._modules)
         self._mark_optimizers(self._optimizers)
         self._update_peak()
         return self
 
     def __exit__(self, *exc) -> None:
-        mode, saved, orig_resize = self._stack.pop()
+        mode, saved = self._stack.pop()
         mode.__exit__(*exc)
         saved.__exit__(*exc)
-        torch.UntypedStorage.resize_ = orig_resize
+        del _ACTIVE[len(_ACTIVE) - 1 - _ACTIVE[::-1].index(self)]
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
         if not self._stack:
             for h in self._handles:
                 h.remove()
@@ -272,7 +299,8 @@ class MemoryTracker:
             self._register(param.grad, "gradients")
             self._update_peak()
 
-    def _pack(self, t: torch.Tensor) -> _Saved:
+    def _hold(self, t: torch.Tensor) -> list[int]:
+        """Autograd saved ``t``: its storages count as activations until :meth:`_release`."""
         self._register(t, "other")
         keys = [id(s) for s, _ in _storages(t)]
         for key in keys:
@@ -281,10 +309,7 @@ class MemoryTracker:
             entry.saved += 1
             self._moved(entry, before)
         self._update_peak()
-        # Detached: a tensor saved by its own grad_fn (an output) would otherwise hold its graph, which
-        # holds this object: a cycle through C++ that gc cannot see, leaking every graph that never ran
-        # backward (an attempt that ran out of memory).
-        return _Saved(t.detach(), keys, self)
+        return keys
 
     def _release(self, keys: list[int]) -> None:
         for key in keys:
@@ -351,10 +376,6 @@ class MemoryTracker:
             self._peak = self._total
             self._peak_breakdown = dict(self._current)
             self._peak_clock = self._clock
-
-
-def _unpack(saved: _Saved) -> torch.Tensor:
-    return saved.tensor
 
 
 def _as_list(value, kind, name: str) -> list:

@@ -3,6 +3,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_memopt.memory import CATEGORIES, MemoryTracker
+from lightning_memopt.memory import tracker as tracker_module
 
 F32 = 4
 
@@ -191,3 +192,30 @@ def test_reenter_continues_counts():
         assert tracker.current == 80 + 16 + 16  # parameters, y, and the input y's graph saved
         del y  # the graph dies with y, and the input with it
         assert tracker.current == 80
+
+
+def test_nested_trackers_both_see_saved_tensors_and_exit_in_any_order():
+    """Autograd calls only the innermost saved-tensor hooks; every entered tracker must still count."""
+    model = _mlp([8, 16, 4])
+    x = torch.randn(5, 8)
+    alone = MemoryTracker(model)
+    with alone:
+        loss = model(x).sum()
+    expected = alone.current_breakdown["activations"]
+    assert expected == 5 * (8 + 16) * F32
+    del loss
+
+    outer, inner = MemoryTracker(model), MemoryTracker(model)
+    outer.__enter__()
+    inner.__enter__()
+    loss = model(x).sum()
+    assert outer.current_breakdown["activations"] == inner.current_breakdown["activations"] == expected
+    outer.__exit__(None, None, None)  # not last-in-first-out: the inner tracker keeps counting
+    y = torch.ones(100)
+    assert inner.category_of(y) == "other" and outer.category_of(y) is None
+    loss.backward()
+    assert inner.current_breakdown["activations"] == 0
+    assert outer.current_breakdown["activations"] == 0  # released, though outer was exited
+    inner.__exit__(None, None, None)
+    assert torch.UntypedStorage.resize_ is tracker_module._ORIGINAL_RESIZE
+    assert not tracker_module._ACTIVE
