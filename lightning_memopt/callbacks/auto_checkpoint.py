@@ -217,7 +217,10 @@ class AutoCheckpoint(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         if self._batch_stack is not None and self._meter is not None:
-            self._outside_bytes = self._meter.tracker.current_breakdown["activations"] - self._meter.total
+            # Under a micro-batching engine the micro-batches' backwards already ran: nothing is held now.
+            self._outside_bytes = max(
+                0, self._meter.tracker.current_breakdown["activations"] - self._meter.total
+            )
             self._batch_stack.close()  # measure forward only: backward runs untracked
 
     @override

@@ -154,13 +154,20 @@ def _detach(value):
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward (where checkpointed blocks recompute their forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 @contextlib.contextmanager
 def record_block_inputs(
     blocks: Iterable[tuple[str, nn.Module]], is_held: Callable[[torch.Tensor], bool] | None = None
 ) -> Iterator[dict[str, BlockInputs]]:
     """Keep each block's inputs (detached) from the forwards run while entered; yields the dict it fills.
 
-    Only the first call of each block is kept (not recomputations). ``is_held(tensor)`` tells whether
+    The last forward call of each block is kept, never a recomputation in backward: when a micro-batching
+    engine runs probes and then the real micro-batches in one step, the profile is of the micro-batch
+    size that training uses. ``is_held(tensor)`` tells whether
     autograd already holds a tensor (used for a block's input that is not the previous block's output).
     Used by :func:`capture_block_inputs` and, around a real training step, by ``AutoCheckpoint``.
     """
@@ -169,7 +176,7 @@ def record_block_inputs(
 
     def pre_hook(name):
         def hook(module, a, kw):
-            if name not in captured:
+            if not _in_backward():
                 first = next(iter(_tensors((a, kw))), None)
                 last = last_output[0]
                 chained = first is not None and last is not None and _storage_key(first) == _storage_key(last)
@@ -179,7 +186,8 @@ def record_block_inputs(
         return hook
 
     def post_hook(module, a, kw, out):
-        last_output[0] = next(iter(_tensors(out)), None)
+        if not _in_backward():
+            last_output[0] = next(iter(_tensors(out)), None)
 
     handles = []
     for name, block in blocks:
@@ -438,14 +446,14 @@ class ActivationMeter:
 
         def pre(name):
             def hook(module, args):
-                if torch.is_grad_enabled() and name not in self.block_bytes:
+                if torch.is_grad_enabled() and not _in_backward():  # the last forward counts, as above
                     start[name] = self.tracker.current_breakdown["activations"]
 
             return hook
 
         def post(name):
             def hook(module, args, out):
-                if name in start and name not in self.block_bytes:
+                if name in start:
                     self.block_bytes[name] = self.tracker.current_breakdown["activations"] - start.pop(name)
 
             return hook

@@ -1,3 +1,5 @@
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -104,6 +106,26 @@ def test_budget_plans_after_first_batch_and_meets_it(tmp_path):
     assert cb.plan.cost == 0
     measured = trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
     assert measured == cb.plan.activation_bytes
+
+
+def test_plans_for_the_micro_batch_size_autoaccumulation_chose(tmp_path):
+    """AutoAccumulation probes other sizes inside the first step; the plan is profiled on the micro-batch
+    that training runs (the last forward of the step), so prediction and measurement agree."""
+    from lightning_memopt import AutoAccumulation
+
+    torch.manual_seed(0)
+    module = GPTModule()
+    accumulation = AutoAccumulation(max_memory=10**8, headroom=0.0)
+    cb = AutoCheckpoint(budget=10**6)
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    assert len(accumulation.probes) >= 2 and {size for size, _ in accumulation.probes} != {4}
+    assert accumulation.micro_batch_size == 4
+    measured = trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
+    assert measured == cb.plan.activation_bytes > 0
+    assert not [w for w in caught if "held" in str(w.message)]
 
 
 def test_capacity_known_plans_under_capacity(tmp_path, monkeypatch):
