@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -15,6 +14,7 @@ from typing_extensions import override
 from lightning_memopt.batching.distributed import max_over_ranks, min_over_ranks
 from lightning_memopt.batching.engine import MicroBatchEngine
 from lightning_memopt.batching.sizing import find_micro_batch_size
+from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
@@ -24,7 +24,7 @@ __all__ = ["AutoAccumulation"]
 _FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
 
 
-class AutoAccumulation(Callback):
+class AutoAccumulation(MicroBatchingCallback):
     """Run each DataLoader batch as the fewest micro-batches that fit, accumulating to the same update.
 
     The DataLoader batch is the optimizer batch (the effective batch never changes, unlike Lightning's
@@ -74,8 +74,6 @@ class AutoAccumulation(Callback):
         >>> trainer = pl.Trainer(callbacks=[AutoAccumulation(max_memory="6GiB")], logger=False)
     """
 
-    splits_batches = True  # read (duck-typed) by BatchNormToGroupNorm
-
     def __init__(
         self,
         *,
@@ -107,9 +105,9 @@ class AutoAccumulation(Callback):
         self.max_memory = parse_bytes(max_memory, name="max_memory") if max_memory is not None else None
         self.headroom = float(headroom)
         self.max_probes = max_probes
+        super().__init__(log=log)
         self.count_fn = count_fn
         self.split_fn = split_fn
-        self.log_metrics = log  # not `self.log`: Lightning binds the module's log method to every callback
         self.probes: list[tuple[int, int | None]] = []
         self.eval_probes: list[tuple[int, int | None]] = []
         self._fixed = micro_batch_size
@@ -118,7 +116,6 @@ class AutoAccumulation(Callback):
             "eval_micro_batch_size": eval_micro_batch_size,
             "probed": micro_batch_size is not None,
         }
-        self._engine: MicroBatchEngine | None = None
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -127,27 +124,14 @@ class AutoAccumulation(Callback):
             return self._engine.micro_batch_size
         return self._sizes["micro_batch_size"]
 
-    @property
-    def engine(self) -> MicroBatchEngine | None:
-        """The engine this callback drives (set in ``setup``)."""
-        return self._engine
-
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        engine = MicroBatchEngine.for_trainer(trainer)
-        if stage == "fit":
-            engine.check(trainer, pl_module)
+    def _configure(self, engine: MicroBatchEngine) -> None:
         engine.count_fn = self.count_fn
         engine.split_fn = self.split_fn
-        engine.log_metrics = engine.log_metrics or self.log_metrics
-        engine.install(trainer)
-        self._engine = engine
-        self._apply_sizes()
 
     @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._engine is not None:
-            self._engine.uninstall()
+    def _installed(self) -> None:
+        self._apply_sizes()
 
     @override
     def on_train_batch_start(

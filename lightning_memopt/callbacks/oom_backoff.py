@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_memopt.batching.engine import MicroBatchEngine
+from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 
 __all__ = ["OOMBackoff"]
 
 
-class OOMBackoff(Callback):
+class OOMBackoff(MicroBatchingCallback):
     """Catch out-of-memory errors in a step, restore the step's start, split the batch further and retry.
 
     The DataLoader batch stays the optimizer batch: a step that runs out of memory (forward, backward or
@@ -64,8 +63,6 @@ class OOMBackoff(Callback):
         >>> trainer = pl.Trainer(callbacks=[OOMBackoff(grow_after=100)], logger=False)
     """
 
-    splits_batches = True  # read (duck-typed) by BatchNormToGroupNorm
-
     def __init__(
         self, *, grow_after: int | None = None, overlap_after: int | None = None, log: bool = True
     ) -> None:
@@ -83,10 +80,9 @@ class OOMBackoff(Callback):
                 f"overlap_after must be an int >= 0 (clean steps before overlapping DDP's gradient sync with "
                 f"the last micro-batch's backward) or None, got {overlap_after!r}"
             )
+        super().__init__(log=log)
         self.grow_after = grow_after
         self.overlap_after = overlap_after
-        self.log_metrics = log  # not `self.log`: Lightning binds the module's log method to every callback
-        self._engine: MicroBatchEngine | None = None
         self._loaded: dict[str, Any] = {}
 
     @property
@@ -98,28 +94,15 @@ class OOMBackoff(Callback):
             else self._loaded.get("micro_batch_size")
         )
 
-    @property
-    def engine(self) -> MicroBatchEngine | None:
-        """The engine this callback drives (set in ``setup``)."""
-        return self._engine
-
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        engine = MicroBatchEngine.for_trainer(trainer)
-        if stage == "fit":
-            engine.check(trainer, pl_module)
+    def _configure(self, engine: MicroBatchEngine) -> None:
         engine.retry_on_oom = True
         engine.grow_after = self.grow_after
         engine.overlap_after = self.overlap_after
-        engine.log_metrics = engine.log_metrics or self.log_metrics
-        engine.install(trainer)
-        self._engine = engine
-        self._apply_loaded()
 
     @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._engine is not None:
-            self._engine.uninstall()
+    def _installed(self) -> None:
+        self._apply_loaded()
 
     @override
     def state_dict(self) -> dict[str, Any]:
