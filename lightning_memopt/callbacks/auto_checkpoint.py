@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -12,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memopt.callbacks._hooks import wrap_instance_hook
 from lightning_memopt.checkpointing import (
     ActivationMeter,
     CostModel,
@@ -130,6 +132,7 @@ class AutoCheckpoint(Callback):
         self._needs_check = False  # the next batch measures the plan and compares
         self._batch_stack: contextlib.ExitStack | None = None
         self._meter: ActivationMeter | None = None
+        self._unwrap: Callable[[], None] | None = None  # undoes the configure_model wrapper
         self._inputs: dict | None = None
         self._outside_bytes = 0
         self._skip = False
@@ -159,14 +162,10 @@ class AutoCheckpoint(Callback):
                 f"{strategy.root_device} is unknown; pass bytes instead, e.g. budget='6GiB'"
             )
         self._module = pl_module
-        configure_model = pl_module.configure_model
-
-        def configure_model_then_checkpoint() -> None:
-            configure_model()
-            self._install(trainer, pl_module)
-
         # An instance attribute, removed in teardown; Lightning calls it since it differs from the base hook.
-        pl_module.configure_model = configure_model_then_checkpoint
+        self._unwrap = wrap_instance_hook(
+            pl_module, "configure_model", after=lambda: self._install(trainer, pl_module)
+        )
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Order of transformations (DESIGN.md): 1. BatchNorm swap (callback setup), 2. activation
@@ -332,7 +331,9 @@ class AutoCheckpoint(Callback):
         if self._batch_stack is not None:
             self._batch_stack.close()
             self._batch_stack = None
-        pl_module.__dict__.pop("configure_model", None)
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
         if self._blocks:
             remove_checkpointing(pl_module)
         self._blocks = []

@@ -13,12 +13,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_memopt.callbacks._hooks import wrap_instance_hook
 from lightning_memopt.norm import ConversionReport, SwappedGroupNorm, convert_batchnorm, revert_groupnorm
 
 __all__ = ["BatchNormToGroupNorm"]
 
 _WHEN = ("always", "micro_batching")
-_MISSING = object()
 
 
 class BatchNormToGroupNorm(Callback):
@@ -105,7 +105,7 @@ class BatchNormToGroupNorm(Callback):
         self.report: ConversionReport | None = None  # what the last swap did
         # layer name -> group count of what is swapped in this run; {} when deciding not to swap
         self._groups: dict[str, int] | None = None
-        self._restore: dict[str, Any] = {}  # LightningModule instance attributes to put back at teardown
+        self._unwrap: dict[str, Callable[[], None]] = {}  # hook name -> undoes our wrapper, at teardown
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -125,12 +125,13 @@ class BatchNormToGroupNorm(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for name, previous in self._restore.items():
-            if previous is _MISSING:
-                pl_module.__dict__.pop(name, None)
-            else:
-                pl_module.__dict__[name] = previous
-        self._restore.clear()
+        for unwrap in self._unwrap.values():
+            unwrap()
+        self._unwrap.clear()
+
+    def _wrap(self, pl_module: pl.LightningModule, name: str, **around: Callable[..., None]) -> None:
+        if name not in self._unwrap:
+            self._unwrap[name] = wrap_instance_hook(pl_module, name, **around)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -220,28 +221,6 @@ class BatchNormToGroupNorm(Callback):
             convert_batchnorm(pl_module, groups=saved)
         self._groups = _swapped_groups(pl_module)
         rank_zero_info(f"BatchNormToGroupNorm: swapped layers set to the checkpoint's: {saved}")
-
-    def _wrap(
-        self,
-        pl_module: pl.LightningModule,
-        name: str,
-        before: Callable[..., None] | None = None,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        if name in self._restore:
-            return
-        self._restore[name] = pl_module.__dict__.get(name, _MISSING)
-        original = getattr(pl_module, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before(*args, **kwargs)
-            out = original(*args, **kwargs)
-            if after is not None:
-                after()
-            return out
-
-        pl_module.__dict__[name] = wrapper
 
 
 def _swapped_groups(module: Any) -> dict[str, int]:

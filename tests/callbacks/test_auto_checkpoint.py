@@ -298,3 +298,18 @@ def test_budget_with_sharded_blocks_warns_and_keeps_full(tmp_path, monkeypatch):
         _trainer(tmp_path, [cb], steps=2).fit(module)
     assert module.seen_choices[1] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
     assert not cb.plan.predicted
+
+
+@pytest.mark.parametrize("checkpoint_first", [True, False])
+def test_with_batchnorm_swap_the_module_is_restored_whatever_the_order(tmp_path, checkpoint_first):
+    """Both callbacks wrap configure_model; after fit the instance has no wrapper left, in either order."""
+    from lightning_memopt import BatchNormToGroupNorm
+
+    module = GPTModule()
+    callbacks = [AutoCheckpoint(), BatchNormToGroupNorm()]
+    trainer = _trainer(tmp_path, callbacks if checkpoint_first else callbacks[::-1], steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nothing to swap": TinyGPT has no BatchNorm
+        trainer.fit(module)
+    assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
+    assert "configure_model" not in vars(module) and "on_load_checkpoint" not in vars(module)
