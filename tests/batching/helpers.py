@@ -63,22 +63,25 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def fit(model: pl.LightningModule, callbacks=(), *, steps: int = 4, batch: int = 10, tmp_path=None, **kwargs):
-    ckpt_path = kwargs.pop("ckpt_path", None)
+def quiet_trainer(callbacks=(), **kwargs) -> pl.Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar, summary or validation; ``kwargs`` override."""
     options = dict(
         accelerator="cpu",
         devices=1,
-        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        default_root_dir=tmp_path,
     )
     options.update(kwargs)
-    trainer = pl.Trainer(callbacks=list(callbacks), **options)
+    return pl.Trainer(callbacks=list(callbacks), **options)
+
+
+def fit(model: pl.LightningModule, callbacks=(), *, steps: int = 4, batch: int = 10, tmp_path=None, **kwargs):
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = quiet_trainer(callbacks, max_steps=steps, default_root_dir=tmp_path, **kwargs)
     trainer.fit(model, DataLoader(dataset(), batch_size=batch, shuffle=False), ckpt_path=ckpt_path)
     return trainer
 

@@ -11,20 +11,20 @@ import os
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import AutoCheckpoint
-from lightning_memopt.checkpointing import apply_checkpointing, checkpointed_blocks
+from lightning_memopt.checkpointing import apply_checkpointing
+from tests.callbacks.test_auto_checkpoint import GPTModule
 from tests.checkpointing.models import TinyGPT
 
 
-class Module(pl.LightningModule):
+class Module(GPTModule):
+    """test_auto_checkpoint's module, with dropout, built and optionally sharded in configure_model."""
+
     def __init__(self, shard: bool, checkpoint_first: bool = False) -> None:
-        super().__init__()
+        super().__init__(n_samples=16)
         self.shard = shard
         self.checkpoint_first = checkpoint_first
-        self.model = None
-        self.seen = []
 
     def configure_model(self):
         if self.model is not None:
@@ -40,19 +40,6 @@ class Module(pl.LightningModule):
             for block in self.model.h:
                 fully_shard(block, mesh=mesh)  # sharded BEFORE AutoCheckpoint installs (the harder order)
             fully_shard(self.model, mesh=mesh)
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append(checkpointed_blocks(self))
-        (idx,) = batch
-        logits = self.model(idx)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randint(0, 32, (16, 8), generator=g)), batch_size=4)
 
 
 def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Tensor, list]:
@@ -79,7 +66,7 @@ def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Ten
     for p in module.model.parameters():
         p = p.detach()
         params.append((p.full_tensor() if hasattr(p, "full_tensor") else p).flatten())
-    return torch.cat(params), module.seen
+    return torch.cat(params), module.seen_choices
 
 
 def main(out: str) -> None:

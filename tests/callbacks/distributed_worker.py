@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import os
 
-import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.batching.inject import OOMInjector
-from tests.batching.helpers import Net, dataset
+from tests.batching.helpers import Net, dataset, quiet_trainer
 
 
 class ShardedNet(Net):
@@ -46,18 +45,11 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         callback = OOMBackoff(overlap_after=1)
     else:
         callback = OOMBackoff()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        [] if phase == "plain" else [callback],
         devices=2,
         strategy=strategy,
         max_steps=2,
-        callbacks=[] if phase == "plain" else [callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         use_distributed_sampler=False,
     )
     # rank r gets samples r, r + 2, ...: a step's two batches of 10 are the first 20 samples

@@ -14,9 +14,10 @@ from tests.checkpointing.models import TinyGPT
 
 
 class GPTModule(pl.LightningModule):
-    def __init__(self, n_layer=3, build_in_configure=True):
+    def __init__(self, n_layer=3, build_in_configure=True, n_samples=8):
         super().__init__()
         self.n_layer = n_layer
+        self.n_samples = n_samples
         self.model = None if build_in_configure else TinyGPT(n_layer)
         self.seen_choices = []
 
@@ -35,7 +36,7 @@ class GPTModule(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randint(0, 32, (8, 8), generator=g)), batch_size=4)
+        return DataLoader(TensorDataset(torch.randint(0, 32, (self.n_samples, 8), generator=g)), batch_size=4)
 
 
 def _trainer(tmp_path, callbacks, steps=2, **kwargs):

@@ -30,6 +30,18 @@ def run_two_ranks(runs, tmp_path: Path) -> dict[str, list[dict]]:
     }
 
 
+def assert_both_ranks_backed_off(results, tmp_path) -> None:
+    """Only rank 1 ran out of memory (at 10, then 5 samples); both ranks backed off to 3 and end with the
+    single-process parameters."""
+    assert [r["raised"] for r in results] == [0, 2]
+    assert [r["micro_batch_size"] for r in results] == [3, 3]
+    assert [r["oom_retries"] for r in results] == [2, 2]
+    expected = single_process_params(tmp_path)
+    for r in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run_two_ranks(RUNS, tmp_path_factory.mktemp("ranks"))
@@ -47,13 +59,7 @@ def single_process_params(tmp_path) -> dict:
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_ddp_oom_on_rank_one_only(results, tmp_path, phase):
     results = results[f"ddp:{phase}"]
-    assert [r["raised"] for r in results] == [0, 2]  # only rank 1 ran out of memory (at 10, then 5)
-    assert [r["micro_batch_size"] for r in results] == [3, 3]  # both backed off to the same size
-    assert [r["oom_retries"] for r in results] == [2, 2]
-    expected = single_process_params(tmp_path)
-    for r in results:
-        for name, value in expected.items():
-            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
+    assert_both_ranks_backed_off(results, tmp_path)
 
 
 @pytest.mark.timeout(240)
@@ -62,13 +68,7 @@ def test_fsdp2_oom_on_rank_one_only(results, tmp_path):
     layer (after its all-gather), reaches rank 0 at its next sync point; FSDP's iteration state is reset
     and both ranks retry at the same size."""
     results = results["fsdp2:forward"]
-    assert [r["raised"] for r in results] == [0, 2]
-    assert [r["micro_batch_size"] for r in results] == [3, 3]
-    assert [r["oom_retries"] for r in results] == [2, 2]
-    expected = single_process_params(tmp_path)
-    for r in results:
-        for name, value in expected.items():
-            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
+    assert_both_ranks_backed_off(results, tmp_path)
 
 
 @pytest.mark.timeout(240)
