@@ -38,6 +38,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._pytree import tree_map
 
+from lightning_memopt._checks import check_positive_int
+
 __all__ = [
     "ConversionReport",
     "ConvertedLayer",
@@ -269,14 +271,14 @@ def convert_batchnorm(
         report = convert_batchnorm(model, example_input=torch.randn(2, 3, 8, 8))
         print(report)  # '1': BatchNorm2d(48) -> GroupNorm(24, 48), input (2, 48, 6, 6)
     """
-    _check_positive("num_groups", num_groups)
+    check_positive_int("num_groups", num_groups)
     if group_size is not None:
-        _check_positive("group_size", group_size)
+        check_positive_int("group_size", group_size)
     if groups is not None:
         if group_size is not None:
             raise ValueError("pass either groups= (an explicit plan) or group_size=, not both")
         for name, count in groups.items():
-            _check_positive(f"groups[{name!r}]", count)
+            check_positive_int(f"groups[{name!r}]", count)
 
     # 1. Find every BatchNorm-like layer with every name it has (a shared layer has several).
     names: dict[int, list[str]] = {}
@@ -542,11 +544,6 @@ def _is_frozen_batchnorm_class(module: nn.Module) -> bool:
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return any(cls.__name__ == "DTensor" for cls in type(t).__mro__)
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.memory.units import parse_bytes
 
@@ -135,8 +136,7 @@ def find_micro_batch_size(
         (100, [(1, 1010), (2, 1020), (14, 1140), (37, 1370), (100, 2000)])
     """
     for name, value in (("max_size", max_size), ("min_size", min_size), ("max_probes", max_probes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, value)
     if min_size > max_size:
         raise ValueError(f"min_size ({min_size}) must be at most max_size ({max_size}); lower min_size")
     capacity = parse_bytes(capacity, name="capacity")

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.callbacks._hooks import wrap_instance_hook
 from lightning_memopt.norm import ConversionReport, SwappedGroupNorm, convert_batchnorm, revert_groupnorm
 
@@ -79,19 +80,12 @@ class BatchNormToGroupNorm(Callback):
         probe: bool = True,
     ) -> None:
         for name, value in (("num_groups", num_groups), ("group_size", group_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value is not None:
+                check_positive_int(name, value)
         if when not in _WHEN:
             raise ValueError(f"when must be one of {_WHEN}, got {when!r}")
         if micro_batch_size_below is not None:
-            if isinstance(micro_batch_size_below, bool) or not isinstance(micro_batch_size_below, int):
-                raise ValueError(
-                    f"micro_batch_size_below must be a positive int, got {micro_batch_size_below!r}"
-                )
-            if micro_batch_size_below < 1:
-                raise ValueError(
-                    f"micro_batch_size_below must be a positive int, got {micro_batch_size_below!r}"
-                )
+            check_positive_int("micro_batch_size_below", micro_batch_size_below)
             if when != "micro_batching":
                 raise ValueError(
                     f"micro_batch_size_below={micro_batch_size_below} only applies with when='micro_batching', "

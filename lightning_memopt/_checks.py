@@ -1,0 +1,11 @@
+"""Argument checks shared by the cores and callbacks (the one place their wording lives)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (bools are not ints here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
