@@ -12,7 +12,9 @@ Treatments (``Choice``):
 ``keep``        nothing: autograd saves what it saves
 ``selective``   non-reentrant checkpoint with torch's selective contexts: outputs of compute-heavy ops
                 (matmul, convolution, attention; the ops ``FlopCounterMode`` counts) are cached, cheap
-                pointwise ops are recomputed in backward
+                pointwise ops are recomputed in backward. Compute ops that run after the last tensor
+                the block saves for backward (a transformer block's final projection) are not cached:
+                recomputation stops before them, so caching them would only hold memory
 ``full``        non-reentrant checkpoint: only the block's inputs are kept; the block runs again in
                 backward (stopping early once everything needed is recomputed)
 ``offload``     tensors saved for backward are copied to CPU memory and brought back in backward;
@@ -32,6 +34,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
@@ -88,16 +91,88 @@ def _notify(kind: str, tensor: torch.Tensor) -> None:
         fn(kind, tensor)
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    if is_compute_op(op):
-        for t in _tensors(ctx.op_output):
-            _notify("cached", t)
+def _selective_contexts(cached: int | None):
+    """Contexts that cache the outputs of the first ``cached`` compute ops (all of them if None)."""
+    seen = {False: 0, True: 0}  # compute ops so far, in the forward and in a recomputation
+
+    def policy(ctx, op, *args, **kwargs):
+        if not is_compute_op(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        index = seen[ctx.is_recompute]
+        seen[ctx.is_recompute] += 1
+        if cached is not None and index >= cached:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if not ctx.is_recompute:
+            for t in _tensors(ctx.op_output):
+                _notify("cached", t)
         return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(_selective_policy)
+def _compute_ops_before_last_save(block: nn.Module, fn, args, kwargs) -> int | None:
+    """How many compute ops of ``fn(*args, **kwargs)`` run before autograd saves its last tensor.
+
+    Non-reentrant checkpointing recomputes the forward only until every tensor saved for backward is
+    back, so the compute ops after that point never run again and their outputs need no cache. Found by
+    running the forward once on fake tensors (no memory, no FLOPs, no RNG or buffer change; modes the
+    caller entered, such as memory trackers and FLOP counters, do not see it). None when it cannot be
+    known: early stopping is off, or the block does not run on fake tensors.
+    """
+    if getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is False:
+        return None
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.compute = 0
+            self.at_last_save = 0
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            out = func(*a, **(kw or {}))
+            self.compute += is_compute_op(func)
+            return out
+
+    buffers = [(b, b.detach().clone()) for b in block.buffers()]
+    count = Count()
+
+    def pack(t):
+        count.at_last_save = count.compute
+        return None
+
+    # Autocast caches the casts of parameters while its region lasts: a cast made on fake tensors must
+    # not be found by the real forward (nor change which casts the real forward and its recomputation run).
+    autocast_cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+            mode = detect_fake_mode(_tensors((args, kwargs))) or FakeTensorMode(allow_non_fake_inputs=True)
+            with mode:
+
+                def fake(v):
+                    if not isinstance(v, torch.Tensor):
+                        return v
+                    f = v.detach() if mode.is_our_fake(v) else mode.from_tensor(v.detach())
+                    return f.requires_grad_(v.requires_grad)
+
+                fargs, fkwargs = tree_map(fake, (args, kwargs))
+                with (
+                    torch.enable_grad(),
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
+                    count,
+                ):
+                    fn(*fargs, **fkwargs)
+    except Exception:  # a data-dependent op, an op fake tensors do not support: cache every compute op
+        return None
+    finally:
+        torch.set_autocast_cache_enabled(autocast_cache)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    return count.at_last_save
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -150,6 +225,19 @@ class _BlockState:
     def __init__(self, choice: str, own_forward) -> None:
         self.choice = choice
         self.own_forward = own_forward  # an instance-level ``forward`` the block had before, or None
+        # selective: per input signature, how many compute ops' outputs to cache (None: all)
+        self.cached_ops: dict[str, int | None] = {}
+
+
+def _signature(value) -> str:
+    """What the op sequence of a forward may depend on: the inputs' shapes, dtypes and devices."""
+
+    def meta(v):
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
+        return repr(v)
+
+    return str(tree_map(meta, value))
 
 
 def _checkpointed_forward(block: nn.Module, *args, **kwargs):
@@ -161,7 +249,13 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
     if choice == "offload":
         with _OffloadHooks(block):
             return fn(*args, **kwargs)
-    contexts = _selective_contexts if choice == "selective" else _noop_contexts
+    if choice == "selective":
+        key = _signature((args, kwargs))
+        if key not in state.cached_ops:
+            state.cached_ops[key] = _compute_ops_before_last_save(block, fn, args, kwargs)
+        contexts = functools.partial(_selective_contexts, state.cached_ops[key])
+    else:
+        contexts = _noop_contexts
     buffers = [b for b in block.buffers() if b.is_floating_point() or b.dtype == torch.long]
 
     def context_fn():

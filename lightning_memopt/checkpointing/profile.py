@@ -40,6 +40,9 @@ from lightning_memopt.checkpointing.apply import (
     observe_saved,
     remove_checkpointing,
 )
+from lightning_memopt.checkpointing.apply import (
+    _signature as _signature_of,
+)
 from lightning_memopt.memory import MemoryTracker
 
 __all__ = [
@@ -307,19 +310,8 @@ def profile_blocks(
 
 
 def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
-    def meta(v):
-        if isinstance(v, torch.Tensor):
-            return ("T", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
-        return repr(v)
-
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
-    return (
-        type(block),
-        repr(block),
-        block.training,
-        params,
-        str(tree_map(meta, (captured.args, captured.kwargs))),
-    )
+    return (type(block), repr(block), block.training, params, _signature_of((captured.args, captured.kwargs)))
 
 
 def _profile_block(name, block, captured: BlockInputs, choices, context) -> BlockProfile:

@@ -22,6 +22,7 @@ from lightning_memopt.checkpointing import (
     profile_blocks,
     remove_checkpointing,
 )
+from lightning_memopt.checkpointing.profile import _OpCounter
 from tests.checkpointing.models import Block, TinyGPT
 
 
@@ -94,6 +95,61 @@ def test_gradients_equal_with_dropout(choice):
     got = _grads(model, idx, seed=5)
     for n in ref:
         assert torch.equal(got[n], ref[n]), n
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, data_dependent: bool = False) -> None:
+        super().__init__()
+        self.fc, self.proj, self.data_dependent = nn.Linear(8, 32), nn.Linear(32, 8), data_dependent
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc(x))
+        if self.data_dependent:
+            h = h * (h.nonzero().shape[0] > 0)  # an op fake tensors cannot size
+        return self.proj(h)
+
+
+def _selective_cached_bytes(block, x):
+    cached = []
+    from lightning_memopt.checkpointing.apply import observe_saved
+
+    apply_checkpointing(block, {"": "selective"})
+    with observe_saved(lambda kind, t: cached.append(t.nbytes)):
+        out = block(x)
+    with _OpCounter() as backward:  # FlopCounterMode's module hooks break selective recomputation
+        out.sum().backward()
+    remove_checkpointing(block)
+    return cached, backward.flops
+
+
+def test_selective_skips_compute_after_the_last_saved_tensor():
+    torch.manual_seed(0)
+    block, x = _MLPBlock(), torch.randn(4, 8, requires_grad=True)
+    with _OpCounter() as plain:
+        block(x).sum().backward()
+    ref = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    rng = torch.get_rng_state()
+    with _OpCounter() as outer:  # the fake-tensor analysis is invisible to modes the caller entered
+        cached, backward = _selective_cached_bytes(block, x)
+    assert torch.equal(torch.get_rng_state(), rng)
+    # Only fc's output (4 x 32 fp32) is cached; proj runs after gelu's input and proj's input are saved,
+    # so recomputation stops before it: not cached and not recomputed (backward FLOPs as without AC).
+    assert cached == [4 * 32 * 4]
+    assert backward == 2 * 2 * 4 * 8 * 32 * 2  # fc and proj: grad input and grad weight, no recompute
+    assert outer.flops == plain.flops
+    for p, r in zip(block.parameters(), ref):
+        torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=0)
+
+
+def test_selective_caches_every_compute_op_when_the_analysis_cannot_run():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    cached, _ = _selective_cached_bytes(_MLPBlock(data_dependent=True), x)
+    assert cached == [4 * 32 * 4, 4 * 8 * 4]  # fake tensors cannot run nonzero: fc and proj cached
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recomputation would reach proj
+        cached, _ = _selective_cached_bytes(_MLPBlock(), x)
+    assert cached == [4 * 32 * 4, 4 * 8 * 4]
 
 
 def test_apply_twice_does_not_double_wrap_and_remove_restores():
@@ -175,9 +231,10 @@ def test_profile_bytes_exact_and_predictions_match_measurement():
     full = p.options["full"]
     assert (full.internal_bytes, full.saves_input, full.saves_output) == (0, True, False)
     assert p.options["offload"].internal_bytes == 0 and not p.options["offload"].saves_input
-    # Selective caches exactly the outputs of the 6 matmul-class ops: attn (B,T,3h), q@k (B,2,T,T),
-    # att@v (B,2,T,h/2), proj (B,T,h), fc (B,T,4h), fc_proj (B,T,h); plus the input it keeps.
-    cached = B * T * (3 * h + h + 4 * h + h) * 4 + B * 2 * T * T * 4 + B * T * h * 4
+    # Selective caches exactly the outputs of the first 5 matmul-class ops: attn (B,T,3h), q@k (B,2,T,T),
+    # att@v (B,2,T,h/2), proj (B,T,h), fc (B,T,4h); plus the input it keeps. Not fc_proj (B,T,h): it runs
+    # after the block's last saved tensor, so recomputation stops before it and its output is not needed.
+    cached = B * T * (3 * h + h + 4 * h) * 4 + B * 2 * T * T * 4 + B * T * h * 4
     assert p.options["selective"].internal_bytes == cached
     # Full recompute re-runs every matmul but the last (early stop: fc_proj's output is not needed).
     assert full.recompute_flops == p.forward_flops - 2 * B * T * 4 * h * h
