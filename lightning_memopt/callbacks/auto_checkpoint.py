@@ -327,6 +327,14 @@ class AutoCheckpoint(Callback):
             apply_checkpointing(self._module, self._loaded_plan)
 
     @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # Lightning calls no teardown after an exception: take off the measuring hooks (a MemoryTracker
+        # left entered would track every later op of the process) and the checkpointing here instead.
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._batch_stack is not None:
             self._batch_stack.close()

@@ -173,6 +173,22 @@ def test_mismatch_warns(tmp_path):
         _trainer(tmp_path, [cb], steps=2).fit(Flaky())
 
 
+def test_exception_in_first_step_leaves_nothing_behind(tmp_path):
+    from lightning_memopt.memory import tracker
+
+    class Failing(GPTModule):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)  # runs with the measuring hooks entered
+            raise ValueError("user bug")
+
+    module = Failing()
+    with pytest.raises(ValueError, match="user bug"):
+        _trainer(tmp_path, [AutoCheckpoint(budget=10**6)]).fit(module)
+    assert module.seen_choices == [{"model.h.0": "full", "model.h.1": "full", "model.h.2": "full"}]
+    assert tracker._ACTIVE == []  # the step's ActivationMeter was exited
+    assert checkpointed_blocks(module) == {} and "configure_model" not in module.__dict__
+
+
 def test_resume_reapplies_plan_without_profiling(tmp_path, monkeypatch):
     torch.manual_seed(0)
     cb = AutoCheckpoint(budget=10**6)
