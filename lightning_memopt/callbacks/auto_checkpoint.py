@@ -234,21 +234,6 @@ class AutoCheckpoint(Callback):
         assert meter is not None and self.plan is not None
         if not self.plan.predicted:
             inputs, self._inputs = self._inputs, None
-            if _sharded(self._blocks):
-                # Blocks already fully_shard-ed in configure_model: profiling one alone would run FSDP's
-                # collectives out of step; the plan stays as chosen, without predictions.
-                self._needs_check = False
-                if self._needs_plan:
-                    self._needs_plan = False
-                    rank_zero_warn(
-                        "AutoCheckpoint cannot profile blocks that configure_model already sharded with "
-                        "fully_shard, so it cannot plan under a budget: every block stays fully checkpointed. "
-                        "Pass mode='selective' or mode='every_n' to recompute less."
-                    )
-                rank_zero_info(
-                    "AutoCheckpoint plan (blocks are sharded; not profiled):\n" + self.plan.table()
-                )
-                return
             profiles = profile_blocks(
                 pl_module, self._blocks, inputs=inputs, context=trainer.precision_plugin.forward_context
             )
@@ -281,13 +266,17 @@ class AutoCheckpoint(Callback):
         else:
             total = parse_bytes(self.budget, name="budget")
         blocks_budget = total - static - self._outside_bytes
+        # The smallest over ranks (FSDP shards can differ by a few bytes), so that every rank plans the same.
+        device = trainer.strategy.root_device
+        blocks_budget = int(
+            trainer.strategy.reduce(torch.tensor(blocks_budget, device=device), reduce_op="min")
+        )
         if blocks_budget <= 0:
             raise MisconfigurationException(
                 f"AutoCheckpoint: the budget {format_bytes(total)} does not even hold the parameters, gradients and "
                 f"optimizer state ({format_bytes(static)}) and the activations outside the blocks "
                 f"({format_bytes(self._outside_bytes)}); raise the budget or shard the model (FSDP)"
             )
-        device = trainer.strategy.root_device
         allow_offload = self.allow_offload if self.allow_offload is not None else device.type != "cpu"
         allowed = ["keep", "selective", "full"] + (["offload"] if allow_offload else [])
         return plan_checkpointing(profiles, blocks_budget, allowed=allowed, cost_model=self.cost_model)
@@ -346,11 +335,3 @@ class AutoCheckpoint(Callback):
             remove_checkpointing(pl_module)
         self._blocks = []
         self._module = None
-
-
-def _sharded(blocks) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for _, m in blocks)

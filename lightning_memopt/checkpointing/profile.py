@@ -301,8 +301,10 @@ def profile_blocks(
             )
         captured = inputs[name]
         key = _signature(block, captured)
-        if key not in cache:
-            cache[key] = _profile_block(name, block, captured, choices, context)
+        # Every block is gathered, profiled or not: the ranks all-gather the same blocks in the same order.
+        with _gathered(block) as call:
+            if key not in cache:
+                cache[key] = _profile_block(name, block, call, captured, choices, context)
         profile = copy.deepcopy(cache[key])
         profile.name, profile.chained, profile.input_held = name, captured.chained, captured.input_held
         profiles.append(profile)
@@ -314,7 +316,30 @@ def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
     return (type(block), repr(block), block.training, params, _signature_of((captured.args, captured.kwargs)))
 
 
-def _profile_block(name, block, captured: BlockInputs, choices, context) -> BlockProfile:
+@contextlib.contextmanager
+def _gathered(block: nn.Module) -> Iterator[Callable]:
+    """Yield how to call ``block`` for a profile run that involves no other rank.
+
+    A plain block is called as usual. An FSDP2 (``fully_shard``) block gets its parameters all-gathered
+    once (``unshard``; a collective, so every rank gathers every block in the same order) and its
+    ``forward`` is called directly, past FSDP's hooks, whose gathers and gradient reduce-scatters would
+    otherwise run out of step with the other ranks; it is resharded afterwards.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = ()  # noqa: N806
+    if not isinstance(block, FSDPModule):
+        yield block
+        return
+    block.unshard()
+    try:
+        yield block.forward
+    finally:
+        block.reshard()
+
+
+def _profile_block(name, block, call, captured: BlockInputs, choices, context) -> BlockProfile:
     state = block.__dict__.get(_STATE)
     before = state.choice if state is not None else None
     fake_model = nn.Module()  # apply_checkpointing works on a model; give the block a one-entry tree
@@ -328,7 +353,7 @@ def _profile_block(name, block, captured: BlockInputs, choices, context) -> Bloc
             apply_checkpointing(fake_model, {"b": choice})
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                cost, fwd_flops, bwd, sizes = _run(block, captured, context)
+                cost, fwd_flops, bwd, sizes = _run(block, call, captured, context)
             with torch.no_grad():
                 for n, b in block.named_buffers():
                     b.copy_(buffers[n])
@@ -348,7 +373,7 @@ def _profile_block(name, block, captured: BlockInputs, choices, context) -> Bloc
     )
 
 
-def _run(block, captured: BlockInputs, context):
+def _run(block, call, captured: BlockInputs, context):
     def fresh(t):
         if isinstance(t, torch.Tensor):
             t = t.detach().clone()
@@ -370,7 +395,7 @@ def _run(block, captured: BlockInputs, context):
 
     counter = _OpCounter()
     with tracker, observe_saved(seen), counter, (context or contextlib.nullcontext)():
-        out = block(*args, **kwargs)
+        out = call(*args, **kwargs)
     outs = [t for t in _tensors(out) if t.requires_grad]
     primary_out = next(iter(_tensors(out)), None)
     acts = tracker.current_breakdown["activations"]

@@ -42,7 +42,7 @@ class Module(GPTModule):
             fully_shard(self.model, mesh=mesh)
 
 
-def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Tensor, list]:
+def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Tensor, list, dict]:
     strategy = (
         DDPStrategy(process_group_backend="gloo")
         if kind == "ddp"
@@ -66,18 +66,28 @@ def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Ten
     for p in module.model.parameters():
         p = p.detach()
         params.append((p.full_tensor() if hasattr(p, "full_tensor") else p).flatten())
-    return torch.cat(params), module.seen_choices
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    return torch.cat(params), module.seen_choices, metrics
 
 
 def main(out: str) -> None:
     rank = int(os.environ["RANK"])
     for kind in ("ddp", "fsdp2"):
-        plain, _ = run(kind, [])
+        plain, _, _ = run(kind, [])
         cb = AutoCheckpoint()
-        checkpointed, seen = run(kind, [cb])
+        checkpointed, seen, _ = run(kind, [cb])
         result = {"plain": plain, "checkpointed": checkpointed}
         if kind == "fsdp2":
-            result["checkpoint_first"], result["seen_first"] = run(kind, [], checkpoint_first=True)
+            result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
+            # A budget between all-full and all-kept: the sharded blocks are profiled and planned for.
+            budgeted = AutoCheckpoint(budget=110_000)
+            result["budgeted"], result["seen_budgeted"], metrics = run(kind, [budgeted])
+            result["budgeted_plan"] = budgeted.plan.choices
+            result["budgeted_bytes"] = (
+                budgeted.plan.activation_bytes,
+                metrics["auto_checkpoint/activation_bytes_predicted"],
+                metrics["auto_checkpoint/activation_bytes_measured"],
+            )
         torch.save(result, os.path.join(out, f"{kind}_params{rank}.pt"))
         with open(os.path.join(out, f"{kind}_plan{rank}.json"), "w") as f:
             json.dump({"seen": seen, "choices": cb.plan.choices, "predicted": cb.plan.predicted}, f)

@@ -306,17 +306,6 @@ def test_configurable_from_yaml_like_arguments():
         assert (cb.budget, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (budget, ["h.*"], 20.0)
 
 
-def test_budget_with_sharded_blocks_warns_and_keeps_full(tmp_path, monkeypatch):
-    # Stand-in for blocks fully_shard-ed in configure_model (the real 2-process FSDP2 run is in
-    # test_auto_checkpoint_distributed.py): they are not profiled, so a budget cannot be planned for.
-    monkeypatch.setattr(ac_module, "_sharded", lambda blocks: True)
-    module, cb = GPTModule(), AutoCheckpoint(budget=10**6)
-    with pytest.warns(UserWarning, match="cannot profile blocks that configure_model already sharded"):
-        _trainer(tmp_path, [cb], steps=2).fit(module)
-    assert module.seen_choices[1] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
-    assert not cb.plan.predicted
-
-
 @pytest.mark.parametrize("checkpoint_first", [True, False])
 def test_with_batchnorm_swap_the_module_is_restored_whatever_the_order(tmp_path, checkpoint_first):
     """Both callbacks wrap configure_model; after fit the instance has no wrapper left, in either order."""

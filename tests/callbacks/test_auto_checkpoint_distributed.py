@@ -31,10 +31,21 @@ def test_two_process_training_matches_plain(results, kind):
                 "model.h.1": "full",
                 "model.h.2": "offload",
             }
+            # Blocks fully_shard-ed in configure_model are profiled (parameters gathered, FSDP's hooks
+            # bypassed) and planned under a budget; both ranks choose the same plan, which holds exactly
+            # the predicted bytes and trains exactly as without checkpointing.
+            assert result["budgeted_plan"] == {
+                "model.h.0": "full",
+                "model.h.1": "full",
+                "model.h.2": "selective",
+            }
+            assert result["seen_budgeted"][1] == result["budgeted_plan"]
+            planned, predicted, measured = result["budgeted_bytes"]
+            assert planned == predicted == measured == 28672
+            torch.testing.assert_close(result["budgeted"], result["plain"], rtol=1e-6, atol=1e-7)
         plan = json.loads((tmp_path / f"{kind}_plan{rank}.json").read_text())
         assert plan["choices"] == dict.fromkeys(names, "full")  # CPU, no budget: every block
         assert all(seen == plan["choices"] for seen in plan["seen"])
-        # DDP blocks are profiled on the first batch; FSDP2-sharded blocks are not (see AutoCheckpoint).
-        assert plan["predicted"] is (kind == "ddp")
+        assert plan["predicted"]  # profiled on the first batch, sharded blocks too
     p0, p1 = (torch.load(tmp_path / f"{kind}_params{r}.pt")["checkpointed"] for r in range(2))
     assert torch.equal(p0, p1)
