@@ -141,7 +141,7 @@ class _OpCounter(TorchDispatchMode):
                 self.flops += sdpa_flop_count(q.shape, k.shape, v.shape)
             else:
                 self.flops += sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape)
-        elif not func.is_view:
+        elif not func.is_view and func.namespace != "prim":  # prim: metadata queries (fake tensors)
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
