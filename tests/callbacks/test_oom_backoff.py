@@ -120,6 +120,34 @@ def test_other_errors_are_not_caught(tmp_path):
         fit(Broken(), [OOMBackoff()], tmp_path=tmp_path)
 
 
+def test_a_fit_that_raised_leaves_the_strategy_unwrapped(tmp_path):
+    """Lightning calls ``on_exception``, not ``teardown``, when fit raises: the engine must still go."""
+    from torch.utils.data import DataLoader
+
+    from lightning_memopt.batching.engine import MicroBatchEngine
+    from tests.batching.helpers import dataset, quiet_trainer
+
+    class FailsOnSecondStep(Net):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise ValueError("broken batch")
+            return super().training_step(batch, batch_idx)
+
+    model = FailsOnSecondStep()
+    callbacks = [AutoAccumulation(micro_batch_size=3), OOMBackoff()]
+    trainer = quiet_trainer(callbacks, max_steps=4, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="broken batch"):
+        trainer.fit(model, DataLoader(dataset(), batch_size=10))
+    hooks = ("training_step", "backward", "optimizer_step", "validation_step", "test_step", "predict_step")
+    assert [name for name in hooks if name in vars(trainer.strategy)] == []
+    assert "optimizer_zero_grad" not in vars(model)
+    assert not MicroBatchEngine.for_trainer(trainer).installed
+    # a teardown after on_exception (or a second on_exception) does not uninstall another user's install
+    for callback in callbacks:
+        callback.teardown(trainer, model, "fit")
+    assert not MicroBatchEngine.for_trainer(trainer).installed
+
+
 def test_one_sample_per_micro_batch_raises_with_checklist(tmp_path):
     model = Net()
     with (
