@@ -49,11 +49,12 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_memopt.batching.distributed import all_reduce_gradients, any_rank, is_distributed
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.batching.split import batch_size, micro_batch_sizes, micro_batch_weights, split_batch
-from lightning_memopt.batching.state import StepState, drop_gradients
+from lightning_memopt.batching.state import OptimizerSnapshot, StepState, drop_gradients
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.units import format_bytes
 
@@ -99,6 +100,29 @@ class MicroBatchOOMError(RuntimeError):
 
 class _PeerOutOfMemory(Exception):
     """Raised at a sync point when another rank ran out of memory (FSDP2: collectives inside forward)."""
+
+
+class _SyncInBackward(torch.autograd.Function):
+    """Identity on its tensors; its backward runs the engine's sync point (and, on a micro-batch's loss,
+    queues one more to run when the backward ends, before FSDP's final callback that it precedes)."""
+
+    @staticmethod
+    def forward(ctx, engine: MicroBatchEngine, queue_final: bool, *tensors: torch.Tensor):
+        ctx.engine, ctx.queue_final = engine, queue_final
+        ctx.set_materialize_grads(False)
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        if ctx.queue_final:
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.engine._sync_point)
+        ctx.engine._sync_point()
+        return (None, None, *grads)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (e.g. an activation checkpoint recomputing its forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class MicroBatchEngine:
@@ -351,8 +375,8 @@ class MicroBatchEngine:
                     scaled = loss * weight if len(parts) > 1 else loss  # k=1: no extra op in the graph
                     if scaler is not None:
                         scaled = scaler.scale(scaled)
-                    if sharded:
-                        self._sync_point()
+                    if sharded:  # sync before the backward, and before FSDP's final callback after it
+                        (scaled,) = _SyncInBackward.apply(self, True, scaled)
                     scaled.backward()
                 part_loss = loss.detach().float()
                 if len(parts) > 1:
@@ -379,31 +403,61 @@ class MicroBatchEngine:
     def _optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
+        """The optimizer step with OOM retry.
+
+        Single process: an OOM in the step (clipping, ``on_before_optimizer_step``, the update) restores
+        the step's start, halves the micro-batch, runs the training step again and steps again.
+
+        Distributed: the training step (with its own agreement) runs first, then the optimizer's step.
+        While sizes are unsettled — the first step at a micro-batch size: the fit's first step, when
+        optimizer state is created lazily, and the first after every back-off or growth — parameters and
+        optimizer state are copied to host memory before the step, and the ranks agree after it (one
+        8-byte all-reduce): if any rank ran out of memory, every rank restores the copy (undoing the
+        update the others made), backs off and retries, so all ranks stay equal. Once a size has
+        stepped cleanly there is no copy and no agreement (one all-reduce per step stays the training
+        agreement); an OOM in a later optimizer step raises :class:`MicroBatchOOMError` on that rank,
+        and the other ranks fail at their next collective.
+        """
         original = self._originals["optimizer_step"]
         if not self.retry_on_oom:
             return original(optimizer, closure, model, **kwargs)
         module = self._trainer.lightning_module
         self._state = self._capture(module)
+        distributed = self._agreement_needed()
         step_closure = closure
         try:
+            if distributed:
+                # The micro-batches (and their agreement) first, so every rank reaches the agreement below
+                # from the same place, whether its optimizer's pre-step work or its update ran out of memory.
+                step_closure = functools.partial(_return, closure())
             while True:
+                unsettled = distributed and self.stable_steps <= 1  # first clean step at this size
+                snapshot = OptimizerSnapshot.capture([optimizer]) if unsettled else None
                 failure: str | None = None
                 try:
-                    return original(optimizer, step_closure, model, **kwargs)
+                    output = original(optimizer, step_closure, model, **kwargs)
                 except BaseException as error:
                     if not is_out_of_memory(error):
                         raise
                     failure = f"{type(error).__name__}: {error}"
                     self.last_failure = failure + "\n" + self._memory_report(module)
-                # Out of memory after the micro-batches (optimizer step, clipping, on_before_optimizer_step).
-                if is_distributed():
-                    # The other ranks may already have updated their weights; nothing can make the ranks
-                    # equal again, so stop with an explanation instead of training on diverged replicas.
+                # Outside the except block: the attempt's tensors are freed.
+                if unsettled:
+                    failed = any_rank(failure is not None, self._device())
+                elif failure is not None and distributed:
                     raise MicroBatchOOMError(
-                        "out of memory in the optimizer step on this rank under a distributed strategy; "
-                        "the other ranks may have stepped already, so the step cannot be retried.\n"
-                        f"{self.last_failure}\n{_CHECKLIST}"
+                        "out of memory in the optimizer step on this rank under a distributed strategy, at a "
+                        "micro-batch size that had already stepped cleanly (the ranks agree on optimizer-step "
+                        "OOMs only for the first step at each size); the other ranks have stepped, so the step "
+                        f"cannot be retried.\n{self.last_failure}\n{_CHECKLIST}"
                     )
+                else:
+                    failed = failure is not None
+                if not failed:
+                    return output
+                output = None
+                if snapshot is not None:
+                    snapshot.restore()  # every rank: undo the update the ranks that did not fail made
                 total = self._last_total or 1
                 size = min(self.micro_batch_size or total, total)
                 self._recover(module, size, total)
@@ -635,18 +689,74 @@ class MicroBatchEngine:
         if any_rank(False, self._device()):
             raise _PeerOutOfMemory
 
+    def _sharded_with_parameters(self) -> list[torch.nn.Module]:
+        """The FSDP2 modules that manage parameters of their own (the ones whose hooks communicate)."""
+        sharded = self._fsdp_modules()
+        nested: dict[torch.nn.Module, set[int]] = {}
+        for m in sharded:
+            inner = {id(p) for c in m.modules() if c is not m and c in sharded for p in c.parameters()}
+            nested[m] = inner
+        return [m for m in sharded if any(id(p) not in nested[m] for p in m.parameters())]
+
     @contextlib.contextmanager
     def _sync_points(self, armed: bool):
-        handles = []
-        if armed:
-            for m in self._fsdp_modules():
-                # prepend: before FSDP's own pre-forward hook, which all-gathers the parameters
-                handles.append(m.register_forward_pre_hook(lambda *_: self._sync_point(), prepend=True))
+        """Sync points in front of every FSDP2 collective of a micro-batch (see :meth:`_arm_sharded`)."""
+        handles = self._arm_sharded() if armed else []
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    def _arm_sharded(self) -> list[Any]:
+        """Hooks that run a sync point before each FSDP2 all-gather and reduce-scatter of a micro-batch.
+
+        Per sharded module with parameters of its own, verified on torch 2.13 (FSDP2 registers its
+        pre-forward hook with ``prepend=True`` and its post-forward hook after the module's others):
+
+        - forward: a pre-hook prepended after ``fully_shard`` runs before FSDP's, which all-gathers;
+        - before its backward all-gather: a forward hook prepended before FSDP's post-forward registers
+          a tensor hook on the outputs; FSDP's post-forward then registers its pre-backward (all-gather,
+          prefetch of the next module) on the same tensors, and tensor hooks run in registration order;
+        - before its reduce-scatter: a forward pre-hook that runs after FSDP's (which put its
+          post-backward function on the inputs that require grad) puts :class:`_SyncInBackward` on them,
+          so in backward the sync point runs before FSDP's post-backward;
+        - modules whose inputs need no gradient reduce-scatter in FSDP's final callback of the backward;
+          the micro-batch's loss carries a :class:`_SyncInBackward` whose backward (the first node of
+          the backward) syncs and queues a sync point as a callback ahead of FSDP's.
+        """
+        handles = []
+        for m in self._sharded_with_parameters():
+            handles.append(m.register_forward_pre_hook(lambda *_: self._sync_point(), prepend=True))
+            handles.append(m.register_forward_pre_hook(self._sync_before_reduce_scatter, with_kwargs=True))
+            handles.append(m.register_forward_hook(self._sync_before_backward_all_gather, prepend=True))
+        return handles
+
+    def _sync_before_reduce_scatter(self, module: Any, args: tuple, kwargs: dict) -> Any:
+        if not torch.is_grad_enabled() or _in_backward():  # no backward, or a checkpoint's recompute
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        index = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not index:
+            return None
+        synced = _SyncInBackward.apply(self, False, *(leaves[i] for i in index))
+        for i, t in zip(index, synced):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _sync_before_backward_all_gather(self, module: Any, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or _in_backward():
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        fired = [False]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:  # once per forward call, on whichever output's gradient comes first
+                fired[0] = True
+                self._sync_point()
+
+        for t in tensors:
+            t.register_hook(hook)
 
     def _device(self) -> torch.device:
         return self._trainer.strategy.root_device

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 
+import lightning_memopt.batching.distributed as distributed
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.batching.inject import OOMInjector
 from tests.batching.helpers import Net, dataset, quiet_trainer
@@ -29,11 +31,38 @@ class ShardedNet(Net):
         fully_shard(self, mesh=self.device_mesh)
 
 
+class CountCollectives(Callback):
+    """The engine's small all-reduces (``any_rank`` and sync points) per training step, optimizer step
+    included (it runs between ``on_train_batch_start`` and ``on_train_batch_end``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.per_step: list[int] = []
+        self._start = 0
+        original = distributed._int_all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        distributed._int_all_reduce = counted  # any_rank looks it up in the module at each call
+        self._restore = lambda: setattr(distributed, "_int_all_reduce", original)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = self.calls
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.per_step.append(self.calls - self._start)
+
+    def teardown(self, trainer, pl_module, stage):
+        self._restore()
+
+
 def run(strategy_name: str, phase: str, out: str) -> None:
     model = ShardedNet() if strategy_name == "fsdp2" else Net()
     injector = None
     if phase not in ("none", "plain", "probe"):  # rank 1 only runs out of memory, in the last layer
-        where = "forward" if phase == "overlap" else phase
+        where = "forward" if phase == "overlap" else phase  # "step": the optimizer step runs out of memory
         injector = OOMInjector(model.net[-1], phase=where, max_size=4, ranks={1}).install()
     if strategy_name == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -45,8 +74,9 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         callback = OOMBackoff(overlap_after=1)
     else:
         callback = OOMBackoff()
+    counter = CountCollectives()
     trainer = quiet_trainer(
-        [] if phase == "plain" else [callback],
+        [counter] if phase == "plain" else [callback, counter],
         devices=2,
         strategy=strategy,
         max_steps=2,
@@ -66,6 +96,7 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         "raised": injector.raised if injector is not None else 0,
         "probes": getattr(callback, "probes", []),
         "overlapped": bool(callback.engine._overlapping),
+        "collectives": counter.per_step,
         "params": params,
         "losses": model.step_losses,
     }

@@ -1,8 +1,7 @@
 """Two real CPU processes (gloo): an OOM on rank 1 only makes both ranks back off, with no hang.
 
-DDP with OOMs in forward and in backward; ModelParallelStrategy (FSDP2) with an OOM in forward. (An OOM
-in one rank's FSDP2 backward is not recovered: FSDP2 all-gathers and reduce-scatters inside backward,
-where no sync point can be put in front of each collective; see README.)"""
+DDP and ModelParallelStrategy (FSDP2), with the OOM in forward, in backward or in the optimizer step;
+and the number of small collectives (``any_rank`` and sync points) each step costs."""
 
 import json
 from pathlib import Path
@@ -16,7 +15,16 @@ from tests.distributed import run_ranks
 ROOT = Path(__file__).resolve().parents[2]
 
 
-RUNS = ("ddp:forward", "ddp:backward", "fsdp2:forward", "ddp:probe", "ddp:overlap")
+RUNS = (
+    "ddp:forward",
+    "ddp:backward",
+    "ddp:step",
+    "fsdp2:forward",
+    "fsdp2:backward",
+    "fsdp2:step",
+    "ddp:probe",
+    "ddp:overlap",
+)
 
 
 def run_two_ranks(runs, tmp_path: Path) -> dict[str, list[dict]]:
@@ -56,19 +64,51 @@ def single_process_params(tmp_path) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("phase", ["forward", "backward", "step"])
 def test_ddp_oom_on_rank_one_only(results, tmp_path, phase):
+    """``step``: rank 1's optimizer step runs out of memory while rank 0's succeeds; both agree after the
+    step, rank 0 undoes its update, and both retry at the same size."""
     results = results[f"ddp:{phase}"]
     assert_both_ranks_backed_off(results, tmp_path)
 
 
 @pytest.mark.timeout(240)
-def test_fsdp2_oom_on_rank_one_only(results, tmp_path):
-    """ModelParallelStrategy (FSDP2 ``fully_shard``): an OOM in rank 1's forward, inside the last sharded
-    layer (after its all-gather), reaches rank 0 at its next sync point; FSDP's iteration state is reset
-    and both ranks retry at the same size."""
-    results = results["fsdp2:forward"]
+@pytest.mark.parametrize("phase", ["forward", "backward", "step"])
+def test_fsdp2_oom_on_rank_one_only(results, tmp_path, phase):
+    """ModelParallelStrategy (FSDP2 ``fully_shard``): an OOM in rank 1's forward or backward, inside the
+    last sharded layer (after its all-gather), reaches rank 0 at its next sync point, before its next
+    all-gather or reduce-scatter; FSDP's iteration state is reset and both ranks retry at the same size."""
+    results = results[f"fsdp2:{phase}"]
     assert_both_ranks_backed_off(results, tmp_path)
+
+
+# Small collectives per training step (both ranks call each one). Step 0 runs out of memory on rank 1 at
+# 10 and 5 samples and succeeds at 3 ([3, 3, 2, 2]); it is the first step at its size, so the ranks also
+# agree after the optimizer step. Step 1 is stable at [3, 3, 2, 2].
+# DDP: one agreement per attempt, plus one after the optimizer step while unsettled.
+# FSDP2 (2 sharded Linear layers, a root without parameters of its own), per micro-batch: 2 before the
+# layers' forward all-gathers + 1 on the loss before backward + 2 before the backward all-gathers + 1
+# before the last layer's reduce-scatter + 1 before FSDP's final callback (first layer's reduce-scatter)
+# = 7, plus the step's agreement.
+COLLECTIVES = {
+    # forward OOM: attempts 10 and 5 stop at the second layer's forward sync point on rank 0
+    "ddp:forward": [3 + 1, 1],
+    "fsdp2:forward": [(2 + 1) + (2 + 1) + (4 * 7 + 1) + 1, 4 * 7 + 1],
+    # backward OOM in the last layer (the injector's node sits between FSDP's pre-backward hook and the
+    # layer's own output hook): rank 0 learns it at that output hook, before the layer's reduce-scatter
+    "fsdp2:backward": [(2 + 1 + 1) * 2 + (4 * 7 + 1) + 1, 4 * 7 + 1],
+    # optimizer-step OOM: every attempt trains fully, agrees, steps, and agrees again
+    "ddp:step": [(1 + 1) * 3, 1],
+    "fsdp2:step": [(7 + 1 + 1) + (2 * 7 + 1 + 1) + (4 * 7 + 1 + 1), 4 * 7 + 1],
+    # overlap_after=1: step 1 agrees once, before its last micro-batch
+    "ddp:overlap": [3 + 1, 1],
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("run", sorted(COLLECTIVES))
+def test_small_collectives_per_step(results, run):
+    assert [r["collectives"] for r in results[run]] == [COLLECTIVES[run]] * 2
 
 
 @pytest.mark.timeout(240)
