@@ -162,6 +162,7 @@ class MicroBatchEngine:
         self.overlap_after: int | None = None
         self._overlapping = False
         self._past_sync_point = False
+        self._unsynced = False  # FSDP2, overlap_after reached: this step runs without sync points
         self.max_micro_batch_size: int | None = None  # cap when growing back (the size we started at)
         self.smallest_failed_size: int | None = None
         self.last_failure: str | None = None
@@ -273,7 +274,7 @@ class MicroBatchEngine:
             self._zero_grad(module, batch_idx)
             failure: str | None = None
             peer = False  # another rank's OOM was learned at a sync point (which was this step's agreement)
-            self._overlapping = self._past_sync_point = False
+            self._overlapping = self._past_sync_point = self._unsynced = False
             try:
                 result = self._run_micro_batches(batch, args[1:], kwargs, total, size)
             except _PeerOutOfMemory:
@@ -294,8 +295,19 @@ class MicroBatchEngine:
                     "(OOMBackoff(overlap_after=...) mode); this cannot be retried on every rank. Keep "
                     f"overlap_after=None (the default) to make every OOM recoverable.\n{self.last_failure}"
                 )
-            elif self._overlapping and failure is None:
-                failed = False  # the sync point before the last micro-batch was this step's agreement
+            elif failure is not None and self._unsynced:
+                # FSDP2 once stable with overlap_after: no sync points ran, the other ranks are inside an
+                # FSDP collective or past the step, and no agreement can reach them.
+                raise MicroBatchOOMError(
+                    f"out of memory under FSDP2 after {self.stable_steps} clean steps at micro-batch size "
+                    f"{size}, with OOMBackoff(overlap_after={self.overlap_after}): the sync points that let "
+                    "every rank retry were off, so this cannot be retried on every rank. Keep "
+                    f"overlap_after=None (the default) to make every OOM recoverable.\n{self.last_failure}"
+                )
+            elif (self._overlapping or self._unsynced) and failure is None:
+                # overlap (DDP): the sync point before the last micro-batch was this step's agreement;
+                # unsynced (FSDP2): a rank that ran out of memory raised, no rank waits for an agreement
+                failed = False
             elif self.retry_on_oom and self._agreement_needed():
                 failed = any_rank(failure is not None, self._device())
             else:
@@ -341,6 +353,12 @@ class MicroBatchEngine:
         # sharded module's forward and before each backward; gradients reduce-scatter in every
         # micro-batch's backward, so a failed attempt leaves nothing in FSDP's unsharded buffers.
         sharded = agree and bool(self._fsdp_modules())
+        # FSDP2 with overlap_after, sizes stable: no sync points and no agreement at all (none is needed
+        # when nobody fails, and a rank that fails raises MicroBatchOOMError instead of retrying).
+        self._unsynced = (
+            sharded and self.overlap_after is not None and self.stable_steps >= self.overlap_after
+        )
+        sharded = sharded and not self._unsynced
         # Overlap mode (opt-in, DDP, sizes stable): the ranks agree after the first k-1 micro-batches,
         # then the last one synchronizes gradients inside its backward as DDP normally does. The same
         # size just ran k-1 times in this step, but an OOM in that last micro-batch is not recoverable.
@@ -348,6 +366,7 @@ class MicroBatchEngine:
             agree
             and ddp is not None
             and not sharded
+            and not self._unsynced
             and len(parts) >= 2
             and self.overlap_after is not None
             and self.stable_steps >= self.overlap_after
@@ -359,8 +378,8 @@ class MicroBatchEngine:
                 last = i == len(parts) - 1
                 # Gradients synchronize in the last micro-batch's backward, unless the ranks must first
                 # agree that nobody ran out of memory (then they are averaged after the agreement).
-                if sharded:
-                    sync = contextlib.nullcontext()
+                if sharded or self._unsynced:
+                    sync = contextlib.nullcontext()  # FSDP2 reduce-scatters in every micro-batch's backward
                 elif self._overlapping and last:
                     self._sync_point()
                     self._past_sync_point = True

@@ -95,7 +95,7 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         "oom_retries": callback.engine.oom_retries if callback.engine else 0,
         "raised": injector.raised if injector is not None else 0,
         "probes": getattr(callback, "probes", []),
-        "overlapped": bool(callback.engine._overlapping),
+        "overlapped": bool(callback.engine._overlapping or callback.engine._unsynced),
         "collectives": counter.per_step,
         "params": params,
         "losses": model.step_losses,

@@ -24,6 +24,7 @@ RUNS = (
     "fsdp2:step",
     "ddp:probe",
     "ddp:overlap",
+    "fsdp2:overlap",
 )
 
 
@@ -100,8 +101,9 @@ COLLECTIVES = {
     # optimizer-step OOM: every attempt trains fully, agrees, steps, and agrees again
     "ddp:step": [(1 + 1) * 3, 1],
     "fsdp2:step": [(7 + 1 + 1) + (2 * 7 + 1 + 1) + (4 * 7 + 1 + 1), 4 * 7 + 1],
-    # overlap_after=1: step 1 agrees once, before its last micro-batch
+    # overlap_after=1: step 1 agrees once, before its last micro-batch (DDP), or not at all (FSDP2)
     "ddp:overlap": [3 + 1, 1],
+    "fsdp2:overlap": [(2 + 1) + (2 + 1) + (4 * 7 + 1) + 1, 0],
 }
 
 
@@ -126,10 +128,12 @@ def test_ddp_probing_agrees_on_the_smallest_device(results, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_ddp_overlap_after_stable_steps(results, tmp_path):
-    """OOMBackoff(overlap_after=1): the first step backs off (OOM on rank 1), the second runs its last
-    micro-batch with DDP's own gradient sync inside backward, after agreeing on the first three."""
-    results = results["ddp:overlap"]
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_overlap_after_stable_steps(results, tmp_path, strategy):
+    """OOMBackoff(overlap_after=1): the first step backs off (OOM on rank 1). DDP: the second runs its last
+    micro-batch with DDP's own gradient sync inside backward, after agreeing on the first three. FSDP2:
+    the second runs without sync points or agreement."""
+    results = results[f"{strategy}:overlap"]
     assert [r["micro_batch_size"] for r in results] == [3, 3]
     assert [r["overlapped"] for r in results] == [True, True]
     expected = single_process_params(tmp_path)

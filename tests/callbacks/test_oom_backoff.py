@@ -281,6 +281,26 @@ def test_overlap_mode_oom_in_the_last_micro_batch_raises(tmp_path, monkeypatch):
     assert calls == [3, 3, 2, 2]
 
 
+def test_fsdp2_overlap_mode_oom_raises(tmp_path, monkeypatch):
+    """FSDP2 once stable with overlap_after, in one process posing as a rank: no sync point ran, so an OOM
+    is an error, and no collective was asked for."""
+    import lightning_memopt.batching.engine as engine_module
+
+    agreements = []
+    monkeypatch.setattr(engine_module.MicroBatchEngine, "_agreement_needed", lambda self: True)
+    monkeypatch.setattr(engine_module, "any_rank", lambda flag, device=None: agreements.append(flag) or flag)
+    monkeypatch.setattr(engine_module.MicroBatchEngine, "_fsdp_modules", lambda self: [torch.nn.Linear(1, 1)])
+    model = Net()
+    with (
+        OOMInjector(model.net[-1], steps={1}, step_fn=lambda: model.trainer.global_step),
+        pytest.raises(MicroBatchOOMError, match=r"under FSDP2 after 1 clean steps .*overlap_after=1"),
+    ):
+        fit(model, [OOMBackoff(overlap_after=1)], tmp_path=tmp_path)
+    # step 0 only (sync points on): on the loss, before FSDP's final callback, the training agreement and
+    # the optimizer-step one (the first step at a size); step 1 asked for none before it raised
+    assert agreements == [False, False, False, False]
+
+
 def test_training_step_returning_none_is_refused(tmp_path):
     class Skips(Net):
         def training_step(self, batch, batch_idx):
