@@ -35,6 +35,37 @@ What one training step does (``_training_step``), top to bottom:
 6. Log each recorded value once, as the sample-weighted mean over micro-batches (the full-batch value),
    and return the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the
    hooks.
+
+Under a distributed strategy with OOM retry (``OOMBackoff``), an OOM on any rank makes every rank drop
+the attempt and retry at the same size, and no rank waits in a collective that another will not reach.
+The rule that guarantees it: after any point where a rank can run out of memory, the next collective of
+every rank is a sync point (``any_rank``, an 8-byte all-reduce), which the failed rank answers "yes"
+from its recovery path. Small collectives per training step (tested exactly in
+``tests/callbacks/test_distributed.py``):
+
+- **DDP**: one agreement per step attempt, after the micro-batches (which run under ``no_sync``) and
+  before the gradients are averaged. With ``overlap_after`` once stable: one sync point before the last
+  micro-batch, which then synchronizes inside its backward (an OOM in it ends the run).
+- **FSDP2** (``ModelParallelStrategy``): FSDP all-gathers and reduce-scatters per sharded module inside
+  forward and backward, so a rank that failed inside one module cannot reach a peer that is already in
+  a later module's collective; one agreement per micro-batch is not enough. Sync points run, per
+  micro-batch, before each sharded module's forward all-gather, on the loss before backward, before
+  each sharded module's backward all-gather, before each reduce-scatter that FSDP runs in a module's
+  post-backward function, and before FSDP's final callback (see :meth:`MicroBatchEngine._arm_sharded`):
+  ``2 P + R + 2`` per micro-batch for ``P`` sharded modules with parameters of their own, ``R`` of them
+  with inputs that require grad, plus the step's agreement (7 per micro-batch for two sharded layers).
+  Modules without parameters of their own (a root wrapping only sharded children) get none. With
+  ``overlap_after`` once stable: no sync point and no agreement (0 per step); an OOM then raises
+  :class:`MicroBatchOOMError` on that rank and the others fail at their next collective.
+- **Optimizer step** (both): the first step at each micro-batch size — the fit's first, when optimizer
+  state is created lazily, and the first after every back-off or growth — copies parameters and
+  optimizer state to host memory, steps, and agrees once more; if any rank ran out of memory, every rank
+  restores the copy and backs off. Later steps at that size neither copy nor agree: an OOM in them
+  raises :class:`MicroBatchOOMError` on that rank, and the others fail at their next collective.
+
+Not covered: an OOM inside FSDP's or DDP's own communication buffers (the peer is already in that
+collective), and collectives inside the optimizer step itself (e.g. gradient-norm clipping under
+FSDP2) after a rank's OOM in the step's pre-work.
 """
 
 from __future__ import annotations
@@ -99,7 +130,7 @@ class MicroBatchOOMError(RuntimeError):
 
 
 class _PeerOutOfMemory(Exception):
-    """Raised at a sync point when another rank ran out of memory (FSDP2: collectives inside forward)."""
+    """Raised at a sync point when another rank ran out of memory (FSDP2: collectives in forward/backward)."""
 
 
 class _SyncInBackward(torch.autograd.Function):
@@ -349,9 +380,9 @@ class MicroBatchEngine:
         agree = self.retry_on_oom and self._agreement_needed()
         ddp = _ddp_module(strategy)
         # FSDP2 gathers parameters inside forward and backward: a rank that ran out of memory must tell
-        # the others before their next collective. Sync points (a tiny all-reduce) run before each
-        # sharded module's forward and before each backward; gradients reduce-scatter in every
-        # micro-batch's backward, so a failed attempt leaves nothing in FSDP's unsharded buffers.
+        # the others before their next collective. Sync points (a tiny all-reduce) run before each of
+        # FSDP's collectives (_arm_sharded); gradients reduce-scatter in every micro-batch's backward, so
+        # a failed attempt leaves nothing in FSDP's unsharded buffers.
         sharded = agree and bool(self._fsdp_modules())
         # FSDP2 with overlap_after, sizes stable: no sync points and no agreement at all (none is needed
         # when nobody fails, and a rank that fails raises MicroBatchOOMError instead of retrying).
