@@ -27,6 +27,7 @@ RUNS = (
     "fsdp2:backward",
     "fsdp2:step",
     "fsdp2:overlap",
+    "fsdp2root:backward",
 )
 
 

@@ -520,17 +520,7 @@ class MicroBatchEngine:
     # ------------------------------------------------------------------ recovery
     def _recover(self, module: Any, size: int, total: int) -> None:
         """Drop the failed attempt, restore the step's start, and pick a smaller micro-batch."""
-        drop_gradients([self._trainer.strategy.model])
-        sharded = self._fsdp_modules()
-        if sharded:
-            # An attempt that failed inside a sharded module left FSDP mid-iteration (parameters
-            # gathered, the forward root set); torch's recovery call reshards and clears that state.
-            root = sharded[0]  # the outermost fully_shard module: modules() yields it first
-            if hasattr(root, "reset_iter_state"):  # torch >= 2.13
-                root.reset_iter_state()
-            else:
-                for m in sharded:
-                    m.reshard()
+        self._drop_attempt()
         if self._state is not None:
             self._state.restore()
         memory = self._device_memory()
@@ -548,6 +538,26 @@ class MicroBatchEngine:
         if self.max_micro_batch_size is None:
             self.max_micro_batch_size = self.micro_batch_size or total
         self.micro_batch_size = math.ceil(size / 2)
+
+    def _drop_attempt(self) -> None:
+        """Drop a failed attempt's gradients and put FSDP2 back to the start of an iteration."""
+        # Gradients before the reset: a sharded module whose backward stopped between computing its
+        # gradients and reduce-scattering them still has its unsharded parameters registered, so this
+        # drops those gradients too. FSDP's reset_iter_state (torch 2.13) registers the sharded
+        # parameters again and keeps the unsharded ones' gradients, which the retry would add to (tested).
+        drop_gradients([self._trainer.strategy.model])
+        sharded = self._fsdp_modules()
+        if not sharded:
+            return
+        # An attempt that failed inside a sharded module left FSDP mid-iteration (parameters gathered,
+        # the forward root set); torch's recovery call reshards and clears that state.
+        root = sharded[0]  # the outermost fully_shard module: modules() yields it first
+        if hasattr(root, "reset_iter_state"):  # torch >= 2.13
+            root.reset_iter_state()
+        else:
+            for m in sharded:
+                m.reshard()
+        drop_gradients([self._trainer.strategy.model])  # and the sharded parameters registered again
 
     def _after_clean_step(self, step_retries: int, total: int) -> None:
         self._last_total = total

@@ -68,13 +68,14 @@ def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
     import os
     import types
 
+    import pytest
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from lightning_memopt.batching.engine import MicroBatchEngine, _SyncInBackward
+    from lightning_memopt.batching.engine import MicroBatchEngine, _PeerOutOfMemory, _SyncInBackward
     from tests.distributed import free_port
 
     log = []
@@ -104,13 +105,41 @@ def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
             fully_shard(m)
         engine = MicroBatchEngine()
         engine._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(model=model))
+        x = torch.randn(3, 4)
+
+        def step() -> list[torch.Tensor]:
+            with engine._sync_points(armed=True):
+                loss = model(x).sum()
+                (loss,) = _SyncInBackward.apply(engine, True, loss)  # as the engine wraps each loss
+                loss.backward()
+            return [p.grad.full_tensor().clone() for p in model.parameters()]
+
         engine._sync_point = lambda: log.append("sync")
-        with engine._sync_points(armed=True):
-            loss = model(torch.randn(3, 4)).sum()
-            (loss,) = _SyncInBackward.apply(engine, True, loss)  # as the engine wraps each micro-batch's loss
-            loss.backward()
+        grads = step()
+        # Another rank ran out of memory in the first layer's backward: this rank learns it at the last
+        # sync point, queued ahead of FSDP's final callback; the error leaves backward, and after the
+        # engine's recovery the next iteration computes the same gradients as before (dropping them after
+        # FSDP's reset_iter_state instead would leave the first layer's doubled).
+        order = list(log)
+        calls = []
+
+        def peer_failed_at_the_last_sync_point() -> None:
+            calls.append(1)
+            if len(calls) == order.count("sync"):
+                raise _PeerOutOfMemory
+
+        engine._sync_point = peer_failed_at_the_last_sync_point
+        with pytest.raises(_PeerOutOfMemory):
+            step()
+        # the first layer computed its gradients and never reduce-scattered them: they sit on its
+        # unsharded parameters, still registered on the module
+        assert [p.grad is not None for p in first.parameters()] == [True, True]
+        engine._drop_attempt()  # what the engine's recovery does: drop gradients, then reset_iter_state
+        engine._sync_point = lambda: None
+        assert all(torch.equal(a, b) for a, b in zip(step(), grads))
     finally:
         dist.destroy_process_group()
+    log = order
     assert log == [
         "sync",  # forward
         "all-gather FSDPLinear",

@@ -58,13 +58,23 @@ class CountCollectives(Callback):
         self._restore()
 
 
+class RootShardedNet(Net):
+    """Net as one FSDP2 unit (``fully_shard`` on the root only): an OOM inside its backward stops it after
+    other layers' gradients were computed and before any reduce-scatter."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self, mesh=self.device_mesh)
+
+
 def run(strategy_name: str, phase: str, out: str) -> None:
-    model = ShardedNet() if strategy_name == "fsdp2" else Net()
+    model = {"fsdp2": ShardedNet, "fsdp2root": RootShardedNet}.get(strategy_name, Net)()
     injector = None
     if phase not in ("none", "plain", "probe"):  # rank 1 only runs out of memory, in the last layer
         where = "forward" if phase == "overlap" else phase  # "step": the optimizer step runs out of memory
         injector = OOMInjector(model.net[-1], phase=where, max_size=4, ranks={1}).install()
-    if strategy_name == "fsdp2":
+    if strategy_name.startswith("fsdp2"):
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         strategy = DDPStrategy(process_group_backend="gloo")

@@ -22,6 +22,7 @@ RUNS = (
     "fsdp2:forward",
     "fsdp2:backward",
     "fsdp2:step",
+    "fsdp2root:backward",
     "ddp:probe",
     "ddp:overlap",
     "fsdp2:overlap",
@@ -74,13 +75,14 @@ def test_ddp_oom_on_rank_one_only(results, tmp_path, phase):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("phase", ["forward", "backward", "step"])
-def test_fsdp2_oom_on_rank_one_only(results, tmp_path, phase):
+@pytest.mark.parametrize("run", ["fsdp2:forward", "fsdp2:backward", "fsdp2:step", "fsdp2root:backward"])
+def test_fsdp2_oom_on_rank_one_only(results, tmp_path, run):
     """ModelParallelStrategy (FSDP2 ``fully_shard``): an OOM in rank 1's forward or backward, inside the
     last sharded layer (after its all-gather), reaches rank 0 at its next sync point, before its next
-    all-gather or reduce-scatter; FSDP's iteration state is reset and both ranks retry at the same size."""
-    results = results[f"fsdp2:{phase}"]
-    assert_both_ranks_backed_off(results, tmp_path)
+    all-gather or reduce-scatter; FSDP's iteration state is reset and both ranks retry at the same size.
+    ``fsdp2root``: the whole net is one FSDP unit, so rank 0 finishes the other layers' backward (their
+    gradients sit unreduced on FSDP's unsharded parameters) and learns it before the reduce-scatter."""
+    assert_both_ranks_backed_off(results[run], tmp_path)
 
 
 # Small collectives per training step (both ranks call each one). Step 0 runs out of memory on rank 1 at
@@ -100,6 +102,8 @@ COLLECTIVES = {
     "fsdp2:backward": [(2 + 1 + 1) * 2 + (4 * 7 + 1) + 1, 4 * 7 + 1],
     # optimizer-step OOM: every attempt trains fully, agrees, steps, and agrees again
     "ddp:step": [(1 + 1) * 3, 1],
+    # one FSDP unit (P = 1, R = 0: 4 per micro-batch); rank 0 learns it before FSDP's final callback
+    "fsdp2root:backward": [4 * 2 + (4 * 4 + 1 + 1), 4 * 4 + 1],
     "fsdp2:step": [(7 + 1 + 1) + (2 * 7 + 1 + 1) + (4 * 7 + 1 + 1), 4 * 7 + 1],
     # overlap_after=1: step 1 agrees once, before its last micro-batch (DDP), or not at all (FSDP2)
     "ddp:overlap": [3 + 1, 1],
