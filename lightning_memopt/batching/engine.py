@@ -546,18 +546,22 @@ class MicroBatchEngine:
         # drops those gradients too. FSDP's reset_iter_state (torch 2.13) registers the sharded
         # parameters again and keeps the unsharded ones' gradients, which the retry would add to (tested).
         drop_gradients([self._trainer.strategy.model])
+        if self._reset_fsdp():
+            drop_gradients([self._trainer.strategy.model])  # and the sharded parameters registered again
+
+    def _reset_fsdp(self) -> bool:
+        """After an attempt that failed inside a sharded module (FSDP mid-iteration: parameters gathered,
+        the forward root set), torch's recovery call reshards and clears that state. False without FSDP2."""
         sharded = self._fsdp_modules()
         if not sharded:
-            return
-        # An attempt that failed inside a sharded module left FSDP mid-iteration (parameters gathered,
-        # the forward root set); torch's recovery call reshards and clears that state.
+            return False
         root = sharded[0]  # the outermost fully_shard module: modules() yields it first
         if hasattr(root, "reset_iter_state"):  # torch >= 2.13
             root.reset_iter_state()
         else:
             for m in sharded:
                 m.reshard()
-        drop_gradients([self._trainer.strategy.model])  # and the sharded parameters registered again
+        return True
 
     def _after_clean_step(self, step_retries: int, total: int) -> None:
         self._last_total = total
@@ -614,21 +618,31 @@ class MicroBatchEngine:
         module = self._trainer.lightning_module
         batch = args[0]
         total = self._batch_size(batch, module)
+        # FSDP2 all-gathers in each sharded module's forward: sync points before them, as in training.
+        sharded = self.retry_on_oom and self._agreement_needed() and bool(self._fsdp_modules())
         while True:
             size = min(self.eval_micro_batch_size or total, total)
             failure: str | None = None
+            peer = False
             try:
-                output = self._run_eval(original, batch, args[1:], kwargs, total, size)
+                with self._sync_points(armed=sharded):
+                    output = self._run_eval(original, batch, args[1:], kwargs, total, size)
+            except _PeerOutOfMemory:
+                peer = True  # learned at a sync point, which was this attempt's agreement
             except BaseException as error:
                 if not (self.retry_on_oom and is_out_of_memory(error)):
                     raise
                 failure = f"{type(error).__name__}: {error}"
-            failed = (
-                any_rank(failure is not None, self._device()) if self._agreement_needed() else bool(failure)
-            )
+            if peer:
+                failed = True
+            elif self._agreement_needed():
+                failed = any_rank(failure is not None, self._device())
+            else:
+                failed = failure is not None
             if not failed:
                 return output
             output = None
+            self._reset_fsdp()
             memory = self._device_memory()
             if memory is not None:
                 memory.empty_cache()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, DistributedSampler
@@ -72,8 +73,12 @@ def run(strategy_name: str, phase: str, out: str) -> None:
     model = {"fsdp2": ShardedNet, "fsdp2root": RootShardedNet}.get(strategy_name, Net)()
     injector = None
     if phase not in ("none", "plain", "probe"):  # rank 1 only runs out of memory, in the last layer
-        where = "forward" if phase == "overlap" else phase  # "step": the optimizer step runs out of memory
-        injector = OOMInjector(model.net[-1], phase=where, max_size=4, ranks={1}).install()
+        where = "forward" if phase in ("overlap", "validation") else phase  # "step": the optimizer step
+        # "validation": in the first layer, so rank 0 goes on to the last layer's all-gather; in training too
+        layer = model.net[0] if phase == "validation" else model.net[-1]
+        injector = OOMInjector(
+            layer, phase=where, max_size=4, ranks={1}, training_only=phase != "validation"
+        ).install()
     if strategy_name.startswith("fsdp2"):
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
@@ -91,10 +96,19 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         strategy=strategy,
         max_steps=2,
         use_distributed_sampler=False,
+        limit_val_batches=1 if phase == "validation" else 0,
     )
     # rank r gets samples r, r + 2, ...: a step's two batches of 10 are the first 20 samples
     sampler = DistributedSampler(dataset(), num_replicas=2, rank=trainer.global_rank, shuffle=False)
-    trainer.fit(model, DataLoader(dataset(), batch_size=10, sampler=sampler))
+    loader = DataLoader(dataset(), batch_size=10, sampler=sampler)
+    trainer.fit(model, loader, loader if phase == "validation" else None)
+    validation = {}
+    if phase == "validation":  # the loss validation logged, and the same batch through the trained model
+        injector.remove()
+        x, y = next(iter(loader))
+        with torch.no_grad():
+            expected = torch.nn.functional.mse_loss(model(x), y)
+        validation = {"logged": float(trainer.callback_metrics["val_loss"]), "expected": float(expected)}
     params = {}
     for name, p in model.named_parameters():
         p = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -103,10 +117,13 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         "rank": trainer.global_rank,
         "micro_batch_size": callback.micro_batch_size,
         "oom_retries": callback.engine.oom_retries if callback.engine else 0,
+        "eval_micro_batch_size": callback.engine.eval_micro_batch_size if callback.engine else None,
+        "eval_oom_retries": callback.engine.eval_oom_retries if callback.engine else 0,
         "raised": injector.raised if injector is not None else 0,
         "probes": getattr(callback, "probes", []),
         "overlapped": bool(callback.engine._overlapping or callback.engine._unsynced),
         "collectives": counter.per_step,
+        "validation": validation,
         "params": params,
         "losses": model.step_losses,
     }

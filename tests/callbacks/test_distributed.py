@@ -23,6 +23,8 @@ RUNS = (
     "fsdp2:backward",
     "fsdp2:step",
     "fsdp2root:backward",
+    "ddp:validation",
+    "fsdp2:validation",
     "ddp:probe",
     "ddp:overlap",
     "fsdp2:overlap",
@@ -83,6 +85,24 @@ def test_fsdp2_oom_on_rank_one_only(results, tmp_path, run):
     ``fsdp2root``: the whole net is one FSDP unit, so rank 0 finishes the other layers' backward (their
     gradients sit unreduced on FSDP's unsharded parameters) and learns it before the reduce-scatter."""
     assert_both_ranks_backed_off(results[run], tmp_path)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_validation_oom_on_rank_one_only(results, tmp_path, strategy):
+    """An OOM in rank 1's first layer, in training and in validation: both ranks back off in both, to the
+    same sizes (under FSDP2 rank 0 learns it at the last layer's sync point, before its all-gather), and
+    the logged validation loss is the trained model's loss on that batch."""
+    results = results[f"{strategy}:validation"]
+    assert [r["raised"] for r in results] == [0, 4]  # training 10 and 5, validation 10 and 5
+    assert [(r["micro_batch_size"], r["oom_retries"]) for r in results] == [(3, 2), (3, 2)]
+    assert [(r["eval_micro_batch_size"], r["eval_oom_retries"]) for r in results] == [(3, 2), (3, 2)]
+    for r in results:
+        assert r["validation"]["logged"] == pytest.approx(r["validation"]["expected"], rel=1e-6)
+    expected = single_process_params(tmp_path)
+    for r in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(torch.tensor(r["params"][name]), value, rtol=1e-6, atol=1e-7)
 
 
 # Small collectives per training step (both ranks call each one). Step 0 runs out of memory on rank 1 at
