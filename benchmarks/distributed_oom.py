@@ -28,6 +28,8 @@ RUNS = (
     "fsdp2:step",
     "fsdp2:overlap",
     "fsdp2root:backward",
+    "ddp:validation",
+    "fsdp2:validation",
 )
 
 

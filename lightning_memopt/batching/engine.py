@@ -57,6 +57,8 @@ from its recovery path. Small collectives per training step (tested exactly in
   Modules without parameters of their own (a root wrapping only sharded children) get none. With
   ``overlap_after`` once stable: no sync point and no agreement (0 per step); an OOM then raises
   :class:`MicroBatchOOMError` on that rank and the others fail at their next collective.
+- **Evaluation** (``validation_step`` etc., both): one agreement per attempt; under FSDP2 also the
+  forward sync points (``P`` per micro-batch).
 - **Optimizer step** (both): the first step at each micro-batch size — the fit's first, when optimizer
   state is created lazily, and the first after every back-off or growth — copies parameters and
   optimizer state to host memory, steps, and agrees once more; if any rank ran out of memory, every rank
