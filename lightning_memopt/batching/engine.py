@@ -768,11 +768,13 @@ class MicroBatchEngine:
     def _sharded_with_parameters(self) -> list[torch.nn.Module]:
         """The FSDP2 modules that manage parameters of their own (the ones whose hooks communicate)."""
         sharded = self._fsdp_modules()
-        nested: dict[torch.nn.Module, set[int]] = {}
+        ids = {id(m) for m in sharded}
+        owners = []
         for m in sharded:
-            inner = {id(p) for c in m.modules() if c is not m and c in sharded for p in c.parameters()}
-            nested[m] = inner
-        return [m for m in sharded if any(id(p) not in nested[m] for p in m.parameters())]
+            inner = {id(p) for c in m.modules() if c is not m and id(c) in ids for p in c.parameters()}
+            if any(id(p) not in inner for p in m.parameters()):
+                owners.append(m)
+        return owners
 
     @contextlib.contextmanager
     def _sync_points(self, armed: bool):
