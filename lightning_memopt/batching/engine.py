@@ -155,7 +155,8 @@ class _SyncInBackward(torch.autograd.Function):
 
 def _in_backward() -> bool:
     """True while autograd runs a backward (e.g. an activation checkpoint recomputing its forward)."""
-    return torch._C._current_graph_task_id() != -1
+    task_id = getattr(torch._C, "_current_graph_task_id", None)  # private; present on torch 2.x
+    return task_id is not None and task_id() != -1
 
 
 class MicroBatchEngine:
