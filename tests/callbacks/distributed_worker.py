@@ -89,6 +89,10 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         callback = OOMBackoff(overlap_after=1)
     else:
         callback = OOMBackoff()
+    val_sizes: list[int] = []  # samples of each validation forward, as the first layer sees them
+    model.net[0].register_forward_pre_hook(
+        lambda m, args: None if m.training else val_sizes.append(len(args[0]))
+    )
     counter = CountCollectives()
     trainer = quiet_trainer(
         [counter] if phase == "plain" else [callback, counter],
@@ -124,6 +128,7 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         "overlapped": bool(callback.engine._overlapping or callback.engine._unsynced),
         "collectives": counter.per_step,
         "validation": validation,
+        "val_sizes": val_sizes,
         "params": params,
         "losses": model.step_losses,
     }

@@ -97,6 +97,11 @@ def test_validation_oom_on_rank_one_only(results, tmp_path, strategy):
     assert [r["raised"] for r in results] == [0, 4]  # training 10 and 5, validation 10 and 5
     assert [(r["micro_batch_size"], r["oom_retries"]) for r in results] == [(3, 2), (3, 2)]
     assert [(r["eval_micro_batch_size"], r["eval_oom_retries"]) for r in results] == [(3, 2), (3, 2)]
+    # Validation forwards that reached the first layer (rank 1 fails inside it at 10 and 5). DDP: rank 0
+    # runs each attempt to its end, then agrees. FSDP2: rank 0 learns at the last layer's sync point of
+    # the first micro-batch and stops there (without it, it ran the second 5 out of step with rank 1).
+    first_attempts = {"ddp": [10, 5, 5], "fsdp2": [10, 5]}[strategy]
+    assert [r["val_sizes"] for r in results] == [first_attempts + [3, 3, 2, 2], [3, 3, 2, 2]]
     for r in results:
         assert r["validation"]["logged"] == pytest.approx(r["validation"]["expected"], rel=1e-6)
     expected = single_process_params(tmp_path)
