@@ -3,7 +3,8 @@ the optimizer step, with 2 gloo CPU processes.
 
 For each run: the size both ranks end at, their retries, the small collectives (``any_rank`` and sync
 points) per training step, and the largest relative difference of each rank's parameters from the
-single-process run of the same 2 steps (batch 20 = two ranks of 10). The runs are the 2-process tests'
+single-process run of the same 2 steps (batch 20 = two ranks of 10; ``stepclip``: with the same
+gradient clipping). The runs are the 2-process tests'
 (tests/callbacks/distributed_worker.py). Run from the repository root: python benchmarks/distributed_oom.py
 """
 
@@ -26,6 +27,7 @@ RUNS = (
     "fsdp2:forward",
     "fsdp2:backward",
     "fsdp2:step",
+    "fsdp2:stepclip",
     "fsdp2:overlap",
     "fsdp2root:backward",
     "ddp:validation",
@@ -37,15 +39,18 @@ def main() -> None:
     import torch
 
     from tests.batching.helpers import Net, fit
+    from tests.callbacks.distributed_worker import CLIP
     from tests.distributed import run_ranks
 
     out = Path(tempfile.mkdtemp())
     start = time.perf_counter()
     run_ranks("tests.callbacks.distributed_worker:main", out, *RUNS, timeout=300)
     seconds = time.perf_counter() - start
-    reference = Net()
-    fit(reference, steps=2, batch=20, tmp_path=out, log_every_n_steps=1)
-    expected = {name: p.detach() for name, p in reference.named_parameters()}
+    references = {}
+    for clip in (None, CLIP):
+        reference = Net()
+        fit(reference, steps=2, batch=20, tmp_path=out, gradient_clip_val=clip)
+        references[clip] = {name: p.detach() for name, p in reference.named_parameters()}
     print(f"2 ranks, {len(RUNS)} fits in one launch: {seconds:.1f} s\n")
     print(
         "| run | size (rank 0, 1) | retries | small collectives per step | max rel. param diff vs 1 process |"
@@ -53,6 +58,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for spec in RUNS:
         ranks = [json.loads((out / f"{spec.replace(':', '-')}-rank{r}.json").read_text()) for r in range(2)]
+        expected = references[CLIP if spec.endswith("clip") else None]
         worst = 0.0
         for r in ranks:
             for name, value in expected.items():

@@ -32,6 +32,9 @@ class ShardedNet(Net):
         fully_shard(self, mesh=self.device_mesh)
 
 
+CLIP = 0.1  # gradient_clip_val of the "stepclip" runs (the gradients' norm is above it in both steps)
+
+
 class CountCollectives(Callback):
     """The engine's small all-reduces (``any_rank`` and sync points) per training step, optimizer step
     included (it runs between ``on_train_batch_start`` and ``on_train_batch_end``)."""
@@ -73,7 +76,8 @@ def run(strategy_name: str, phase: str, out: str) -> None:
     model = {"fsdp2": ShardedNet, "fsdp2root": RootShardedNet}.get(strategy_name, Net)()
     injector = None
     if phase not in ("none", "plain", "probe"):  # rank 1 only runs out of memory, in the last layer
-        where = "forward" if phase in ("overlap", "validation") else phase  # "step": the optimizer step
+        # "step": the optimizer step; "stepclip": the same with gradient clipping (a collective under FSDP2)
+        where = {"overlap": "forward", "validation": "forward", "stepclip": "step"}.get(phase, phase)
         # "validation": in the first layer, so rank 0 goes on to the last layer's all-gather; in training too
         layer = model.net[0] if phase == "validation" else model.net[-1]
         injector = OOMInjector(
@@ -101,6 +105,7 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         max_steps=2,
         use_distributed_sampler=False,
         limit_val_batches=1 if phase == "validation" else 0,
+        gradient_clip_val=CLIP if phase == "stepclip" else None,
     )
     # rank r gets samples r, r + 2, ...: a step's two batches of 10 are the first 20 samples
     sampler = DistributedSampler(dataset(), num_replicas=2, rank=trainer.global_rank, shuffle=False)
