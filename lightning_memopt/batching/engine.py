@@ -35,6 +35,39 @@ What one training step does (``_training_step``), top to bottom:
 6. Log each recorded value once, as the sample-weighted mean over micro-batches (the full-batch value),
    and return the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the
    hooks.
+
+Under a distributed strategy with OOM retry (``OOMBackoff``), an OOM on any rank makes every rank drop
+the attempt and retry at the same size, and no rank waits in a collective that another will not reach.
+The rule that guarantees it: after any point where a rank can run out of memory, the next collective of
+every rank is a sync point (``any_rank``, an 8-byte all-reduce), which the failed rank answers "yes"
+from its recovery path. Small collectives per training step (tested exactly in
+``tests/callbacks/test_distributed.py``):
+
+- **DDP**: one agreement per step attempt, after the micro-batches (which run under ``no_sync``) and
+  before the gradients are averaged. With ``overlap_after`` once stable: one sync point before the last
+  micro-batch, which then synchronizes inside its backward (an OOM in it ends the run).
+- **FSDP2** (``ModelParallelStrategy``): FSDP all-gathers and reduce-scatters per sharded module inside
+  forward and backward, so a rank that failed inside one module cannot reach a peer that is already in
+  a later module's collective; one agreement per micro-batch is not enough. Sync points run, per
+  micro-batch, before each sharded module's forward all-gather, on the loss before backward, before
+  each sharded module's backward all-gather, before each reduce-scatter that FSDP runs in a module's
+  post-backward function, and before FSDP's final callback (see :meth:`MicroBatchEngine._arm_sharded`):
+  ``2 P + R + 2`` per micro-batch for ``P`` sharded modules with parameters of their own, ``R`` of them
+  with inputs that require grad, plus the step's agreement (7 per micro-batch for two sharded layers).
+  Modules without parameters of their own (a root wrapping only sharded children) get none. With
+  ``overlap_after`` once stable: no sync point and no agreement (0 per step); an OOM then raises
+  :class:`MicroBatchOOMError` on that rank and the others fail at their next collective.
+- **Evaluation** (``validation_step`` etc., both): one agreement per attempt; under FSDP2 also the
+  forward sync points (``P`` per micro-batch).
+- **Optimizer step** (both): the first step at each micro-batch size — the fit's first, when optimizer
+  state is created lazily, and the first after every back-off or growth — copies parameters and
+  optimizer state to host memory, steps, and agrees once more; if any rank ran out of memory, every rank
+  restores the copy and backs off. Later steps at that size neither copy nor agree: an OOM in them
+  raises :class:`MicroBatchOOMError` on that rank, and the others fail at their next collective.
+
+Not covered: an OOM inside FSDP's or DDP's own communication buffers (the peer is already in that
+collective), and collectives inside the optimizer step itself (e.g. gradient-norm clipping under
+FSDP2) after a rank's OOM in the step's pre-work.
 """
 
 from __future__ import annotations
@@ -49,11 +82,12 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_memopt.batching.distributed import all_reduce_gradients, any_rank, is_distributed
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.batching.split import batch_size, micro_batch_sizes, micro_batch_weights, split_batch
-from lightning_memopt.batching.state import StepState, drop_gradients
+from lightning_memopt.batching.state import OptimizerSnapshot, StepState, drop_gradients
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.units import format_bytes
 
@@ -98,7 +132,31 @@ class MicroBatchOOMError(RuntimeError):
 
 
 class _PeerOutOfMemory(Exception):
-    """Raised at a sync point when another rank ran out of memory (FSDP2: collectives inside forward)."""
+    """Raised at a sync point when another rank ran out of memory (FSDP2: collectives in forward/backward)."""
+
+
+class _SyncInBackward(torch.autograd.Function):
+    """Identity on its tensors; its backward runs the engine's sync point (and, on a micro-batch's loss,
+    queues one more to run when the backward ends, before FSDP's final callback that it precedes)."""
+
+    @staticmethod
+    def forward(ctx, engine: MicroBatchEngine, queue_final: bool, *tensors: torch.Tensor):
+        ctx.engine, ctx.queue_final = engine, queue_final
+        ctx.set_materialize_grads(False)
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        if ctx.queue_final:
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.engine._sync_point)
+        ctx.engine._sync_point()
+        return (None, None, *grads)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (e.g. an activation checkpoint recomputing its forward)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)  # private; present on torch 2.x
+    return task_id is not None and task_id() != -1
 
 
 class MicroBatchEngine:
@@ -138,6 +196,7 @@ class MicroBatchEngine:
         self.overlap_after: int | None = None
         self._overlapping = False
         self._past_sync_point = False
+        self._unsynced = False  # FSDP2, overlap_after reached: this step runs without sync points
         self.max_micro_batch_size: int | None = None  # cap when growing back (the size we started at)
         self.smallest_failed_size: int | None = None
         self.last_failure: str | None = None
@@ -249,7 +308,7 @@ class MicroBatchEngine:
             self._zero_grad(module, batch_idx)
             failure: str | None = None
             peer = False  # another rank's OOM was learned at a sync point (which was this step's agreement)
-            self._overlapping = self._past_sync_point = False
+            self._overlapping = self._past_sync_point = self._unsynced = False
             try:
                 result = self._run_micro_batches(batch, args[1:], kwargs, total, size)
             except _PeerOutOfMemory:
@@ -270,8 +329,19 @@ class MicroBatchEngine:
                     "(OOMBackoff(overlap_after=...) mode); this cannot be retried on every rank. Keep "
                     f"overlap_after=None (the default) to make every OOM recoverable.\n{self.last_failure}"
                 )
-            elif self._overlapping and failure is None:
-                failed = False  # the sync point before the last micro-batch was this step's agreement
+            elif failure is not None and self._unsynced:
+                # FSDP2 once stable with overlap_after: no sync points ran, the other ranks are inside an
+                # FSDP collective or past the step, and no agreement can reach them.
+                raise MicroBatchOOMError(
+                    f"out of memory under FSDP2 after {self.stable_steps} clean steps at micro-batch size "
+                    f"{size}, with OOMBackoff(overlap_after={self.overlap_after}): the sync points that let "
+                    "every rank retry were off, so this cannot be retried on every rank. Keep "
+                    f"overlap_after=None (the default) to make every OOM recoverable.\n{self.last_failure}"
+                )
+            elif (self._overlapping or self._unsynced) and failure is None:
+                # overlap (DDP): the sync point before the last micro-batch was this step's agreement;
+                # unsynced (FSDP2): a rank that ran out of memory raised, no rank waits for an agreement
+                failed = False
             elif self.retry_on_oom and self._agreement_needed():
                 failed = any_rank(failure is not None, self._device())
             else:
@@ -313,10 +383,16 @@ class MicroBatchEngine:
         agree = self.retry_on_oom and self._agreement_needed()
         ddp = _ddp_module(strategy)
         # FSDP2 gathers parameters inside forward and backward: a rank that ran out of memory must tell
-        # the others before their next collective. Sync points (a tiny all-reduce) run before each
-        # sharded module's forward and before each backward; gradients reduce-scatter in every
-        # micro-batch's backward, so a failed attempt leaves nothing in FSDP's unsharded buffers.
+        # the others before their next collective. Sync points (a tiny all-reduce) run before each of
+        # FSDP's collectives (_arm_sharded); gradients reduce-scatter in every micro-batch's backward, so
+        # a failed attempt leaves nothing in FSDP's unsharded buffers.
         sharded = agree and bool(self._fsdp_modules())
+        # FSDP2 with overlap_after, sizes stable: no sync points and no agreement at all (none is needed
+        # when nobody fails, and a rank that fails raises MicroBatchOOMError instead of retrying).
+        self._unsynced = (
+            sharded and self.overlap_after is not None and self.stable_steps >= self.overlap_after
+        )
+        sharded = sharded and not self._unsynced
         # Overlap mode (opt-in, DDP, sizes stable): the ranks agree after the first k-1 micro-batches,
         # then the last one synchronizes gradients inside its backward as DDP normally does. The same
         # size just ran k-1 times in this step, but an OOM in that last micro-batch is not recoverable.
@@ -324,6 +400,7 @@ class MicroBatchEngine:
             agree
             and ddp is not None
             and not sharded
+            and not self._unsynced
             and len(parts) >= 2
             and self.overlap_after is not None
             and self.stable_steps >= self.overlap_after
@@ -335,8 +412,8 @@ class MicroBatchEngine:
                 last = i == len(parts) - 1
                 # Gradients synchronize in the last micro-batch's backward, unless the ranks must first
                 # agree that nobody ran out of memory (then they are averaged after the agreement).
-                if sharded:
-                    sync = contextlib.nullcontext()
+                if sharded or self._unsynced:
+                    sync = contextlib.nullcontext()  # FSDP2 reduce-scatters in every micro-batch's backward
                 elif self._overlapping and last:
                     self._sync_point()
                     self._past_sync_point = True
@@ -351,8 +428,8 @@ class MicroBatchEngine:
                     scaled = loss * weight if len(parts) > 1 else loss  # k=1: no extra op in the graph
                     if scaler is not None:
                         scaled = scaler.scale(scaled)
-                    if sharded:
-                        self._sync_point()
+                    if sharded:  # sync before the backward, and before FSDP's final callback after it
+                        (scaled,) = _SyncInBackward.apply(self, True, scaled)
                     scaled.backward()
                 part_loss = loss.detach().float()
                 if len(parts) > 1:
@@ -379,31 +456,61 @@ class MicroBatchEngine:
     def _optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
+        """The optimizer step with OOM retry.
+
+        Single process: an OOM in the step (clipping, ``on_before_optimizer_step``, the update) restores
+        the step's start, halves the micro-batch, runs the training step again and steps again.
+
+        Distributed: the training step (with its own agreement) runs first, then the optimizer's step.
+        While sizes are unsettled — the first step at a micro-batch size: the fit's first step, when
+        optimizer state is created lazily, and the first after every back-off or growth — parameters and
+        optimizer state are copied to host memory before the step, and the ranks agree after it (one
+        8-byte all-reduce): if any rank ran out of memory, every rank restores the copy (undoing the
+        update the others made), backs off and retries, so all ranks stay equal. Once a size has
+        stepped cleanly there is no copy and no agreement (one all-reduce per step stays the training
+        agreement); an OOM in a later optimizer step raises :class:`MicroBatchOOMError` on that rank,
+        and the other ranks fail at their next collective.
+        """
         original = self._originals["optimizer_step"]
         if not self.retry_on_oom:
             return original(optimizer, closure, model, **kwargs)
         module = self._trainer.lightning_module
         self._state = self._capture(module)
+        distributed = self._agreement_needed()
         step_closure = closure
         try:
+            if distributed:
+                # The micro-batches (and their agreement) first, so every rank reaches the agreement below
+                # from the same place, whether its optimizer's pre-step work or its update ran out of memory.
+                step_closure = functools.partial(_return, closure())
             while True:
+                unsettled = distributed and self.stable_steps <= 1  # first clean step at this size
+                snapshot = OptimizerSnapshot.capture([optimizer]) if unsettled else None
                 failure: str | None = None
                 try:
-                    return original(optimizer, step_closure, model, **kwargs)
+                    output = original(optimizer, step_closure, model, **kwargs)
                 except BaseException as error:
                     if not is_out_of_memory(error):
                         raise
                     failure = f"{type(error).__name__}: {error}"
                     self.last_failure = failure + "\n" + self._memory_report(module)
-                # Out of memory after the micro-batches (optimizer step, clipping, on_before_optimizer_step).
-                if is_distributed():
-                    # The other ranks may already have updated their weights; nothing can make the ranks
-                    # equal again, so stop with an explanation instead of training on diverged replicas.
+                # Outside the except block: the attempt's tensors are freed.
+                if unsettled:
+                    failed = any_rank(failure is not None, self._device())
+                elif failure is not None and distributed:
                     raise MicroBatchOOMError(
-                        "out of memory in the optimizer step on this rank under a distributed strategy; "
-                        "the other ranks may have stepped already, so the step cannot be retried.\n"
-                        f"{self.last_failure}\n{_CHECKLIST}"
+                        "out of memory in the optimizer step on this rank under a distributed strategy, at a "
+                        "micro-batch size that had already stepped cleanly (the ranks agree on optimizer-step "
+                        "OOMs only for the first step at each size); the other ranks have stepped, so the step "
+                        f"cannot be retried.\n{self.last_failure}\n{_CHECKLIST}"
                     )
+                else:
+                    failed = failure is not None
+                if not failed:
+                    return output
+                output = None
+                if snapshot is not None:
+                    snapshot.restore()  # every rank: undo the update the ranks that did not fail made
                 total = self._last_total or 1
                 size = min(self.micro_batch_size or total, total)
                 self._recover(module, size, total)
@@ -416,17 +523,7 @@ class MicroBatchEngine:
     # ------------------------------------------------------------------ recovery
     def _recover(self, module: Any, size: int, total: int) -> None:
         """Drop the failed attempt, restore the step's start, and pick a smaller micro-batch."""
-        drop_gradients([self._trainer.strategy.model])
-        sharded = self._fsdp_modules()
-        if sharded:
-            # An attempt that failed inside a sharded module left FSDP mid-iteration (parameters
-            # gathered, the forward root set); torch's recovery call reshards and clears that state.
-            root = sharded[0]  # the outermost fully_shard module: modules() yields it first
-            if hasattr(root, "reset_iter_state"):  # torch >= 2.13
-                root.reset_iter_state()
-            else:
-                for m in sharded:
-                    m.reshard()
+        self._drop_attempt()
         if self._state is not None:
             self._state.restore()
         memory = self._device_memory()
@@ -444,6 +541,30 @@ class MicroBatchEngine:
         if self.max_micro_batch_size is None:
             self.max_micro_batch_size = self.micro_batch_size or total
         self.micro_batch_size = math.ceil(size / 2)
+
+    def _drop_attempt(self) -> None:
+        """Drop a failed attempt's gradients and put FSDP2 back to the start of an iteration."""
+        # Gradients before the reset: a sharded module whose backward stopped between computing its
+        # gradients and reduce-scattering them still has its unsharded parameters registered, so this
+        # drops those gradients too. FSDP's reset_iter_state (torch 2.13) registers the sharded
+        # parameters again and keeps the unsharded ones' gradients, which the retry would add to (tested).
+        drop_gradients([self._trainer.strategy.model])
+        if self._reset_fsdp():
+            drop_gradients([self._trainer.strategy.model])  # and the sharded parameters registered again
+
+    def _reset_fsdp(self) -> bool:
+        """After an attempt that failed inside a sharded module (FSDP mid-iteration: parameters gathered,
+        the forward root set), torch's recovery call reshards and clears that state. False without FSDP2."""
+        sharded = self._fsdp_modules()
+        if not sharded:
+            return False
+        root = sharded[0]  # the outermost fully_shard module: modules() yields it first
+        if hasattr(root, "reset_iter_state"):  # torch >= 2.13
+            root.reset_iter_state()
+        else:
+            for m in sharded:
+                m.reshard()
+        return True
 
     def _after_clean_step(self, step_retries: int, total: int) -> None:
         self._last_total = total
@@ -500,21 +621,31 @@ class MicroBatchEngine:
         module = self._trainer.lightning_module
         batch = args[0]
         total = self._batch_size(batch, module)
+        # FSDP2 all-gathers in each sharded module's forward: sync points before them, as in training.
+        sharded = self.retry_on_oom and self._agreement_needed() and bool(self._fsdp_modules())
         while True:
             size = min(self.eval_micro_batch_size or total, total)
             failure: str | None = None
+            peer = False
             try:
-                output = self._run_eval(original, batch, args[1:], kwargs, total, size)
+                with self._sync_points(armed=sharded):
+                    output = self._run_eval(original, batch, args[1:], kwargs, total, size)
+            except _PeerOutOfMemory:
+                peer = True  # learned at a sync point, which was this attempt's agreement
             except BaseException as error:
                 if not (self.retry_on_oom and is_out_of_memory(error)):
                     raise
                 failure = f"{type(error).__name__}: {error}"
-            failed = (
-                any_rank(failure is not None, self._device()) if self._agreement_needed() else bool(failure)
-            )
+            if peer:
+                failed = True
+            elif self._agreement_needed():
+                failed = any_rank(failure is not None, self._device())
+            else:
+                failed = failure is not None
             if not failed:
                 return output
             output = None
+            self._reset_fsdp()
             memory = self._device_memory()
             if memory is not None:
                 memory.empty_cache()
@@ -635,18 +766,76 @@ class MicroBatchEngine:
         if any_rank(False, self._device()):
             raise _PeerOutOfMemory
 
+    def _sharded_with_parameters(self) -> list[torch.nn.Module]:
+        """The FSDP2 modules that manage parameters of their own (the ones whose hooks communicate)."""
+        sharded = self._fsdp_modules()
+        ids = {id(m) for m in sharded}
+        owners = []
+        for m in sharded:
+            inner = {id(p) for c in m.modules() if c is not m and id(c) in ids for p in c.parameters()}
+            if any(id(p) not in inner for p in m.parameters()):
+                owners.append(m)
+        return owners
+
     @contextlib.contextmanager
     def _sync_points(self, armed: bool):
-        handles = []
-        if armed:
-            for m in self._fsdp_modules():
-                # prepend: before FSDP's own pre-forward hook, which all-gathers the parameters
-                handles.append(m.register_forward_pre_hook(lambda *_: self._sync_point(), prepend=True))
+        """Sync points in front of every FSDP2 collective of a micro-batch (see :meth:`_arm_sharded`)."""
+        handles = self._arm_sharded() if armed else []
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    def _arm_sharded(self) -> list[Any]:
+        """Hooks that run a sync point before each FSDP2 all-gather and reduce-scatter of a micro-batch.
+
+        Per sharded module with parameters of its own, verified on torch 2.13 (FSDP2 registers its
+        pre-forward hook with ``prepend=True`` and its post-forward hook after the module's others):
+
+        - forward: a pre-hook prepended after ``fully_shard`` runs before FSDP's, which all-gathers;
+        - before its backward all-gather: a forward hook prepended before FSDP's post-forward registers
+          a tensor hook on the outputs; FSDP's post-forward then registers its pre-backward (all-gather,
+          prefetch of the next module) on the same tensors, and tensor hooks run in registration order;
+        - before its reduce-scatter: a forward pre-hook that runs after FSDP's (which put its
+          post-backward function on the inputs that require grad) puts :class:`_SyncInBackward` on them,
+          so in backward the sync point runs before FSDP's post-backward;
+        - modules whose inputs need no gradient reduce-scatter in FSDP's final callback of the backward;
+          the micro-batch's loss carries a :class:`_SyncInBackward` whose backward (the first node of
+          the backward) syncs and queues a sync point as a callback ahead of FSDP's.
+        """
+        handles = []
+        for m in self._sharded_with_parameters():
+            handles.append(m.register_forward_pre_hook(lambda *_: self._sync_point(), prepend=True))
+            handles.append(m.register_forward_pre_hook(self._sync_before_reduce_scatter, with_kwargs=True))
+            handles.append(m.register_forward_hook(self._sync_before_backward_all_gather, prepend=True))
+        return handles
+
+    def _sync_before_reduce_scatter(self, module: Any, args: tuple, kwargs: dict) -> Any:
+        if not torch.is_grad_enabled() or _in_backward():  # no backward, or a checkpoint's recompute
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        index = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not index:
+            return None
+        synced = _SyncInBackward.apply(self, False, *(leaves[i] for i in index))
+        for i, t in zip(index, synced):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _sync_before_backward_all_gather(self, module: Any, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or _in_backward():
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        fired = [False]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:  # once per forward call, on whichever output's gradient comes first
+                fired[0] = True
+                self._sync_point()
+
+        for t in tensors:
+            t.register_hook(hook)
 
     def _device(self) -> torch.device:
         return self._trainer.strategy.root_device

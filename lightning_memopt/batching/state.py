@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepState", "drop_gradients"]
+__all__ = ["OptimizerSnapshot", "StepState", "drop_gradients"]
 
 # What a torchmetrics Metric keeps besides its registered states (``_defaults``); only those stored on
 # the instance are restored (some versions make ``_update_called`` a read-only property).
@@ -112,6 +112,109 @@ class StepState:
             for value in saved.values():
                 if isinstance(value, torch.Tensor):
                     total += value.numel() * value.element_size()
+        return total
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or a sharded DTensor's local shard (its storage: copying into it writes the shard)."""
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is None:
+        return tensor
+    with torch.no_grad():
+        return to_local()
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return _local(tensor).detach().to("cpu", copy=True)
+
+
+class _Saved:
+    """A host copy of an optimizer state tensor and the device it lives on."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.copy = _host_copy(tensor)
+        self.device = _local(tensor).device
+
+
+class OptimizerSnapshot:
+    """Copies of optimizers' parameters and state, in host memory, to undo an optimizer step.
+
+    Under data parallelism a step that ran out of memory on one rank may have updated the weights and
+    created optimizer state on the others; restoring this snapshot on every rank makes them equal to the
+    step's start again. Copies are taken of each rank's local data (a DTensor's shard under FSDP2) and
+    kept on the CPU, so a snapshot costs host memory (parameters plus optimizer state), not device memory.
+    Optimizer state that the step created (``optimizer.state`` entries or keys missing from the snapshot)
+    is removed on restore, so lazily created state is created again by the retried step.
+
+    Args:
+        optimizers: The optimizers whose parameters and state to copy.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> before = model.weight.detach().clone()
+        >>> snapshot = OptimizerSnapshot.capture([optimizer])
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> optimizer.step()
+        >>> snapshot.restore()
+        >>> torch.equal(model.weight, before), len(optimizer.state)
+        (True, 0)
+    """
+
+    def __init__(self) -> None:
+        self._params: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._states: list[tuple[Any, dict[Any, dict[str, Any]]]] = []
+
+    @classmethod
+    def capture(cls, optimizers: Iterable[torch.optim.Optimizer]) -> OptimizerSnapshot:
+        """Copy the parameters of every param group of ``optimizers`` and their state."""
+        snapshot = cls()
+        seen: set[int] = set()
+        for optimizer in optimizers:
+            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        snapshot._params.append((p, _host_copy(p)))
+            state = {
+                p: {k: _Saved(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in st.items()}
+                for p, st in optimizer.state.items()
+            }
+            snapshot._states.append((optimizer, state))
+        return snapshot
+
+    def restore(self) -> None:
+        """Put the parameters and optimizer state back (the copies stay valid for another restore)."""
+        with torch.no_grad():
+            for p, saved in self._params:
+                _local(p).copy_(saved)
+            for optimizer, state in self._states:
+                for p in [p for p in optimizer.state if p not in state]:
+                    del optimizer.state[p]  # created by the undone step
+                for p, saved_state in state.items():
+                    current = optimizer.state[p]
+                    for key in [k for k in current if k not in saved_state]:
+                        del current[key]
+                    for key, saved in saved_state.items():
+                        value = current.get(key)
+                        if isinstance(saved, _Saved) and isinstance(value, torch.Tensor):
+                            _local(value).copy_(saved.copy)
+                        elif isinstance(saved, _Saved):  # replaced by a non-tensor: put a tensor back
+                            current[key] = saved.copy.to(saved.device, copy=True)
+                        else:
+                            current[key] = copy.deepcopy(saved)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the copies (parameters and optimizer state)."""
+        total = sum(saved.numel() * saved.element_size() for _, saved in self._params)
+        for _, state in self._states:
+            for saved_state in state.values():
+                for value in saved_state.values():
+                    if isinstance(value, _Saved):
+                        total += value.copy.numel() * value.copy.element_size()
         return total
 
 

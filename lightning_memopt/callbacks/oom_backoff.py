@@ -19,11 +19,14 @@ class OOMBackoff(MicroBatchingCallback):
     optimizer step; on any rank) is thrown away — its gradients dropped, BatchNorm statistics,
     torchmetrics states, RNGs and the GradScaler put back as they were at the step's start — and the
     same batch runs again as twice as many micro-batches, whose gradients accumulate to the same update.
-    Under DDP every rank retries with the same size (the ranks agree with one 8-byte all-reduce per
-    step), so no rank waits in a collective that another will never reach. Validation, test and predict
-    steps halve their own micro-batch likewise. At one sample per micro-batch it raises
-    :class:`~lightning_memopt.batching.engine.MicroBatchOOMError` with the step's memory breakdown and a
-    checklist of what to do.
+    Under DDP and FSDP2 (``ModelParallelStrategy``) every rank retries with the same size, wherever the
+    OOM happened on whichever rank, so no rank waits in a collective that another will never reach:
+    under DDP the ranks agree with one 8-byte all-reduce per step; under FSDP2 a sync point runs before
+    each of FSDP's all-gathers and reduce-scatters (see :mod:`lightning_memopt.batching.engine` for the
+    counts); the first optimizer step at each size is agreed on too, and undone on every rank if one
+    failed. Validation, test and predict steps halve their own micro-batch likewise. At one sample per
+    micro-batch it raises :class:`~lightning_memopt.batching.engine.MicroBatchOOMError` with the step's
+    memory breakdown and a checklist of what to do.
 
     Works with :class:`~lightning_memopt.AutoAccumulation` (which picks the starting size; both share one
     engine) or alone (starting from the whole batch).
@@ -40,8 +43,10 @@ class OOMBackoff(MicroBatchingCallback):
             the last one synchronizes gradients inside its backward, as DDP does without this callback
             (communication overlaps backward again; one 8-byte all-reduce per step). The price: an OOM
             in that last micro-batch cannot be retried on every rank and ends the run with
-            :class:`~lightning_memopt.batching.engine.MicroBatchOOMError`. Default None: always agree
-            first, then average gradients (safe, no overlap).
+            :class:`~lightning_memopt.batching.engine.MicroBatchOOMError`. Under FSDP2, after this many
+            steps in a row without an OOM at one size (any number of micro-batches), the micro-batches
+            run without sync points and without agreement (no extra collective at all); any OOM then ends the run with ``MicroBatchOOMError`` on that rank, and
+            the other ranks fail at their next collective. Default None: always agree first (safe).
         log: Log the keys below from the training step. Default True.
 
     Logged keys (per step, ``on_step=True``):

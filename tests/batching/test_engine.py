@@ -59,3 +59,100 @@ def test_check_refuses_deepspeed_and_double_wrapping():
     engine.install(types.SimpleNamespace(strategy=Strategy()))
     with pytest.raises(RuntimeError, match="a MicroBatchEngine serves one Trainer"):
         engine.install(types.SimpleNamespace(strategy=Strategy()))
+
+
+def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
+    """The order the FSDP2 sync points rely on (torch 2.13): in one process (a 1-rank gloo group), every
+    FSDP step that may communicate — forward all-gather, backward all-gather, reduce-scatter in the
+    post-backward or in the final callback — comes right after one of the engine's sync points."""
+    import os
+    import types
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from lightning_memopt.batching.engine import MicroBatchEngine, _PeerOutOfMemory, _SyncInBackward
+    from tests.distributed import free_port
+
+    log = []
+
+    def record(cls, name, label):
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            modules = getattr(self, "modules", None) or self._modules
+            log.append(label if label == "final" else f"{label} {type(modules[0]).__name__}")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    record(FSDPParamGroup, "pre_forward", "all-gather")
+    record(FSDPParamGroup, "pre_backward", "all-gather")
+    record(FSDPParamGroup, "post_backward", "reduce-scatter")
+    record(FSDPState, "_root_post_backward_final_callback", "final")
+    monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setitem(os.environ, "MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        first, last = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        model = torch.nn.Sequential(first, torch.nn.ReLU(), last)
+        for m in (first, last, model):  # the root has no parameters of its own: no sync points
+            fully_shard(m)
+        engine = MicroBatchEngine()
+        engine._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(model=model))
+        x = torch.randn(3, 4)
+
+        def step() -> list[torch.Tensor]:
+            with engine._sync_points(armed=True):
+                loss = model(x).sum()
+                (loss,) = _SyncInBackward.apply(engine, True, loss)  # as the engine wraps each loss
+                loss.backward()
+            return [p.grad.full_tensor().clone() for p in model.parameters()]
+
+        engine._sync_point = lambda: log.append("sync")
+        grads = step()
+        # Another rank ran out of memory in the first layer's backward: this rank learns it at the last
+        # sync point, queued ahead of FSDP's final callback; the error leaves backward, and after the
+        # engine's recovery the next iteration computes the same gradients as before (dropping them after
+        # FSDP's reset_iter_state instead would leave the first layer's doubled).
+        order = list(log)
+        calls = []
+
+        def peer_failed_at_the_last_sync_point() -> None:
+            calls.append(1)
+            if len(calls) == order.count("sync"):
+                raise _PeerOutOfMemory
+
+        engine._sync_point = peer_failed_at_the_last_sync_point
+        with pytest.raises(_PeerOutOfMemory):
+            step()
+        # the first layer computed its gradients and never reduce-scattered them: they sit on its
+        # unsharded parameters, still registered on the module
+        assert [p.grad is not None for p in first.parameters()] == [True, True]
+        engine._drop_attempt()  # what the engine's recovery does: drop gradients, then reset_iter_state
+        engine._sync_point = lambda: None
+        assert all(torch.equal(a, b) for a, b in zip(step(), grads))
+    finally:
+        dist.destroy_process_group()
+    log = order
+    assert log == [
+        "sync",  # forward
+        "all-gather FSDPLinear",
+        "sync",
+        "all-gather FSDPLinear",
+        "sync",  # the loss, first node of the backward
+        "sync",  # the last layer's output, before FSDP's pre-backward hook on it
+        "all-gather FSDPLinear",
+        "sync",  # the last layer's input, before FSDP's post-backward function
+        "reduce-scatter FSDPLinear",
+        "sync",  # the first layer's output
+        "all-gather FSDPLinear",  # (prefetched by the last layer's: no collective left here)
+        "sync",  # queued by the loss's sync point, ahead of FSDP's final callback
+        "final",
+        "reduce-scatter FSDPLinear",  # the first layer: its input needs no gradient
+    ]

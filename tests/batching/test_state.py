@@ -1,5 +1,6 @@
 import random
 
+import pytest
 import torch
 import torchmetrics
 
@@ -9,7 +10,7 @@ from lightning_memopt.batching.distributed import (
     max_over_ranks,
     min_over_ranks,
 )
-from lightning_memopt.batching.state import StepState, drop_gradients
+from lightning_memopt.batching.state import OptimizerSnapshot, StepState, drop_gradients
 
 
 def test_restores_buffers_rng_metrics_and_scaler():
@@ -50,3 +51,42 @@ def test_agreement_helpers_are_local_without_a_process_group():
     grads = [p.grad.clone() for p in model.parameters()]
     all_reduce_gradients(model.parameters())  # one process: nothing to average
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.AdamW])
+def test_optimizer_snapshot_undoes_a_step(optimizer_class):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    kwargs = {"momentum": 0.9} if optimizer_class is torch.optim.SGD else {}
+    optimizer = optimizer_class(model.parameters(), lr=0.1, **kwargs)
+    x = torch.randn(4, 3)
+
+    def step():
+        optimizer.zero_grad()
+        model(x).square().sum().backward()
+        optimizer.step()
+
+    fresh = OptimizerSnapshot.capture([optimizer])  # before the first step: no optimizer state yet
+    params = [p.detach().clone() for p in model.parameters()]
+    step()
+    assert len(optimizer.state) == 2
+    fresh.restore()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert len(optimizer.state) == 0  # the lazily created state is gone: the retry creates it again
+    step()
+    state = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    params = [p.detach().clone() for p in model.parameters()]
+    later = OptimizerSnapshot.capture([optimizer])
+    assert later.nbytes == sum(p.numel() * 4 for p in model.parameters()) + sum(
+        v.numel() * v.element_size() for s in state.values() for v in s.values()
+    )
+    step()
+    later.restore()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    for p, saved in state.items():
+        assert all(torch.equal(optimizer.state[p][k], v) for k, v in saved.items())
+    step()  # the restored state keeps training: the same step as the undone one
+    params_again = [p.detach().clone() for p in model.parameters()]
+    later.restore()
+    step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_again))

@@ -12,7 +12,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from lightning_memopt import AutoCheckpoint
+from lightning_memopt import AutoAccumulation, AutoCheckpoint, OOMBackoff
+from lightning_memopt.batching.inject import OOMInjector
 from lightning_memopt.checkpointing import apply_checkpointing
 from tests.callbacks.test_auto_checkpoint import GPTModule
 from tests.checkpointing.models import TinyGPT
@@ -70,6 +71,20 @@ def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Ten
     return torch.cat(params), module.seen_choices, metrics
 
 
+class InjectOOM(pl.Callback):
+    """Rank 1 runs out of memory in the backward of the checkpointed, sharded block ``h.1`` whenever a
+    micro-batch holds more than one sample (installed at fit start: the model is built in configure_model)."""
+
+    def __init__(self) -> None:
+        self.injector = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.injector = OOMInjector(pl_module.model.h[1], phase="backward", max_size=1, ranks={1}).install()
+
+    def teardown(self, trainer, pl_module, stage):
+        self.injector.remove()
+
+
 def main(out: str) -> None:
     rank = int(os.environ["RANK"])
     for kind in ("ddp", "fsdp2"):
@@ -88,6 +103,14 @@ def main(out: str) -> None:
                 metrics["auto_checkpoint/activation_bytes_predicted"],
                 metrics["auto_checkpoint/activation_bytes_measured"],
             )
+            # OOMBackoff with activation checkpointing inside sharded blocks: rank 1's backward OOM (at 4
+            # and 2 samples) makes both ranks back off to 1, the same training as size 1 from the start
+            inject, backoff = InjectOOM(), OOMBackoff()
+            result["backed_off"], _, _ = run(kind, [inject, backoff], checkpoint_first=True)
+            result["size_one"], _, _ = run(
+                kind, [AutoAccumulation(micro_batch_size=1), OOMBackoff()], checkpoint_first=True
+            )
+            result["backoff"] = [backoff.micro_batch_size, backoff.engine.oom_retries, inject.injector.raised]
         torch.save(result, os.path.join(out, f"{kind}_params{rank}.pt"))
         with open(os.path.join(out, f"{kind}_plan{rank}.json"), "w") as f:
             json.dump({"seen": seen, "choices": cb.plan.choices, "predicted": cb.plan.predicted}, f)

@@ -26,6 +26,12 @@ def test_two_process_training_matches_plain(results, kind):
         torch.testing.assert_close(result["checkpointed"], result["plain"], rtol=1e-6, atol=1e-7)
         if kind == "fsdp2":  # checkpointing applied before fully_shard (torchtitan's order) trains the same
             torch.testing.assert_close(result["checkpoint_first"], result["plain"], rtol=1e-6, atol=1e-7)
+            # OOMBackoff, rank 1 out of memory in a checkpointed sharded block's backward: both ranks back
+            # off to 1 sample and train exactly as size 1 from the start (the retry restores RNG: the
+            # same dropout masks)
+            rank_raised = [0, 2][rank]
+            assert result["backoff"] == [1, 2, rank_raised]
+            torch.testing.assert_close(result["backed_off"], result["size_one"], rtol=1e-6, atol=1e-7)
             assert result["seen_first"][0] == {
                 "model.h.0": "selective",
                 "model.h.1": "full",

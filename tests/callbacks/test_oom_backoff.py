@@ -120,6 +120,34 @@ def test_other_errors_are_not_caught(tmp_path):
         fit(Broken(), [OOMBackoff()], tmp_path=tmp_path)
 
 
+def test_a_fit_that_raised_leaves_the_strategy_unwrapped(tmp_path):
+    """Lightning calls ``on_exception``, not ``teardown``, when fit raises: the engine must still go."""
+    from torch.utils.data import DataLoader
+
+    from lightning_memopt.batching.engine import MicroBatchEngine
+    from tests.batching.helpers import dataset, quiet_trainer
+
+    class FailsOnSecondStep(Net):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise ValueError("broken batch")
+            return super().training_step(batch, batch_idx)
+
+    model = FailsOnSecondStep()
+    callbacks = [AutoAccumulation(micro_batch_size=3), OOMBackoff()]
+    trainer = quiet_trainer(callbacks, max_steps=4, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="broken batch"):
+        trainer.fit(model, DataLoader(dataset(), batch_size=10))
+    hooks = ("training_step", "backward", "optimizer_step", "validation_step", "test_step", "predict_step")
+    assert [name for name in hooks if name in vars(trainer.strategy)] == []
+    assert "optimizer_zero_grad" not in vars(model)
+    assert not MicroBatchEngine.for_trainer(trainer).installed
+    # a teardown after on_exception (or a second on_exception) does not uninstall another user's install
+    for callback in callbacks:
+        callback.teardown(trainer, model, "fit")
+    assert not MicroBatchEngine.for_trainer(trainer).installed
+
+
 def test_one_sample_per_micro_batch_raises_with_checklist(tmp_path):
     model = Net()
     with (
@@ -253,6 +281,26 @@ def test_overlap_mode_oom_in_the_last_micro_batch_raises(tmp_path, monkeypatch):
     assert calls == [3, 3, 2, 2]
 
 
+def test_fsdp2_overlap_mode_oom_raises(tmp_path, monkeypatch):
+    """FSDP2 once stable with overlap_after, in one process posing as a rank: no sync point ran, so an OOM
+    is an error, and no collective was asked for."""
+    import lightning_memopt.batching.engine as engine_module
+
+    agreements = []
+    monkeypatch.setattr(engine_module.MicroBatchEngine, "_agreement_needed", lambda self: True)
+    monkeypatch.setattr(engine_module, "any_rank", lambda flag, device=None: agreements.append(flag) or flag)
+    monkeypatch.setattr(engine_module.MicroBatchEngine, "_fsdp_modules", lambda self: [torch.nn.Linear(1, 1)])
+    model = Net()
+    with (
+        OOMInjector(model.net[-1], steps={1}, step_fn=lambda: model.trainer.global_step),
+        pytest.raises(MicroBatchOOMError, match=r"under FSDP2 after 1 clean steps .*overlap_after=1"),
+    ):
+        fit(model, [OOMBackoff(overlap_after=1)], tmp_path=tmp_path)
+    # step 0 only (sync points on): on the loss, before FSDP's final callback, the training agreement and
+    # the optimizer-step one (the first step at a size); step 1 asked for none before it raised
+    assert agreements == [False, False, False, False]
+
+
 def test_training_step_returning_none_is_refused(tmp_path):
     class Skips(Net):
         def training_step(self, batch, batch_idx):
@@ -262,16 +310,33 @@ def test_training_step_returning_none_is_refused(tmp_path):
         fit(Skips(), [AutoAccumulation(micro_batch_size=3)], tmp_path=tmp_path)
 
 
-def test_distributed_optimizer_step_oom_raises(tmp_path, monkeypatch):
+def test_distributed_optimizer_step_oom_while_unsettled_is_retried(tmp_path, monkeypatch):
+    """One process posing as a rank: the first step at a size agrees after the optimizer step and retries
+    (the 2-process tests in test_distributed.py check that the ranks stay equal)."""
+    import lightning_memopt.batching.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "is_distributed", lambda: True)
+    base = Net()
+    fit(base, tmp_path=tmp_path)
+    model = Net()
+    with OOMInjector(model.net[-1], phase="step", max_size=6) as oom_injector:
+        fit(model, [OOMBackoff()], tmp_path=tmp_path)
+    assert oom_injector.raised == 1
+    assert model.seen_sizes[:3] == [10, 5, 5]
+    assert_params_close(model, base, rel=1e-6)
+
+
+def test_distributed_optimizer_step_oom_once_stable_raises(tmp_path, monkeypatch):
     import lightning_memopt.batching.engine as engine_module
 
     monkeypatch.setattr(engine_module, "is_distributed", lambda: True)
     model = Net()
     with (
-        OOMInjector(model.net[-1], phase="step", max_size=6),
-        pytest.raises(MicroBatchOOMError, match="optimizer step on this rank under a distributed strategy"),
+        OOMInjector(phase="step", steps={2}, step_fn=lambda: model.trainer.global_step),
+        pytest.raises(MicroBatchOOMError, match="at a micro-batch size that had already stepped cleanly"),
     ):
         fit(model, [OOMBackoff()], tmp_path=tmp_path)
+    assert model.trainer.global_step == 2
 
 
 def test_validation_oom_at_one_sample_raises(tmp_path):
