@@ -32,18 +32,27 @@ _BACKOFF = (0.8, 0.5)
 # points it rests on are small batches, whose peak is often dominated by a phase (the optimizer step,
 # gradients) that grows more slowly with the batch than the activations do at larger sizes.
 _MAX_JUMP = 4
+# Peaks are whole bytes: a line through two of them predicts a third within a few bytes.
+_ROUNDING = 2
+_FREE = False
+_FREE_RATIO = 0.97
+_GUARANTEE = 1 / 0.975
+_FLOOR = 6
 # An extrapolation (not bracketed by a size measured over the budget) is probed this fraction of the way.
-_SHORT_OF = 0.95
+_SHORT_OF = 0.98
 
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Peak bytes as an affine function of the micro-batch size: ``fixed + per_sample * size``."""
+    """Peak bytes as a function of the micro-batch size: ``fixed + per_sample * size + curvature * size**2``."""
 
     fixed: float
     """Bytes that do not depend on the micro-batch (parameters, gradients, optimizer state, ...)."""
     per_sample: float
     """Bytes each sample adds to the peak (activations, inputs, outputs)."""
+    curvature: float = 0.0
+    """Bytes that grow with the square of the size (0 for a line): activations that grow faster than the
+    batch, or a peak that moves to a steeper phase as the batch grows."""
 
     @classmethod
     def through(cls, a: tuple[int, int], b: tuple[int, int]) -> MemoryModel:
@@ -52,15 +61,36 @@ class MemoryModel:
         per_sample = (p2 - p1) / (s2 - s1)
         return cls(fixed=p1 - per_sample * s1, per_sample=per_sample)
 
+    @classmethod
+    def through3(cls, a: tuple[int, int], b: tuple[int, int], c: tuple[int, int]) -> MemoryModel:
+        """The parabola through three ``(size, peak)`` points of different sizes."""
+        (s1, p1), (s2, p2), (s3, p3) = sorted((a, b, c))
+        d12, d23 = (p2 - p1) / (s2 - s1), (p3 - p2) / (s3 - s2)  # the slopes of the two chords
+        curvature = (d23 - d12) / (s3 - s1)
+        per_sample = d12 - curvature * (s1 + s2)
+        return cls(
+            fixed=p1 - per_sample * s1 - curvature * s1 * s1, per_sample=per_sample, curvature=curvature
+        )
+
     def predict(self, size: int) -> float:
         """Predicted peak bytes at ``size``."""
-        return self.fixed + self.per_sample * size
+        return self.fixed + self.per_sample * size + self.curvature * size * size
 
     def largest_fitting(self, budget: float) -> float:
-        """The largest size whose predicted peak is at most ``budget`` (``inf`` when peaks do not grow)."""
-        if self.per_sample <= 0:
-            return math.inf
-        return math.floor((budget - self.fixed) / self.per_sample)
+        """The largest size whose predicted peak is at most ``budget``, on the rising side of the model
+        (``inf`` when peaks do not grow, ``-inf`` when no size fits)."""
+        if self.curvature <= 0:
+            if self.per_sample <= 0:
+                return math.inf
+            return math.floor((budget - self.fixed) / self.per_sample)
+        # the larger root of curvature * s**2 + per_sample * s + fixed - budget = 0
+        discriminant = self.per_sample**2 + 4 * self.curvature * (budget - self.fixed)
+        if discriminant < 0:
+            return -math.inf
+        root = math.sqrt(discriminant)
+        if self.per_sample > 0:  # the same root, without cancelling two large numbers
+            return math.floor(2 * (budget - self.fixed) / (self.per_sample + root))
+        return math.floor((root - self.per_sample) / (2 * self.curvature))
 
 
 @dataclass
@@ -133,7 +163,7 @@ def find_micro_batch_size(
         ...     lambda s: peak(s) if peak(s) <= 2000 else None, max_size=512, capacity=2000, headroom=0.0
         ... )
         >>> result.size, result.probes
-        (100, [(1, 1010), (2, 1020), (14, 1140), (37, 1370), (100, 2000)])
+        (100, [(1, 1010), (2, 1020), (16, 1160), (40, 1400), (100, 2000)])
     """
     for name, value in (("max_size", max_size), ("min_size", min_size), ("max_probes", max_probes)):
         check_positive_int(name, value)
@@ -170,15 +200,9 @@ def find_micro_batch_size(
 
     model: MemoryModel | None = None
     size: int | None = start
-    misses = 0  # probes in a row that ran out of memory
     while size is not None and len(probes) < max_probes:
         run(size)
-        misses = misses + 1 if peaks[size] is None else 0
-        good = sorted(s for s in peaks if fits(s))
-        bad = sorted(s for s in peaks if not fits(s))
-        lo = good[-1] if good else 0
-        hi = bad[0] if bad else max_size + 1
-        if not good:
+        if not any(fits(s) for s in peaks):
             if min_size in peaks:
                 raise RuntimeError(
                     f"even min_size={min_size} does not fit: its probe "
@@ -192,41 +216,7 @@ def find_micro_batch_size(
                 )
             size = min_size  # the first probe was too large: start again from the bottom
             continue
-        if lo == max_size or hi - lo <= 1:
-            break  # the answer is known exactly
-
-        # The line nearest the boundary: through the largest fitting size and the smallest size measured
-        # over the budget (bracketing), else through the two largest fitting sizes (extrapolating).
-        bracketing = hi <= max_size and peaks[hi] is not None
-        # The curve is straight here if the previous line predicted the newest fitting size's peak.
-        straight = model is not None and abs(model.predict(lo) - peaks[lo]) <= 1e-3 * peaks[lo]
-        if bracketing:
-            model = MemoryModel.through((lo, peaks[lo]), (hi, peaks[hi]))
-        elif len(good) >= 2:
-            model = MemoryModel.through((good[-2], peaks[good[-2]]), (lo, peaks[lo]))
-        if model is not None:
-            target = model.largest_fitting(budget)
-            if target <= lo:
-                break  # the line says no larger size fits
-        else:
-            # One point: if peak memory were proportional to size (no fixed part), this size would just
-            # fit; with a fixed part it fits with room to spare. Double at least, to spread the points.
-            target = max(math.floor(lo * budget / peaks[lo]), 2 * lo)
-        if not bracketing and _MAX_JUMP * lo < target < math.inf:
-            target = math.isqrt(lo * target)  # a stepping stone: the geometric mean of here and there
-        elif not bracketing and model is not None and target < math.inf and not straight:
-            # Stop a little short of an extrapolated prediction: memory curves bend upwards, so it tends
-            # to overshoot, and a probe that fits tells more than one that runs out of memory.
-            target = lo + math.floor(_SHORT_OF * (target - lo))
-        if target >= hi <= max_size:
-            # The estimate says a size that ran out of memory fits: it is wrong by an unknown amount, so
-            # back off from that size (80% of the way after one miss, then bisect). A line through the OOM
-            # point at exactly `capacity` meets the budget at an upper estimate (for an affine curve);
-            # take it when it is lower.
-            through_oom = MemoryModel.through((lo, peaks[lo]), (hi, max(capacity, peaks[lo] + 1)))
-            step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
-            target = min(lo + math.floor(step * (hi - lo)), through_oom.largest_fitting(budget))
-        size = int(min(max(target, lo + 1), hi - 1, max_size))
+        model, size = _next_size(peaks, budget, max_size, max_probes - len(probes))
     good = [s for s in peaks if fits(s)]
     if not good:  # max_probes ran out before anything fitted
         raise RuntimeError(
@@ -234,3 +224,83 @@ def find_micro_batch_size(
             f"(probes: {probes}); raise max_probes or free memory"
         )
     return SizingResult(size=max(good), budget=budget, probes=probes, model=model)
+
+
+def _next_size(
+    peaks: dict[int, int | None], budget: int, max_size: int, left: int
+) -> tuple[MemoryModel | None, int | None]:
+    """The model fitted to the probes so far and the next size to probe (None: stop)."""
+    good = sorted(s for s, p in peaks.items() if p is not None and p <= budget)
+    bad = sorted(s for s in peaks if s not in good)
+    lo = good[-1]
+    hi = bad[0] if bad else max_size + 1
+    if lo == max_size or hi - lo <= 1:
+        return None, None  # the answer is known exactly
+    point = {s: (s, peaks[s]) for s in peaks}
+    upper = hi - 1
+    model: MemoryModel | None = None
+    if len(good) >= 2:
+        # A convex curve stays above the line through two points beyond them: no size past this fits.
+        model = MemoryModel.through(point[good[-2]], point[lo])
+        upper = min(upper, model.largest_fitting(budget + _ROUNDING))
+        if upper <= lo:
+            return model, None
+    measured = [s for s in bad if peaks[s] is not None]
+    if measured and measured[0] == hi:
+        # Bracketed by measured peaks. The chord through them lies above a convex curve: its crossing fits.
+        chord = MemoryModel.through(point[lo], point[hi])
+        lower = max(lo, chord.largest_fitting(budget))
+        model, estimate = chord, lower
+        near = [s for s in (good[-2] if len(good) >= 2 else None, *measured[1:2]) if s is not None]
+        if near:
+            third = min(near, key=lambda s: min(abs(s - lo), abs(s - hi)))
+            quad = MemoryModel.through3(point[third], point[lo], point[hi])
+            if quad.curvature > 0:
+                model, estimate = quad, quad.largest_fitting(budget)
+        estimate = min(max(estimate, lower), upper)
+        if left <= 1 or estimate <= lo:
+            estimate = max(lower, lo + 1)
+        return model, int(min(estimate, hi - 1))
+    # Extrapolating from below (the smallest failing size, if any, ran out of memory: no peak).
+    if len(good) == 1:
+        # If peak memory were proportional to size (no fixed part) this size would just fit; with a
+        # fixed part it fits with room to spare. Double at least, to spread the points.
+        estimate = max(math.floor(lo * budget / peaks[lo]), 2 * lo)
+    else:
+        estimate = upper
+        if len(good) >= 3:
+            quad = MemoryModel.through3(point[good[-3]], point[good[-2]], point[lo])
+            if quad.curvature > 0:
+                model, estimate = quad, min(quad.largest_fitting(budget), upper)
+    # The curve is straight here if the line through the two fitting sizes before the largest one
+    # predicted its peak.
+    straight = False
+    if len(good) >= 3:
+        g3, g2 = good[-3], good[-2]
+        error = MemoryModel.through(point[g3], point[g2]).predict(lo) - peaks[lo]
+        # rounding of the two points, carried by the extrapolation, plus 0.1% of the rise
+        tolerance = _ROUNDING * (1 + 2 * (lo - g3) / (g2 - g3)) + 1e-3 * (peaks[lo] - peaks[g3])
+        straight = abs(error) <= tolerance
+    if straight or (_FREE and upper * _FREE_RATIO <= lo and upper < math.inf):
+        # (or the upper bound is within 3% of the largest fitting size: the result is already close
+        # enough for a convex curve, so try the bound itself)
+        model, estimate, straight = MemoryModel.through(point[good[-2]], point[lo]), upper, True
+    misses = 0
+    for p in reversed(peaks.values()):
+        if p is not None:
+            break
+        misses += 1
+    if hi <= max_size and (hi - lo <= 2**left or (hi / lo) ** (0.5**left) <= _GUARANTEE):
+        # Bisection reaches the exact size, or within 3% of it, with the probes left: it cannot miss.
+        estimate = (lo + hi) // 2 if hi - lo <= 2**left else math.isqrt(lo * hi)
+    elif hi <= max_size:
+        # Below a size that ran out of memory: back off from it (80% of the way after one miss, then
+        # bisect), unless the model predicts less.
+        step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
+        estimate = min(estimate, lo + math.floor(step * (hi - lo)))
+    elif _MAX_JUMP * lo < estimate < math.inf:
+        # a stepping stone: the geometric mean of here and there
+        estimate = max(math.isqrt(lo * estimate), math.floor(estimate / _FLOOR))
+    elif model is not None and estimate < math.inf and not straight:
+        estimate = lo + math.floor(_SHORT_OF * (estimate - lo))
+    return model, int(min(max(estimate, lo + 1), hi - 1, max_size))
