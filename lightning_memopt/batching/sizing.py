@@ -3,14 +3,16 @@
 A probe is one training micro-step at a given size that reports its peak bytes (or runs out of
 memory). Searching by OOM alone, as Lightning's ``BatchSizeFinder`` does (double until it fails, then
 bisect), spends tens of steps and only finds powers of two unless it bisects long. Peak memory, though, is
-close to an affine function of the micro-batch size: a fixed part (parameters, gradients, optimizer
-state, workspaces) plus a per-sample part (activations, inputs). Two probes fit that line; the line
-predicts the largest size under the budget; one more probe checks it. When the curve is not a line
-(activations that grow faster than the batch, a peak that moves from forward to backward as the batch
-grows), the search keeps the largest size known to fit and the smallest known not to, refits the line
-through the two points nearest the boundary, approaches long extrapolations through stepping stones and
-stops a little short of them, and backs off (then bisects) when a probe runs out of memory; it always ends
-on a size that was probed and fitted.
+a smooth function of the micro-batch size: a fixed part (parameters, gradients, optimizer state,
+workspaces) plus a per-sample part (activations, inputs), often bending upwards (activations that grow
+faster than the batch, a peak that moves from the optimizer step to backward as the batch grows). The
+search fits that curve to the probes and predicts the largest size under the budget: a line through two
+points, a parabola through three when the line's prediction missed, and, once a probe measured a peak
+over the budget, the chord and parabola between the sizes that bracket the answer. Because the curve is
+convex, the line through the two largest fitting sizes bounds the answer from above and the chord across
+the bracket bounds it from below. Long extrapolations go through stepping stones, a probe that runs out
+of memory is followed by a back-off and then bisection, and bisection takes over whenever it is sure to
+end within 2.5%. The search always ends on a size that was probed and fitted.
 """
 
 from __future__ import annotations
@@ -25,21 +27,26 @@ from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["MemoryModel", "SizingResult", "find_micro_batch_size"]
 
+# Peaks are whole bytes: a line through two measured peaks predicts a third within a few bytes of rounding.
+_ROUNDING = 2
+# An extrapolation more than this many times the largest fitting size is not trusted in one jump: the
+# points it rests on are small batches, whose peak is often dominated by a phase (the optimizer step,
+# gradients) that grows more slowly with the batch than the activations do at larger sizes. The next
+# probe is then a stepping stone, the geometric mean of here and there, but at least a sixth of the way
+# there (the steeper phase is rarely more than six times steeper).
+_MAX_JUMP = 4
+_MIN_STONE = 1 / 6
+# An extrapolation along a curve that bends is probed this fraction of the way (a probe that fits tells
+# more than one that runs out of memory); along a line that the newest point confirmed, all the way.
+_SHORT_OF = 0.98
+# When the estimate is within this fraction of the whole batch and nothing rules the whole batch out,
+# probe the whole batch.
+_WHOLE = 0.9
 # After a probe ran out of memory, the next one goes this fraction of the way from the largest size known
 # to fit towards it: first 0.8 (predictions usually overshoot by less than 20%), then bisection.
 _BACKOFF = (0.8, 0.5)
-# An extrapolation more than this many times the largest fitting size is not trusted in one jump: the
-# points it rests on are small batches, whose peak is often dominated by a phase (the optimizer step,
-# gradients) that grows more slowly with the batch than the activations do at larger sizes.
-_MAX_JUMP = 4
-# Peaks are whole bytes: a line through two of them predicts a third within a few bytes.
-_ROUNDING = 2
-_FREE = False
-_FREE_RATIO = 0.97
-_GUARANTEE = 1 / 0.975
-_FLOOR = 6
-# An extrapolation (not bracketed by a size measured over the budget) is probed this fraction of the way.
-_SHORT_OF = 0.98
+# Bisection is used instead whenever it is sure to end within this ratio of the true maximum (or on it).
+_BISECT_WITHIN = 0.975
 
 
 @dataclass(frozen=True)
@@ -104,8 +111,8 @@ class SizingResult:
     probes: list[tuple[int, int | None]] = field(default_factory=list)
     """Every probe in order, as ``(size, peak bytes)``; the peak is None when the probe ran out of memory."""
     model: MemoryModel | None = None
-    """The last line fitted, through the two measured points nearest the boundary (None if fewer than
-    two probes measured a peak)."""
+    """The last model fitted: a line through two measured points near the boundary, or a parabola
+    through three (None if fewer than two probes fitted)."""
 
     @property
     def peak(self) -> int:
@@ -120,20 +127,29 @@ def find_micro_batch_size(
     capacity: int | str,
     headroom: float = 0.1,
     min_size: int = 1,
-    max_probes: int = 8,
+    max_probes: int = 6,
     start: int | None = None,
 ) -> SizingResult:
     """Find the largest micro-batch size whose peak memory fits ``capacity * (1 - headroom)``.
 
     The search: probe ``start``; from one measured point, jump to the largest size that surely fits if
-    peak memory is proportional to size (or double, whichever is larger); from two, fit
-    ``fixed + per_sample * size`` through the two points nearest the boundary and probe the largest size
-    it predicts to fit (95% of the way there when it extrapolates), or, if that is more than 4 times the
-    largest size known to fit, the geometric mean of the two (small batches often peak in a phase that
-    grows more slowly than the activations of large ones, so a long extrapolation overshoots). A probe that runs out of memory is followed by one
-    80% of the way back from it to the largest size known to fit, then by bisection. The search stops
-    when the line predicts no larger size, when sizes ``n`` (fits) and ``n + 1`` (does not) are both
-    known, or after ``max_probes`` probes. Sizes are any integers in ``[min_size, max_size]``.
+    peak memory is proportional to size (or double, whichever is larger). From two fitting points, fit
+    the line ``fixed + per_sample * size`` through the two largest; no larger size than its prediction
+    fits a convex curve. When the newest point is off the line through the two before it, the curve
+    bends: fit the parabola through the three largest and probe 98% of the way to its prediction; when
+    the line held, probe the line's prediction itself. A prediction more than 4 times the largest
+    fitting size is approached through a stepping stone (the geometric mean of the two, but at least a
+    sixth of the prediction): small batches often peak in a phase that grows more slowly than the
+    activations of large ones. A probe measured over the budget (between ``capacity * (1 - headroom)``
+    and ``capacity``) brackets the answer with a peak: the next probe is the parabola's crossing through
+    the two brackets and the nearest third point, kept between the chord's crossing (which fits) and the
+    line's bound; the last probe takes the chord's. A probe that runs out of memory is followed by one
+    80% of the way back to the largest fitting size, then by bisection, or by bisection at once when it
+    is sure to end on the answer or within 2.5% of it. The search stops when the largest fitting size is
+    known exactly, when the line rules out every larger size, or after ``max_probes`` probes. Sizes are
+    any integers in ``[min_size, max_size]``. On the random family of ``tests/batching/curves.py``
+    (affine, convex, strongly convex and kinked curves) 6 probes reach 97% of the true maximum on about
+    97% of the curves; the misses are kinks past every fitting probe, which no measurement showed.
 
     Args:
         probe: ``probe(size)`` runs one training micro-step on ``size`` samples and returns its peak
@@ -144,7 +160,7 @@ def find_micro_batch_size(
         headroom: Fraction of ``capacity`` to keep free, for fragmentation and for batches that need more
             memory than the probed ones (longer sequences). Default 0.1.
         min_size: The smallest size to consider. Default 1 (use 2 with BatchNorm in training mode).
-        max_probes: At most this many probes. Default 8.
+        max_probes: At most this many probes. Default 6.
         start: The size of the first probe. Default ``min_size`` (the probe most likely to fit); pass
             ``max_size`` to try the whole batch first, which costs one probe when it fits.
 
@@ -154,7 +170,8 @@ def find_micro_batch_size(
     Raises:
         ValueError: If an argument is out of range, or ``probe`` returns something other than a
             positive int or None.
-        RuntimeError: If even ``min_size`` does not fit the budget.
+        RuntimeError: If even ``min_size`` does not fit the budget, or ``max_probes`` ran out before
+            any probe fitted.
 
     Example::
 
@@ -216,7 +233,8 @@ def find_micro_batch_size(
                 )
             size = min_size  # the first probe was too large: start again from the bottom
             continue
-        model, size = _next_size(peaks, budget, max_size, max_probes - len(probes))
+        fitted, size = _next_size(peaks, budget, max_size, max_probes - len(probes))
+        model = fitted or model
     good = [s for s in peaks if fits(s)]
     if not good:  # max_probes ran out before anything fitted
         raise RuntimeError(
@@ -229,78 +247,81 @@ def find_micro_batch_size(
 def _next_size(
     peaks: dict[int, int | None], budget: int, max_size: int, left: int
 ) -> tuple[MemoryModel | None, int | None]:
-    """The model fitted to the probes so far and the next size to probe (None: stop)."""
+    """The model fitted to the probes so far (in probe order) and the next size to probe (None: stop)."""
     good = sorted(s for s, p in peaks.items() if p is not None and p <= budget)
     bad = sorted(s for s in peaks if s not in good)
-    lo = good[-1]
-    hi = bad[0] if bad else max_size + 1
+    lo = good[-1]  # the largest size known to fit
+    hi = bad[0] if bad else max_size + 1  # the smallest size known not to
     if lo == max_size or hi - lo <= 1:
         return None, None  # the answer is known exactly
-    point = {s: (s, peaks[s]) for s in peaks}
+    point = {s: (s, p) for s, p in peaks.items()}
+
+    # Memory curves are convex (activations that grow faster than the batch, a peak that moves to a
+    # steeper phase as the batch grows): past the two largest fitting sizes the curve stays above the
+    # line through them, so no size beyond that line's crossing of the budget fits.
     upper = hi - 1
     model: MemoryModel | None = None
     if len(good) >= 2:
-        # A convex curve stays above the line through two points beyond them: no size past this fits.
         model = MemoryModel.through(point[good[-2]], point[lo])
         upper = min(upper, model.largest_fitting(budget + _ROUNDING))
         if upper <= lo:
             return model, None
-    measured = [s for s in bad if peaks[s] is not None]
-    if measured and measured[0] == hi:
-        # Bracketed by measured peaks. The chord through them lies above a convex curve: its crossing fits.
+
+    if hi <= max_size and peaks[hi] is not None:
+        # Bracketed by a measured peak over the budget. The chord between the two brackets lies above a
+        # convex curve, so its crossing fits; a parabola through the brackets and the nearest third point
+        # estimates the crossing itself. The last probe takes the chord's, the one sure to fit.
         chord = MemoryModel.through(point[lo], point[hi])
         lower = max(lo, chord.largest_fitting(budget))
         model, estimate = chord, lower
-        near = [s for s in (good[-2] if len(good) >= 2 else None, *measured[1:2]) if s is not None]
+        near = [s for s in good[-2:-1] + [s for s in bad[1:2] if peaks[s] is not None]]
         if near:
             third = min(near, key=lambda s: min(abs(s - lo), abs(s - hi)))
-            quad = MemoryModel.through3(point[third], point[lo], point[hi])
-            if quad.curvature > 0:
-                model, estimate = quad, quad.largest_fitting(budget)
+            parabola = MemoryModel.through3(point[third], point[lo], point[hi])
+            if parabola.curvature > 0:
+                model, estimate = parabola, parabola.largest_fitting(budget)
         estimate = min(max(estimate, lower), upper)
         if left <= 1 or estimate <= lo:
             estimate = max(lower, lo + 1)
         return model, int(min(estimate, hi - 1))
-    # Extrapolating from below (the smallest failing size, if any, ran out of memory: no peak).
+
+    # Extrapolating from below (the smallest failing size, if any, ran out of memory: no peak to use).
+    straight = False
     if len(good) == 1:
         # If peak memory were proportional to size (no fixed part) this size would just fit; with a
         # fixed part it fits with room to spare. Double at least, to spread the points.
         estimate = max(math.floor(lo * budget / peaks[lo]), 2 * lo)
     else:
         estimate = upper
-        if len(good) >= 3:
-            quad = MemoryModel.through3(point[good[-3]], point[good[-2]], point[lo])
-            if quad.curvature > 0:
-                model, estimate = quad, min(quad.largest_fitting(budget), upper)
-    # The curve is straight here if the line through the two fitting sizes before the largest one
-    # predicted its peak.
-    straight = False
     if len(good) >= 3:
         g3, g2 = good[-3], good[-2]
+        # Straight if the line through the two points before the newest predicted the newest's peak
+        # (within the rounding of the two points, as the extrapolation carries it, plus 0.1% of the rise).
         error = MemoryModel.through(point[g3], point[g2]).predict(lo) - peaks[lo]
-        # rounding of the two points, carried by the extrapolation, plus 0.1% of the rise
         tolerance = _ROUNDING * (1 + 2 * (lo - g3) / (g2 - g3)) + 1e-3 * (peaks[lo] - peaks[g3])
         straight = abs(error) <= tolerance
-    if straight or (_FREE and upper * _FREE_RATIO <= lo and upper < math.inf):
-        # (or the upper bound is within 3% of the largest fitting size: the result is already close
-        # enough for a convex curve, so try the bound itself)
-        model, estimate, straight = MemoryModel.through(point[good[-2]], point[lo]), upper, True
-    misses = 0
-    for p in reversed(peaks.values()):
-        if p is not None:
-            break
-        misses += 1
-    if hi <= max_size and (hi - lo <= 2**left or (hi / lo) ** (0.5**left) <= _GUARANTEE):
-        # Bisection reaches the exact size, or within 3% of it, with the probes left: it cannot miss.
-        estimate = (lo + hi) // 2 if hi - lo <= 2**left else math.isqrt(lo * hi)
-    elif hi <= max_size:
-        # Below a size that ran out of memory: back off from it (80% of the way after one miss, then
-        # bisect), unless the model predicts less.
-        step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
-        estimate = min(estimate, lo + math.floor(step * (hi - lo)))
+        parabola = MemoryModel.through3(point[g3], point[g2], point[lo])
+        if not straight and parabola.curvature > 0:
+            model, estimate = parabola, min(parabola.largest_fitting(budget), upper)
+
+    if hi <= max_size:
+        # Below a size that ran out of memory.
+        if hi - lo <= 2**left or (lo / hi) ** (0.5**left) >= _BISECT_WITHIN:
+            # Bisection (by size, or by ratio) ends on the answer, or close enough, with the probes left.
+            estimate = (lo + hi) // 2 if hi - lo <= 2**left else math.isqrt(lo * hi)
+        else:
+            # Back off from it (80% of the way after one miss, then bisect), unless the model says less.
+            misses = 0  # probes in a row that ran out of memory
+            for peak in reversed(peaks.values()):
+                if peak is not None:
+                    break
+                misses += 1
+            step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
+            estimate = min(estimate, lo + math.floor(step * (hi - lo)))
     elif _MAX_JUMP * lo < estimate < math.inf:
-        # a stepping stone: the geometric mean of here and there
-        estimate = max(math.isqrt(lo * estimate), math.floor(estimate / _FLOOR))
+        estimate = max(math.isqrt(lo * estimate), math.floor(_MIN_STONE * estimate))  # a stepping stone
+    elif len(good) >= 2 and upper >= max_size and estimate >= _WHOLE * max_size:
+        estimate = max_size
     elif model is not None and estimate < math.inf and not straight:
         estimate = lo + math.floor(_SHORT_OF * (estimate - lo))
     return model, int(min(max(estimate, lo + 1), hi - 1, max_size))
