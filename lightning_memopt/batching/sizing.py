@@ -36,10 +36,10 @@ _ROUNDING = 2
 # there (the steeper phase is rarely more than six times steeper).
 _MAX_JUMP = 4
 _MIN_STONE = 1 / 6
-# An extrapolation along a curve that bends stops this fraction of the way there, in whole samples below
-# (a probe that fits tells more than one that runs out of memory); along a line that the newest point
-# confirmed, it goes all the way.
-_SHORT_OF = 0.98
+# An extrapolation along a curve that bends stops short of the prediction by this fraction of the way
+# there, rounded down to whole samples (a probe that fits tells more than one that runs out of memory);
+# along a line that the newest point confirmed, it goes all the way.
+_SHORT_BY = 0.02
 # When the estimate is within this fraction of the whole batch and nothing rules the whole batch out,
 # probe the whole batch.
 _WHOLE = 0.9
@@ -52,7 +52,7 @@ _BISECT_WITHIN = 0.975
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Peak bytes as a function of the micro-batch size: ``fixed + per_sample * size + curvature * size**2``."""
+    """Peak bytes vs the micro-batch size: ``fixed + per_sample * size + curvature * size**2``."""
 
     fixed: float
     """Bytes that do not depend on the micro-batch (parameters, gradients, optimizer state, ...)."""
@@ -113,7 +113,7 @@ class SizingResult:
     """Every probe in order, as ``(size, peak bytes)``; the peak is None when the probe ran out of memory."""
     model: MemoryModel | None = None
     """The last model fitted: a line through two measured points near the boundary, or a parabola
-    through three (None if fewer than two probes fitted)."""
+    through three (None if fewer than two probes measured a peak)."""
 
     @property
     def peak(self) -> int:
@@ -322,7 +322,7 @@ def _next_size(
             step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
             if hi == max_size and misses == 1 and lo < estimate < hi:
                 # The whole batch was tried on an estimate below it and failed: probe the estimate.
-                estimate -= math.floor((1 - _SHORT_OF) * (estimate - lo))
+                estimate -= math.floor(_SHORT_BY * (estimate - lo))
             else:
                 estimate = min(estimate, lo + math.floor(step * (hi - lo)))
     elif _MAX_JUMP * lo < estimate < math.inf:
@@ -330,5 +330,5 @@ def _next_size(
     elif len(good) >= 2 and upper >= max_size and estimate >= _WHOLE * max_size:
         estimate = max_size
     elif model is not None and estimate < math.inf and not straight:
-        estimate -= math.floor((1 - _SHORT_OF) * (estimate - lo))
+        estimate -= math.floor(_SHORT_BY * (estimate - lo))
     return model, int(min(max(estimate, lo + 1), hi - 1, max_size))

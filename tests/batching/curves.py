@@ -1,10 +1,14 @@
 """A seeded family of simulated memory curves (peak bytes vs micro-batch size) for the sizing search.
 
 Shared by ``tests/batching/test_sizing.py`` and ``benchmarks/batching.py`` (plain Python, no torch).
-Each curve is described by the shares of its budget at the true maximum ``T``: a fixed part, a per-sample
-part and a quadratic part; kinked curves are the maximum of two lines (small batches peak in the
-optimizer step, a higher fixed part that grows slowly; large ones in backward, steeper), optionally with
-a quadratic term on the steep one.
+Each curve is described at a target size ``T`` (1 with probability 4%, else log-uniform in [2, 5000]):
+its peak there (1e5 to 1e10 bytes), the fixed part's share of it (log-uniform in 2-90%) and the quadratic
+part over the per-sample part (0 for affine; 2-50% convex; 0.5-5 times strongly convex). Kinked curves
+add a small-batch phase, as when small batches peak in the optimizer step and large ones in backward: a
+line 1.5-6 times less steep that meets the steep part at a kink log-uniform in 1-150% of ``T`` (the
+capacity is scale-free relative to where the phases cross); "kinked convex" has a quadratic part of up to
+3 times the per-sample one on the steep phase. The headroom is 0 or 0.1, the capacity the peak at ``T``
+over ``1 - headroom``, and ``max_size`` the true maximum, a random size up to 8 times it, or 8192.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ KINDS = ("affine", "convex", "strongly convex", "kinked", "kinked convex")
 
 @dataclass(frozen=True)
 class Curve:
+    """One simulated device and memory curve."""
+
     kind: str
     peak: Callable[[int], int]
     """Peak bytes of a micro-step on ``size`` samples (non-decreasing)."""
@@ -79,7 +85,6 @@ def random_curve(rng: random.Random, kind: str) -> Curve:
     budget = math.floor(capacity * (1 - headroom))
     true = _largest(lambda s: peak(s) <= budget, 8192)
     max_size = rng.choice([true, rng.randint(true, 8 * true + 8), 8192])
-    true = min(true, max_size)
     return Curve(kind, peak, capacity, headroom, max_size, true, kink if kind.startswith("kinked") else None)
 
 
