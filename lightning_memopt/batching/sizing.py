@@ -144,11 +144,11 @@ def find_micro_batch_size(
     bends: fit the parabola through the three largest and probe 2% short of its prediction; when the
     line held, probe the line's prediction itself; when the newest point is the first off a line that
     three points had confirmed (a kink: the peak moved to a steeper phase), probe 60% of the way to the
-    prediction, which measures the new slope. When the prediction is at least 90% of ``max_size`` and the
-    line does not rule ``max_size`` out, probe ``max_size`` (and, if it fails, the prediction). A prediction more than 4 times the largest
-    fitting size is approached through a stepping stone (the geometric mean of the two, but at least a
-    sixth of the prediction): small batches often peak in a phase that grows more slowly than the
-    activations of large ones. A probe measured over the budget (between ``capacity * (1 - headroom)``
+    prediction, which measures the new slope. When the prediction is at least 90% of ``max_size`` and
+    the line does not rule ``max_size`` out, probe ``max_size`` (and, if it fails, the prediction). A
+    prediction more than 4 times the largest fitting size is approached through a stepping stone (the
+    geometric mean of the two, but at least a sixth of the prediction): small batches often peak in a
+    phase that grows more slowly than the activations of large ones. A probe measured over the budget (between ``capacity * (1 - headroom)``
     and ``capacity``) brackets the answer with a peak: the next probe is the parabola's crossing through
     the two brackets and the nearest third point, kept between the chord's crossing (which fits) and the
     line's bound; the last probe takes the chord's. A probe that runs out of memory is followed by one

@@ -33,8 +33,9 @@ class AutoAccumulation(MicroBatchingCallback):
     torchmetrics states and RNGs restored) measure peak memory at a few sizes, fit a line (a parabola
     where the curve bends) to predict the largest size that fits ``capacity * (1 - headroom)``, verify
     it with one more probe and fall back to bisection when a prediction misses
-    (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`). Under DDP/FSDP every rank probes and all use the smallest size
-    found. The size is saved in the checkpoint: a resumed run does not probe again.
+    (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`). Under DDP/FSDP every rank probes
+    and all use the smallest size found. The size is saved in the checkpoint: a resumed run does not
+    probe again.
 
     Each micro-batch's loss is weighted by its share of the batch's samples (or of ``count_fn``'s
     counts, e.g. non-padding tokens), so the accumulated gradient is the full batch's, an uneven last
