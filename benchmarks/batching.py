@@ -3,6 +3,7 @@
 Run from the repository root (a few minutes on 2 CPU cores; never run by the test suite)::
 
     PYTHONPATH=. python benchmarks/batching.py
+    PYTHONPATH=. python benchmarks/batching.py --sizing  # only find_micro_batch_size (a few seconds)
 
 The simulated device. There is no GPU; memory is the live tensor bytes of one training step (forward,
 backward, SGD step) of a small MLP, measured exactly by ``MemoryTracker``. A device of capacity C runs out
@@ -26,6 +27,13 @@ Rows:
   first batch (4096 samples, 557056 bytes) is alive in its measurement and not in the reference step's,
   its device is given C + 557056 bytes.
 
+Random curves: ``find_micro_batch_size`` with ``max_probes=6`` on the seeded family of simulated memory
+curves of ``tests/batching/curves.py`` (affine, convex, strongly convex with a quadratic part up to 5
+times the per-sample part at the true maximum, kinked where the peak moves to a 1.5-6 times steeper phase,
+kinked convex; true maximum 1 to ~5000; the batch at the true maximum or above it; headroom 0 or 0.1):
+how many reach 97% of the true maximum, the worst ratio and the mean number of probes, per kind. Seed 0's
+1,500 curves are the ones ``tests/batching/test_sizing.py`` asserts on.
+
 Overhead: the time of a training step with the engine installed at k=1 (``AutoAccumulation`` with
 ``micro_batch_size`` = the batch size; ``OOMBackoff`` alone; ``AutoAccumulation`` with the engine's metric
 logging really off) over the time without it, on the same model, fits interleaved in this process. The
@@ -35,6 +43,7 @@ median: they are the least disturbed by other processes.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 import math
@@ -51,6 +60,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.batching import OOMInjector, find_micro_batch_size
 from lightning_memopt.memory import MemoryTracker, format_bytes
+from tests.batching.curves import KINDS, random_curves
 
 warnings.filterwarnings("ignore")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -156,6 +166,60 @@ def ours_direct(capacity: int, headroom: float) -> tuple[int, int, int]:
     return result.size, len(result.probes), truth
 
 
+def random_family(n: int = 1500, seeds: tuple[int, ...] = (0, 1, 2)) -> list[tuple]:
+    """Per kind and in total: (name, curves, reaching 97%, worst found/true, mean probes)."""
+    rows: dict[str, list[tuple[float, int]]] = {kind: [] for kind in KINDS}
+    for seed in seeds:
+        for curve in random_curves(n, seed=seed):
+            result = find_micro_batch_size(
+                curve.probe,
+                max_size=curve.max_size,
+                capacity=curve.capacity,
+                headroom=curve.headroom,
+                max_probes=6,
+            )
+            rows[curve.kind].append((result.size / curve.true, len(result.probes)))
+    rows["all"] = [row for kind in KINDS for row in rows[kind]]
+    return [
+        (
+            name,
+            len(found),
+            sum(ratio >= 0.97 for ratio, _ in found),
+            min(ratio for ratio, _ in found),
+            statistics.mean(probes for _, probes in found),
+        )
+        for name, found in rows.items()
+    ]
+
+
+def print_random_family() -> None:
+    print("find_micro_batch_size on random curves (tests/batching/curves.py, seeds 0-2), max_probes=6:")
+    header = (
+        f"{'kind':<16} | {'curves':>6} | {'>= 97%':>6} | {'share':>7} | {'worst':>6} | {'mean probes':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, count, reached, worst, probes in random_family():
+        print(
+            f"{name:<16} | {count:>6} | {reached:>6} | {reached / count:>7.2%} | {worst:>6.4f} | {probes:>11.2f}"
+        )
+
+
+def print_sizing_only() -> None:
+    """The find_micro_batch_size rows of the table, without the slow BatchSizeFinder and fit rows."""
+    print(f"Simulated device: MLP {FEATURES}-{WIDTH}-{WIDTH}-2, SGD; find_micro_batch_size, max_probes=6")
+    print(f"{'cap':>12} | {'capacity B':>10} | {'method':<34} | probes | found | true max | found/true")
+    for label, capacity in [("300 samples", peak(300))] + [
+        (format_bytes(c), c) for c in (2**19, 2**21, 2**23)
+    ]:
+        for headroom in (0.0, 0.1):
+            size, probes, truth = ours_direct(capacity, headroom)
+            print(
+                f"{label:>12} | {capacity:>10} | find_micro_batch_size headroom={headroom} | {probes:>6} | "
+                f"{size:>5} | {truth:>8} | {size / truth:>10.4f}"
+            )
+
+
 class _Truth(Callback):
     """After AutoAccumulation probed, bisect with the engine's own probe for the true maximum."""
 
@@ -248,9 +312,17 @@ def overhead(rounds: int = 20, steps: int = 30, width: int = 512, batch: int = 2
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizing", action="store_true", help="only find_micro_batch_size (a few seconds)")
+    args = parser.parse_args()
     # One thread: with two on a shared 2-core machine, a step waits on the other thread (240 ms vs 9 ms).
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if args.sizing:
+        print_sizing_only()
+        print()
+        print_random_family()
+        return
     caps = [("300 samples", peak(300))] + [(format_bytes(c), c) for c in (2**19, 2**21, 2**23)]
     print(
         f"Simulated device: MLP {FEATURES}-{WIDTH}-{WIDTH}-2, SGD; peak(1) = {peak(1)} B, peak(300) = {peak(300)} B"
@@ -277,6 +349,8 @@ def main() -> None:
                 f"{label:>12} | {capacity:>10} | {method:<38} | {probes:>6} | {found:>5} | {truth:>8} | "
                 f"{found / truth:>10.4f}"
             )
+    print()
+    print_random_family()
     print()
     print("Engine overhead at k=1: step time with / without, MLP 256-512-512-2, batch 256, one thread,")
     print("20 rounds of 30-step fits per configuration, steps pooled; min, 10th percentile, median:")

@@ -30,10 +30,12 @@ class AutoAccumulation(MicroBatchingCallback):
     The DataLoader batch is the optimizer batch (the effective batch never changes, unlike Lightning's
     ``BatchSizeFinder``). Before the first step, a few probe steps (forward and backward of one
     micro-batch, nothing else changed: no weight update, gradients dropped, BatchNorm statistics,
-    torchmetrics states and RNGs restored) measure peak memory at two sizes, fit a line to predict the
-    largest size that fits ``capacity * (1 - headroom)``, verify it with one more probe and fall back to
-    bisection when a prediction misses. Under DDP/FSDP every rank probes and all use the smallest size
-    found. The size is saved in the checkpoint: a resumed run does not probe again.
+    torchmetrics states and RNGs restored) measure peak memory at a few sizes, fit a line (a parabola
+    where the curve bends) to predict the largest size that fits ``capacity * (1 - headroom)``, verify
+    it with one more probe and fall back to bisection when a prediction misses
+    (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`). Under DDP/FSDP every rank probes
+    and all use the smallest size found. The size is saved in the checkpoint: a resumed run does not
+    probe again.
 
     Each micro-batch's loss is weighted by its share of the batch's samples (or of ``count_fn``'s
     counts, e.g. non-padding tokens), so the accumulated gradient is the full batch's, an uneven last
@@ -50,7 +52,7 @@ class AutoAccumulation(MicroBatchingCallback):
             it the CPU run is not split.
         headroom: Fraction of ``max_memory`` kept free for what probes cannot see (optimizer state
             created by the first step, fragmentation, longer sequences). Default 0.1.
-        max_probes: Most probe steps to spend. Default 6.
+        max_probes: Most probe steps to spend (at least 3). Default 6, as in ``find_micro_batch_size``.
         count_fn: ``count_fn(micro_batch) -> number`` of elements the loss averages over, for losses that
             are not a mean over samples (token-mean language-model losses). Default None: samples.
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut
