@@ -406,7 +406,7 @@ class MicroBatchEngine:
             and self.stable_steps >= self.overlap_after
         )
         full_loss: torch.Tensor | None = None
-        extras: dict | None = None
+        extras: list[dict] = []  # the other keys of each micro-batch's output, detached
         with _LogRecorder(module) as recorder, self._sync_points(armed=sharded):
             for i, (part, weight) in enumerate(zip(parts, weights)):
                 last = i == len(parts) - 1
@@ -436,10 +436,14 @@ class MicroBatchEngine:
                     part_loss = part_loss * weight
                 full_loss = part_loss if full_loss is None else full_loss + part_loss
                 if isinstance(out, Mapping):
-                    extras = {k: _detach(v) for k, v in out.items() if k != "loss"}
+                    extras.append({k: _detach(v) for k, v in out.items() if k != "loss"})
                 del out, loss, scaled
         assert full_loss is not None
-        return full_loss, extras, recorder
+        if not extras:
+            return full_loss, None, recorder
+        # As for the loss: the full batch's output (scalars weighted by share, per-sample tensors joined).
+        combined = extras[0] if len(extras) == 1 else _combine(extras, sizes, weights)
+        return full_loss, combined, recorder
 
     def _backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
@@ -963,7 +967,7 @@ def _detach(value: Any) -> Any:
 
 
 def _combine(outputs: list[Any], sizes: list[int], weights: list[float]) -> Any:
-    """One evaluation output from the micro-batches': per-sample tensors joined, scalars averaged."""
+    """One step output from the micro-batches': per-sample tensors joined, scalars averaged by share."""
     first = outputs[0]
     if first is None:
         return None

@@ -237,3 +237,24 @@ def test_evaluation_micro_batches_join_predictions_and_average_logged_values(tmp
         assert a["prediction"].shape == (10, 1)
         torch.testing.assert_close(a["prediction"], b["prediction"])
     assert split_val[0]["val_loss"] == pytest.approx(whole_val[0]["val_loss"], rel=1e-6)
+
+
+def test_training_step_extra_keys_are_the_full_batch_values(tmp_path):
+    class Extras(Net):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            error = (self(x) - y).detach().abs().squeeze(1)
+            loss = super().training_step(batch, batch_idx)
+            return {"loss": loss, "error": error, "mean_error": error.mean()}
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.outputs.append({k: v.clone() for k, v in outputs.items()})
+
+    whole, split = Extras(), Extras()
+    whole.outputs, split.outputs = [], []
+    fit(whole, tmp_path=tmp_path, steps=1)
+    fit(split, [AutoAccumulation(micro_batch_size=3)], tmp_path=tmp_path, steps=1)  # 10 -> [3, 3, 2, 2]
+    (a,), (b,) = split.outputs, whole.outputs
+    assert set(a) == {"loss", "error", "mean_error"}
+    torch.testing.assert_close(a["error"], b["error"])  # per-sample: joined, all 10 samples
+    torch.testing.assert_close(a["mean_error"], b["mean_error"], rtol=1e-6, atol=0)  # weighted by share
