@@ -13,9 +13,12 @@ Columns:
   its ratio to no checkpointing.
 - ``GFLOP``: forward + backward FLOPs of matmul-class ops (FlopCounterMode's formulas; CPU attention
   included), and the ratio.
-- ``time``: best-of-N CPU time (``time.process_time``) of forward + backward (N rounds, each timing every
-  configuration once), as a ratio to no checkpointing in the same process (ratios, never absolute times;
-  process time rather than wall time because the machine is shared).
+- ``time``: best-of-N wall time of forward + backward (N rounds, each timing every configuration once),
+  as a ratio to no checkpointing in the same process (ratios, never absolute times). Run it on an
+  otherwise idle machine.
+- ``blk pk``: the plan's predicted peak of the blocks' activations (end of forward, or while a
+  checkpointed block recomputes in backward: what the budget bounds); ``peak`` minus it is the rest of
+  the step (parameters, gradients, embeddings, logits), about constant across plans.
 - ``gap``: the plan's cost minus the brute-force optimum's (0 means optimal), for 3 and 4 treatments.
 
 Run from the repository root (a few minutes on 2 cores)::
@@ -203,11 +206,12 @@ def measure(model, x, blocks):
 
 
 def step_time(model, x) -> float:
-    """CPU seconds this process spent on one step (less disturbed than wall time on a shared machine)."""
+    """Wall-clock seconds of one step (forward + backward). Run on an otherwise idle machine: CPU time
+    would charge the idle spinning of the second thread during small pointwise ops as work."""
     model.zero_grad(set_to_none=True)
-    t = time.process_time()
+    t = time.perf_counter()
     loss_of(model(x)).backward()
-    return time.process_time() - t
+    return time.perf_counter() - t
 
 
 def summary(choices) -> str:
@@ -265,7 +269,7 @@ def run_model(name, build, x, reps, cost_model, brute_limit):
         f"parameters: {sum(p.numel() * 4 for p in model.parameters()) / MB:.1f} MB"
     )
     header = (
-        f"   {'config':<22} {'plan':<12} {'acts pred/meas MB':>19} {'err':>6} {'peak MB':>9} {'x':>5} "
+        f"   {'config':<22} {'plan':<12} {'acts pred/meas MB':>19} {'err':>6} {'blk pk':>7} {'peak MB':>9} {'x':>5} "
         f"{'GFLOP':>8} {'x':>5} {'time x':>7} {'gap 3/4':>8}"
     )
     print(header)
@@ -287,7 +291,7 @@ def run_model(name, build, x, reps, cost_model, brute_limit):
         err = (acts - predicted.activation_bytes) / max(predicted.activation_bytes, 1)
         print(
             f"   {label:<22} {summary(choices):<12} {predicted.activation_bytes / MB:>9.1f}/{acts / MB:<9.1f} "
-            f"{err:>+6.1%} {peak / MB:>9.1f} {peak / ref_peak:>5.2f} {flops / 1e9:>8.2f} {flops / ref_flops:>5.2f} "
+            f"{err:>+6.1%} {predicted.peak_bytes / MB:>7.1f} {peak / MB:>9.1f} {peak / ref_peak:>5.2f} {flops / 1e9:>8.2f} {flops / ref_flops:>5.2f} "
             f"{min(secs) / ref_time:>7.2f} {gap or '':>8}"
         )
     for note in notes:

@@ -38,7 +38,7 @@ __all__ = [
 
 
 class InfeasibleBudgetError(ValueError):
-    """The budget is below the smallest activation bytes any plan can reach."""
+    """The budget is below the smallest peak activation bytes any plan can reach."""
 
     def __init__(self, message: str, minimum: int) -> None:
         super().__init__(message)
@@ -76,7 +76,10 @@ class Plan:
 
     ``activation_bytes`` are the bytes the blocks hold for backward at the end of the forward (each
     boundary tensor counted once, in the block that first holds it), ``baseline_bytes`` the same with
-    every block kept. Activations outside the blocks (embeddings, head, loss) are not included.
+    every block kept. ``peak_bytes`` is the most the blocks hold at any time: at the end of the forward,
+    or in backward while a checkpointed block runs its backward with everything it saved recomputed (or
+    brought back), the blocks before it still holding theirs. The budget bounds ``peak_bytes``.
+    Activations outside the blocks (embeddings, head, loss) are not included.
     """
 
     choices: dict[str, str]
@@ -90,6 +93,7 @@ class Plan:
     block_bytes: dict[str, int] = field(default_factory=dict)
     predicted: bool = True
     """False for a plan whose blocks were not profiled: its byte and cost figures are unknown (zero)."""
+    peak_bytes: int = 0
 
     @classmethod
     def unprofiled(cls, choices: dict[str, str]) -> Plan:
@@ -116,6 +120,8 @@ class Plan:
                 format_bytes(self.transfer_bytes),
             )
         )
+        if self.peak_bytes > self.activation_bytes:
+            rows.append(("peak", "in backward", format_bytes(self.peak_bytes), "", "", ""))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -137,6 +143,12 @@ def _step(profile: BlockProfile, option: OptionCost, prev_holds_output: bool) ->
     return add
 
 
+def _backward_peak(profile: BlockProfile, choice: str, prev_holds_output: bool, before: int) -> int:
+    """Bytes the blocks hold while this block's backward runs, ``before`` being what the blocks before it
+    hold: a checkpointed block then holds all it would have kept (recomputed, cached or brought back)."""
+    return before + _step(profile, profile.options["keep" if choice != "keep" else choice], prev_holds_output)
+
+
 def evaluate_plan(
     profiles: Sequence[BlockProfile], choices: Sequence[str], cost_model: CostModel | None = None, budget=None
 ) -> Plan:
@@ -149,7 +161,7 @@ def evaluate_plan(
     cost_model = cost_model or CostModel()
     if len(choices) != len(profiles):
         raise ValueError(f"need one choice per block ({len(profiles)}), got {len(choices)}")
-    total = flops = pw = transfer = baseline = 0
+    total = flops = pw = transfer = baseline = peak = 0
     cost = 0.0
     block_bytes = {}
     prev = prev_keep = False
@@ -160,6 +172,7 @@ def evaluate_plan(
             )
         o = p.options[choice]
         block_bytes[p.name] = _step(p, o, prev)
+        peak = max(peak, _backward_peak(p, choice, prev, total))
         total += block_bytes[p.name]
         baseline += _step(p, p.options["keep"], prev_keep)
         flops += o.recompute_flops
@@ -177,6 +190,7 @@ def evaluate_plan(
         cost,
         budget,
         block_bytes,
+        peak_bytes=max(peak, total),
     )
 
 
@@ -197,11 +211,12 @@ def plan_checkpointing(
     allowed: Sequence[str] = CHOICES,
     cost_model: CostModel | None = None,
 ) -> Plan:
-    """The plan of least recompute cost whose block activation bytes fit in ``budget``.
+    """The plan of least recompute cost whose blocks' peak activation bytes fit in ``budget``.
 
     Args:
         profiles: One :class:`BlockProfile` per block, in forward order (from ``profile_blocks``).
-        budget: Bytes the blocks may hold for backward: an int or a string like ``"6GiB"``.
+        budget: Bytes the blocks may hold at most (``Plan.peak_bytes``: at the end of the forward, or
+            while a checkpointed block recomputes in backward): an int or a string like ``"6GiB"``.
         allowed: Treatments to choose from (``keep``, ``selective``, ``full``, ``offload``). Leave out
             ``offload`` where the device is the CPU (offloading to the CPU saves nothing there).
         cost_model: Prices of pointwise recompute and offload; :class:`CostModel` defaults.
@@ -232,10 +247,10 @@ def plan_checkpointing(
     cost_model = cost_model or CostModel()
     best = _search(profiles, allowed, cost_model, budget)
     if best is None:
-        minimum = min(e[0] for e in _search(profiles, allowed, cost_model, None, frontier=True))
+        minimum = _smallest_feasible(profiles, allowed, cost_model)
         hint = "allow 'offload', " if "offload" not in allowed else ""
         raise InfeasibleBudgetError(
-            f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest activation bytes "
+            f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest peak activation bytes "
             f"reachable with {allowed}: {format_bytes(minimum)} ({minimum} bytes). Raise the budget, "
             f"{hint}or use a smaller micro-batch (e.g. AutoAccumulation).",
             minimum,
@@ -243,7 +258,19 @@ def plan_checkpointing(
     return evaluate_plan(profiles, best, cost_model, budget)
 
 
-def _search(profiles, allowed, cost_model, budget, frontier=False):
+def _smallest_feasible(profiles, allowed, cost_model) -> int:
+    """The smallest budget any plan fits (peak bytes), by bisection over the search's feasibility."""
+    lo, hi = 0, evaluate_plan(profiles, [allowed[0]] * len(profiles)).peak_bytes  # that plan fits hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _search(profiles, allowed, cost_model, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _search(profiles, allowed, cost_model, budget):
     states: dict[bool, list] = {False: [(0, 0.0, ())]}
     for p in profiles:
         new: dict[bool, list] = defaultdict(list)
@@ -251,13 +278,14 @@ def _search(profiles, allowed, cost_model, budget, frontier=False):
             for choice in allowed:
                 o = p.options[choice]
                 add, c = _step(p, o, prev), cost_model.cost(o)
+                extra = _backward_peak(p, choice, prev, 0)  # what the block holds in its backward
                 for b, cost, chosen in entries:
-                    if budget is None or b + add <= budget:
+                    # Feasible if the chain still fits with this block, and so does its backward. Both
+                    # grow with the prefix's bytes, so a dominated prefix stays dominated: still exact.
+                    if budget is None or max(b + add, b + extra) <= budget:
                         new[o.saves_output].append((b + add, cost + c, (*chosen, choice)))
         states = {k: _pareto(v) for k, v in new.items()}
     final = [e for v in states.values() for e in v]
-    if frontier:
-        return final
     if not final:
         return None
     return list(min(final, key=lambda e: (e[1], e[0], e[2]))[2])
@@ -278,7 +306,7 @@ def brute_force_plan(
     best = None
     for choices in itertools.product(allowed, repeat=len(profiles)):
         plan = evaluate_plan(profiles, choices, cost_model, budget)
-        if plan.activation_bytes <= budget and (
+        if plan.peak_bytes <= budget and (
             best is None or (plan.cost, plan.activation_bytes) < (best.cost, best.activation_bytes)
         ):
             best = plan

@@ -95,7 +95,7 @@ def main(out: str) -> None:
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
             # A budget between all-full and all-kept: the sharded blocks are profiled and planned for.
-            budgeted = AutoCheckpoint(budget=110_000)
+            budgeted = AutoCheckpoint(budget=150_000)
             result["budgeted"], result["seen_budgeted"], metrics = run(kind, [budgeted])
             result["budgeted_plan"] = budgeted.plan.choices
             result["budgeted_bytes"] = (

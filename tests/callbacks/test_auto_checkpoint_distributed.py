@@ -40,14 +40,15 @@ def test_two_process_training_matches_plain(results, kind):
             # Blocks fully_shard-ed in configure_model are profiled (parameters gathered, FSDP's hooks
             # bypassed) and planned under a budget; both ranks choose the same plan, which holds exactly
             # the predicted bytes and trains exactly as without checkpointing.
+            # Recompute goes to the early blocks: their backward runs last, when the others are freed.
             assert result["budgeted_plan"] == {
                 "model.h.0": "full",
-                "model.h.1": "full",
-                "model.h.2": "selective",
+                "model.h.1": "selective",
+                "model.h.2": "keep",
             }
             assert result["seen_budgeted"][1] == result["budgeted_plan"]
             planned, predicted, measured = result["budgeted_bytes"]
-            assert planned == predicted == measured == 28672
+            assert planned == predicted == measured == 70208
             torch.testing.assert_close(result["budgeted"], result["plain"], rtol=1e-6, atol=1e-7)
         plan = json.loads((tmp_path / f"{kind}_plan{rank}.json").read_text())
         assert plan["choices"] == dict.fromkeys(names, "full")  # CPU, no budget: every block

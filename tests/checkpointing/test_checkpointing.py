@@ -1,4 +1,5 @@
 import copy
+import itertools
 import random
 
 import pytest
@@ -312,7 +313,18 @@ def test_dp_equals_brute_force_on_random_instances():
             continue
         plan = plan_checkpointing(profiles, budget, allowed=allowed, cost_model=cost_model)
         assert plan.cost == brute.cost, trial
-        assert plan.activation_bytes <= budget
+        assert plan.activation_bytes <= plan.peak_bytes <= budget
+
+
+def test_budget_bounds_the_backward_peak_of_recomputation():
+    # While a checkpointed block runs its backward it holds all it would have kept, and the blocks before
+    # it still hold theirs: recompute early blocks, whose backward comes last, when the rest is freed.
+    keep, full = OptionCost(100, False, False), OptionCost(0, False, False, recompute_flops=50)
+    profiles = [BlockProfile(n, 0, 0, 0, False, {"keep": keep, "full": full}) for n in "ab"]
+    late, early = evaluate_plan(profiles, ["keep", "full"]), evaluate_plan(profiles, ["full", "keep"])
+    assert (late.activation_bytes, late.peak_bytes) == (100, 200)
+    assert (early.activation_bytes, early.peak_bytes) == (100, 100)
+    assert plan_checkpointing(profiles, 100, allowed=["keep", "full"]).choices == {"a": "full", "b": "keep"}
 
 
 def test_plan_uses_boundary_sharing():
@@ -328,11 +340,13 @@ def test_plan_uses_boundary_sharing():
 
 def test_plan_budget_errors_and_table():
     profiles = _random_profiles(random.Random(1), 3)
-    minimum = evaluate_plan(profiles, ["full"] * 3).activation_bytes
+    allowed = ["keep", "selective", "full"]
+    minimum = min(evaluate_plan(profiles, c).peak_bytes for c in itertools.product(allowed, repeat=3))
     with pytest.raises(
-        InfeasibleBudgetError, match=rf"smallest activation bytes .*\({minimum} bytes\).*allow 'offload'"
+        InfeasibleBudgetError, match=rf"smallest peak activation bytes .*\({minimum} bytes\).*allow 'offload'"
     ):
-        plan_checkpointing(profiles, minimum - 1, allowed=["keep", "selective", "full"])
+        plan_checkpointing(profiles, minimum - 1, allowed=allowed)
+    assert plan_checkpointing(profiles, minimum, allowed=allowed).peak_bytes == minimum
     for bad in ["-1GB", "banana", 0]:
         with pytest.raises(ValueError, match="budget must be"):
             plan_checkpointing(profiles, bad)
@@ -344,6 +358,10 @@ def test_plan_budget_errors_and_table():
     assert set(plan.choices.values()) == {"keep"} and plan.cost == 0
     table = plan.table()
     assert table.splitlines()[0].split()[:3] == ["block", "choice", "activations"] and "total" in table
+    assert "peak" not in table  # nothing recomputes: the peak is the end of the forward
+    late = evaluate_plan(profiles, ["keep", "keep", "full"])
+    assert late.peak_bytes > late.activation_bytes
+    assert late.table().splitlines()[-1].split()[:3] == ["peak", "in", "backward"]
 
 
 class Bottleneck(nn.Module):
