@@ -61,6 +61,7 @@ from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.batching import OOMInjector, find_micro_batch_size
 from lightning_memopt.memory import MemoryTracker, format_bytes
 from tests.batching.curves import KINDS, random_curves
+from tests.batching.helpers import quiet_trainer
 
 warnings.filterwarnings("ignore")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -105,17 +106,8 @@ class MLP(LightningModule):
         return DataLoader(RandomData(16384, self.features), batch_size=self.batch_size)
 
 
-def _trainer(**kwargs) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return Trainer(**options)
+def _trainer(callbacks=(), **kwargs) -> Trainer:
+    return quiet_trainer(callbacks, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------- ground truth

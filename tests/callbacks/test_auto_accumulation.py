@@ -5,7 +5,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_memopt import AutoAccumulation
 from lightning_memopt.memory import MemoryTracker
-from tests.batching.helpers import Net, assert_params_close, dataset, fit
+from tests.batching.helpers import Net, assert_params_close, dataset, fit, quiet_trainer
 
 
 class GradRecorder(pl.Callback):
@@ -170,16 +170,7 @@ class PairNet(Net):
 def _fit_pairs(model, callbacks, tmp_path):
     from torch.utils.data import DataLoader
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(callbacks, max_steps=2, default_root_dir=tmp_path)
     trainer.fit(model, DataLoader(dataset(), batch_size=10, collate_fn=_pair_collate))
 
 
