@@ -51,7 +51,10 @@ def parse_bytes(value: int | str, *, name: str = "size") -> int:
         unit = match.group(2).lower() if match else ""
         if match is None or unit not in _UNITS and unit != "":
             raise ValueError(f"{name} must be a byte size, got {value!r}; {_HELP}")
-        n = math.floor(float(match.group(1)) * _UNITS.get(unit, 1))
+        number = float(match.group(1)) * _UNITS.get(unit, 1)
+        if not math.isfinite(number):
+            raise ValueError(f"{name} must be a finite byte size, got {value!r}; {_HELP}")
+        n = math.floor(number)
     else:
         raise ValueError(f"{name} must be a byte size, got {value!r} ({type(value).__name__}); {_HELP}")
     if n <= 0:

@@ -46,3 +46,8 @@ def test_format_bytes():
     assert format_bytes(2**30 * 1.5) == "1.50 GiB"
     assert format_bytes(2**42) == "4096.00 GiB"
     assert format_bytes(-2048) == "-2.00 KiB"
+
+
+def test_parse_bytes_rejects_overflow():
+    with pytest.raises(ValueError, match=r"budget must be a finite byte size, got '1e400GB'"):
+        parse_bytes("1e400GB", name="budget")
