@@ -6,9 +6,9 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from lightning.pytorch.utilities.memory import is_oom_error
 
-from lightning_memopt.batching.inject import InjectedOOM, OOMInjector
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.testing import InjectedOOM, OOMInjector
 from tests.distributed import run_ranks
 
 F32 = 4
@@ -276,3 +276,24 @@ def test_bad_arguments(kwargs, match):
         kwargs["optimizer"] = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     with pytest.raises(ValueError, match=match):
         OOMInjector(module, **kwargs)
+
+
+def test_old_locations_still_import_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    import lightning_memopt.batching as batching
+    import lightning_memopt.testing as testing
+
+    with pytest.warns(DeprecationWarning, match=r"import it from lightning_memopt.testing"):
+        assert batching.OOMInjector is testing.OOMInjector
+    with pytest.warns(DeprecationWarning, match=r"import it from lightning_memopt.testing"):
+        assert batching.InjectedOOM is testing.InjectedOOM
+    sys.modules.pop("lightning_memopt.batching.inject", None)
+    with pytest.warns(
+        DeprecationWarning, match=r"import OOMInjector and InjectedOOM from lightning_memopt.testing"
+    ):
+        old = importlib.import_module("lightning_memopt.batching.inject")
+    assert (old.OOMInjector, old.InjectedOOM) == (OOMInjector, InjectedOOM)
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        batching.Nope  # noqa: B018
