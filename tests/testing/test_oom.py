@@ -297,3 +297,31 @@ def test_old_locations_still_import_with_a_deprecation_warning():
     assert (old.OOMInjector, old.InjectedOOM) == (OOMInjector, InjectedOOM)
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         batching.Nope  # noqa: B018
+
+
+def test_docs_recipe_oom_backoff_recovers_to_the_same_parameters():
+    """The recipe on docs/testing.md: a "device" that fits 8 samples, batches of 32, OOMBackoff."""
+    from torch.utils.data import DataLoader
+
+    from lightning_memopt import OOMBackoff
+    from tests.batching.helpers import Net, dataset, quiet_trainer
+
+    def run(callbacks, injector_cap=None):
+        model = Net()
+        loader = DataLoader(dataset(64), batch_size=32)
+        trainer = quiet_trainer(callbacks, max_steps=2)
+        if injector_cap is None:
+            trainer.fit(model, loader)
+            return model, None
+        with OOMInjector(model.net[-1], max_size=injector_cap) as injector:
+            trainer.fit(model, loader)
+        return model, injector
+
+    backoff = OOMBackoff()
+    recovered, injector = run([backoff], injector_cap=8)
+    plain, _ = run([])
+    assert injector.raised == 2  # 32 and 16 ran out of memory, 8 fits
+    assert [e.size for e in injector.events] == [32, 16]
+    assert backoff.micro_batch_size == 8
+    for (name, a), b in zip(recovered.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=name)
