@@ -9,7 +9,10 @@ real one costs them a run:
   allocator gives) in a module's forward, its backward, or the optimizer step, when the micro-batch is
   larger than a cap or the live bytes measured by a :class:`~lightning_memopt.memory.MemoryTracker`
   exceed one: a simulated device of that capacity.
-- :class:`InjectedOOM` records each error it raised.
+- :class:`MemoryCap` simulates a device of a given capacity: the live tensor bytes are counted exactly
+  while it is entered, and the first tensor op that grows them past the capacity raises, wherever it
+  is (forward, backward, optimizer state creation), as an allocator would.
+- :class:`InjectedOOM` records each error either raised.
 
 Example::
 
@@ -26,6 +29,7 @@ Example::
     16
 """
 
+from lightning_memopt.testing.cap import MemoryCap
 from lightning_memopt.testing.oom import InjectedOOM, OOMInjector
 
-__all__ = ["InjectedOOM", "OOMInjector"]
+__all__ = ["InjectedOOM", "MemoryCap", "OOMInjector"]

@@ -323,15 +323,27 @@ class OOMInjector:
         self.raised += 1
         self.events.append(InjectedOOM(phase, size, live, step, rank))
         where = f"{phase} of {type(self.module).__name__}" if phase != "step" else "optimizer step"
-        if self.max_bytes is not None and live > self.max_bytes:
-            # What a CUDA allocator would say: the bytes over the cap, and the cap as the capacity.
-            text = (
-                f"Tried to allocate {format_bytes(live - self.max_bytes)}. GPU {rank} has a total capacity "
-                f"of {format_bytes(self.max_bytes)} of which 0 bytes is free."
-            )
-        else:
-            text = f"Tried to allocate 2.00 MiB. GPU {rank} has 0 bytes free."
-        raise torch.OutOfMemoryError(
-            f"CUDA out of memory. {text} (Injected by lightning_memopt OOMInjector in {where}: "
-            f"{'; '.join(reasons) or 'unconditional'}.)"
+        over = self.max_bytes is not None and live > self.max_bytes
+        raise _out_of_memory(
+            rank,
+            f"OOMInjector in {where}",
+            "; ".join(reasons) or "unconditional",
+            over=live - self.max_bytes if over else None,
+            capacity=self.max_bytes if over else None,
         )
+
+
+def _out_of_memory(
+    rank: int, where: str, reason: str, *, over: int | None = None, capacity: int | None = None
+) -> torch.OutOfMemoryError:
+    """The error, with what a CUDA allocator would say: the bytes over the cap, and the cap as capacity."""
+    if over is not None:
+        text = (
+            f"Tried to allocate {format_bytes(over)}. GPU {rank} has a total capacity "
+            f"of {format_bytes(capacity)} of which 0 bytes is free."
+        )
+    else:
+        text = f"Tried to allocate 2.00 MiB. GPU {rank} has 0 bytes free."
+    return torch.OutOfMemoryError(
+        f"CUDA out of memory. {text} (Injected by lightning_memopt {where}: {reason}.)"
+    )
