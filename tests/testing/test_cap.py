@@ -104,3 +104,15 @@ def test_oom_backoff_recovers_under_a_capped_device_to_the_same_parameters():
     assert backoff.micro_batch_size == 32
     for (name, a), b in zip(recovered.named_parameters(), plain.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=name)
+
+
+def test_testing_tools_are_plain_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import lightning_memopt.testing; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
