@@ -13,6 +13,10 @@ import griffe
 
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj|py:\w+):`(~?)([^`]+)`")
 _BORDER = re.compile(r"^(\s*)(=+)(\s+=+)+\s*$")
+# "Example::" then an indented block: the block is a Markdown code block already; only the "::" shows.
+# (Not "Example:", which griffe would read as a section and dedent the code into prose.)
+_EXAMPLE = re.compile(r"^(\s*)(Examples?)::\s*$", re.M)
+_LITERAL = re.compile(r"(\S)::\s*$", re.M)
 
 
 def _role(match: re.Match) -> str:
@@ -49,7 +53,8 @@ def _table(header: list[str] | None, body: list[str], cols: list[tuple[int, int]
 
 def rst_to_markdown(text: str) -> str:
     """``text`` with roles as code spans and simple tables as Markdown tables."""
-    lines = _ROLE.sub(_role, text).split("\n")
+    text = _LITERAL.sub(r"\1:", _EXAMPLE.sub(r"\1**\2:**", _ROLE.sub(_role, text)))
+    lines = text.split("\n")
     out: list[str] = []
     i = 0
     while i < len(lines):
