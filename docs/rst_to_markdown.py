@@ -15,8 +15,8 @@ _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj|py:\w+):`(~?)([^`
 _BORDER = re.compile(r"^(\s*)(=+)(\s+=+)+\s*$")
 # "Example::" then an indented block: the block is a Markdown code block already; only the "::" shows.
 # (Not "Example:", which griffe would read as a section and dedent the code into prose.)
-_EXAMPLE = re.compile(r"^(\s*)(Examples?)::\s*$", re.M)
-_LITERAL = re.compile(r"(\S)::\s*$", re.M)
+_EXAMPLE = re.compile(r"^([ \t]*)(Examples?)::[ \t]*$", re.M)
+_LITERAL = re.compile(r"(\S)::[ \t]*$", re.M)
 
 
 def _role(match: re.Match) -> str:
