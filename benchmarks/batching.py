@@ -58,8 +58,9 @@ from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
-from lightning_memopt.batching import OOMInjector, find_micro_batch_size
+from lightning_memopt.batching import find_micro_batch_size
 from lightning_memopt.memory import MemoryTracker, format_bytes
+from lightning_memopt.testing import OOMInjector
 from tests.batching.curves import KINDS, random_curves
 from tests.batching.helpers import quiet_trainer
 

@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_memopt import AutoAccumulation, AutoCheckpoint, OOMBackoff
-from lightning_memopt.batching.inject import OOMInjector
 from lightning_memopt.checkpointing import apply_checkpointing
+from lightning_memopt.testing import OOMInjector
 from tests.callbacks.test_auto_checkpoint import GPTModule
 from tests.checkpointing.models import TinyGPT
 

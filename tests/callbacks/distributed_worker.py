@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_memopt.batching.distributed as distributed
 from lightning_memopt import AutoAccumulation, OOMBackoff
-from lightning_memopt.batching.inject import OOMInjector
+from lightning_memopt.testing import OOMInjector
 from tests.batching.helpers import Net, dataset, quiet_trainer
 
 

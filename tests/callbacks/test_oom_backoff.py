@@ -4,8 +4,8 @@ import torch
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.batching.engine import MicroBatchOOMError
-from lightning_memopt.batching.inject import OOMInjector
 from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.testing import OOMInjector
 from tests.batching.helpers import Net, assert_params_close, fit, oom
 
 

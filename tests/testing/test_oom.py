@@ -6,9 +6,9 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from lightning.pytorch.utilities.memory import is_oom_error
 
-from lightning_memopt.batching.inject import InjectedOOM, OOMInjector
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.testing import InjectedOOM, OOMInjector
 from tests.distributed import run_ranks
 
 F32 = 4
@@ -276,3 +276,52 @@ def test_bad_arguments(kwargs, match):
         kwargs["optimizer"] = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     with pytest.raises(ValueError, match=match):
         OOMInjector(module, **kwargs)
+
+
+def test_old_locations_still_import_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    import lightning_memopt.batching as batching
+    import lightning_memopt.testing as testing
+
+    with pytest.warns(DeprecationWarning, match=r"import it from lightning_memopt.testing"):
+        assert batching.OOMInjector is testing.OOMInjector
+    with pytest.warns(DeprecationWarning, match=r"import it from lightning_memopt.testing"):
+        assert batching.InjectedOOM is testing.InjectedOOM
+    sys.modules.pop("lightning_memopt.batching.inject", None)
+    with pytest.warns(
+        DeprecationWarning, match=r"import OOMInjector and InjectedOOM from lightning_memopt.testing"
+    ):
+        old = importlib.import_module("lightning_memopt.batching.inject")
+    assert (old.OOMInjector, old.InjectedOOM) == (OOMInjector, InjectedOOM)
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        batching.Nope  # noqa: B018
+
+
+def test_docs_recipe_oom_backoff_recovers_to_the_same_parameters():
+    """The recipe on docs/testing.md: a "device" that fits 8 samples, batches of 32, OOMBackoff."""
+    from torch.utils.data import DataLoader
+
+    from lightning_memopt import OOMBackoff
+    from tests.batching.helpers import Net, dataset, quiet_trainer
+
+    def run(callbacks, injector_cap=None):
+        model = Net()
+        loader = DataLoader(dataset(64), batch_size=32)
+        trainer = quiet_trainer(callbacks, max_steps=2)
+        if injector_cap is None:
+            trainer.fit(model, loader)
+            return model, None
+        with OOMInjector(model.net[-1], max_size=injector_cap) as injector:
+            trainer.fit(model, loader)
+        return model, injector
+
+    backoff = OOMBackoff()
+    recovered, injector = run([backoff], injector_cap=8)
+    plain, _ = run([])
+    assert injector.raised == 2  # 32 and 16 ran out of memory, 8 fits
+    assert [e.size for e in injector.events] == [32, 16]
+    assert backoff.micro_batch_size == 8
+    for (name, a), b in zip(recovered.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=name)
