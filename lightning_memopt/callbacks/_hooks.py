@@ -14,6 +14,7 @@ attached and :meth:`Attachments.detach` removes all of it, from either hook.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -88,15 +89,17 @@ class Attachments:
         if key not in self._undo:
             self._undo[key] = wrap_instance_hook(obj, name, before=before, after=after)
 
-    def wrapped(self, obj: Any, name: str) -> bool:
-        """Whether ``obj.name`` carries a wrapper of this collection."""
-        return (id(obj), name) in self._undo
-
     def detach(self, callback: Any = None) -> None:
         """Remove every wrapper (safe to call twice) and the model's methods Lightning bound on ``callback``."""
         undo, self._undo = list(self._undo.values()), {}
         for remove in undo:
             remove()
         if callback is not None:
-            for name in _LIGHTNING_BOUND:
-                callback.__dict__.pop(name, None)
+            forget_module(callback)
+
+
+def forget_module(callback: Any) -> None:
+    """Drop the module's methods Lightning bound onto ``callback`` (they keep the model alive)."""
+    for name in _LIGHTNING_BOUND:
+        if inspect.ismethod(callback.__dict__.get(name)):
+            del callback.__dict__[name]
