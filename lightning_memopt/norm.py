@@ -290,7 +290,8 @@ def convert_batchnorm(
             ``groups`` that is not a BatchNorm, a count or size that does not divide ``C`` (the message
             names the layer and lists the valid ones), an uninitialized lazy BatchNorm, or a layer that
             sees a single value per sample.
-        TypeError: a BatchNorm subclass overrides ``forward`` and no converter is registered for it.
+        TypeError: ``module`` is not a module, or a BatchNorm subclass overrides ``forward`` and no converter
+            is registered for it.
         RuntimeError: the probe forward with ``example_input`` failed.
 
     Example::
@@ -299,6 +300,8 @@ def convert_batchnorm(
         report = convert_batchnorm(model, example_input=torch.randn(2, 3, 8, 8))
         print(report)  # '1': BatchNorm2d(48) -> GroupNorm(24, 48), input (2, 48, 6, 6)
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_batchnorm expects a torch.nn.Module, got {type(module).__name__}")
     num_groups = _check_group_options(num_groups, group_size, groups)
 
     # 1. Find every BatchNorm-like layer with every name it has (a shared layer has several).

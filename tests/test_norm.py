@@ -201,6 +201,11 @@ def test_bad_arguments_raise(kwargs, match):
         convert_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), **kwargs)
 
 
+def test_module_must_be_a_module():
+    with pytest.raises(TypeError, match=r"convert_batchnorm expects a torch.nn.Module, got dict"):
+        convert_batchnorm({"bn": nn.BatchNorm2d(4)})
+
+
 @pytest.mark.parametrize("example_input", [None, torch.zeros(2, 5)], ids=["unprobed", "probed"])
 def test_group_size_must_divide_every_layer_even_one_that_gets_one_group(example_input):
     """A BatchNorm1d on (N, C) gets 1 group; a group_size that does not divide its C is still an error

@@ -211,7 +211,7 @@ class MemoryMonitor(Callback):
             rank_zero_warn(
                 "MemoryMonitor: the Trainer has no logger, so the memory/* keys are not logged; the history"
                 " and the report are still recorded. Pass a logger (e.g. Trainer(logger=CSVLogger('logs')))"
-                " to log them."
+                " to log them, or MemoryMonitor(log=False) to measure without logging."
             )
 
     @override
