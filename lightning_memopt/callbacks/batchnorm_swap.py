@@ -124,7 +124,7 @@ class BatchNormToGroupNorm(Callback):
         # 2. activation checkpointing, 3. precision conversion / DDP-FSDP wrapping / optimizers, 4. the
         # micro-batching engine. A callback's setup runs before the module's configure_model, so layers built
         # there do not exist yet: for such modules the swap runs right after configure_model instead, through
-        # a wrapper on the instance's public hook (removed in teardown).
+        # a wrapper on the instance's public hook (removed in teardown, or on_exception when fit raises).
         self._attached.wrap(
             pl_module, "on_load_checkpoint", before=lambda ckpt: self._match_checkpoint(pl_module, ckpt)
         )
