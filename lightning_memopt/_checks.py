@@ -9,3 +9,13 @@ def check_positive_int(name: str, value: Any) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (bools are not ints here)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``value`` is ``True`` or ``False``.
+
+    A string such as ``'no'`` or ``'false'`` is truthy, so accepting any value would silently do the
+    opposite of what was written (a YAML config quoting the value, a typo).
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}; pass a bool, e.g. {name}=False")

@@ -12,13 +12,18 @@ training flag. :func:`revert_groupnorm` puts the original BatchNorm layers back,
 Parameters. Choices made for the user, each reported in the returned :class:`ConversionReport`:
 
 - Groups: the largest divisor of the channel count ``C`` not above ``num_groups`` (default 32), or
-  ``C // group_size`` for an explicit ``group_size``; an explicit per-layer plan (``groups=``) is used
-  as given and must divide ``C``.
+  ``C // group_size`` for an explicit ``group_size`` (which must divide every layer's ``C``); an explicit
+  per-layer plan (``groups=``) is used as given and must divide ``C``. So a count that 32 does not divide
+  still converts, to the largest count not above 32 that divides it: 48 → 24 groups of 2 channels,
+  56 → 28 of 2, 144 → 24 of 6, 336 → 28 of 12; ``C`` up to 32 → one group per channel (InstanceNorm with
+  the per-channel affine); a prime ``C`` above 32 → 1 group (LayerNorm over the channels and positions).
 - A group never holds a single value per sample (its output would be 0, erasing the data): a layer
   whose input has no spatial extent, like ``BatchNorm1d`` on ``(N, C)``, becomes ``GroupNorm(1, C)``,
   which normalizes over the features and keeps the per-channel affine. Input shapes are learned by one
   no-grad forward of ``example_input``; without it every ``BatchNorm1d`` is assumed to see ``(N, C)``
-  and a warning names them.
+  and a warning names them; a ``BatchNorm2d``/``3d`` is assumed to see spatial extent, and a layer that
+  then gets a single value per group (1x1 maps at the end of a CNN on small images) raises a clear
+  error at its first forward instead of silently outputting a constant.
 - Frozen layers (``FrozenBatchNorm2d`` of torchvision/timm, or a BatchNorm whose parameters all have
   ``requires_grad=False``) use fixed statistics in practice and are left alone, reported as skipped.
 - A BatchNorm subclass that overrides ``forward`` is refused (converting it would drop its behaviour)
@@ -27,6 +32,7 @@ Parameters. Choices made for the user, each reported in the returned :class:`Con
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +61,7 @@ _BATCHNORMS = (_BatchNorm,)
 # forwards that implement plain BatchNorm; a subclass with any other forward does something extra.
 _PLAIN_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+_DEFAULT_GROUPS = 32  # the GroupNorm paper's choice (Wu & He, 2018)
 
 Converter = Callable[[nn.Module, int], nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
@@ -113,6 +120,23 @@ class SwappedGroupNorm(nn.GroupNorm):
             self.weight = nn.Parameter(torch.ones(num_channels))
             self.bias = nn.Parameter(torch.zeros(num_channels))
         self.__dict__["_batchnorm"] = None
+        self.layer_name = ""
+        """The layer's name in the converted model, for error messages (set by :func:`convert_batchnorm`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # A group holding one value per sample normalizes it to 0: the layer outputs its bias whatever the
+        # input. This happens when the swap could not see the input shape (no example input) and the
+        # layer sees no spatial extent, e.g. BatchNorm2d on the 1x1 maps at the end of a CNN on small
+        # images. Refuse loudly instead of training a layer that erased its input.
+        if input.dim() >= 2 and input.shape[0] > 0 and math.prod(input.shape[1:]) == self.num_groups:
+            where = f"{self.layer_name}: " if self.layer_name else ""
+            raise ValueError(
+                f"{where}GroupNorm({self.num_groups}, {self.num_channels}) swapped for a BatchNorm got input of "
+                f"shape {tuple(input.shape)}: each group holds a single value per sample, so the layer would "
+                "output a constant. Let the swap see the input shape (set example_input_array on the "
+                "LightningModule, or pass example_input= to convert_batchnorm): the layer then gets 1 group"
+            )
+        return super().forward(input)
 
     @classmethod
     def from_batchnorm(cls, bn: nn.Module, num_groups: int) -> SwappedGroupNorm:
@@ -196,8 +220,9 @@ class SkippedLayer:
 class ConversionReport:
     """What :func:`convert_batchnorm` did."""
 
-    module: nn.Module
-    """The converted model: the module passed in, or its replacement when the root was a BatchNorm."""
+    module: nn.Module | None
+    """The converted model: the module passed in, or its replacement when the root was a BatchNorm
+    (``None`` in the report :class:`~lightning_memopt.BatchNormToGroupNorm` keeps after fit)."""
     converted: list[ConvertedLayer] = field(default_factory=list)
     skipped: list[SkippedLayer] = field(default_factory=list)
     unprobed: list[str] = field(default_factory=list)
@@ -226,7 +251,7 @@ class ConversionReport:
 def convert_batchnorm(
     module: nn.Module,
     *,
-    num_groups: int = 32,
+    num_groups: int | None = None,
     group_size: int | None = None,
     groups: Mapping[str, int] | None = None,
     example_input: Any = None,
@@ -244,8 +269,10 @@ def convert_batchnorm(
         module: the model; converted in place. When it is itself a BatchNorm, the replacement is returned
             as ``report.module``.
         num_groups: upper bound on the group count: a layer with ``C`` channels gets the largest divisor
-            of ``C`` not above it (default 32, the GroupNorm paper's choice).
-        group_size: channels per group instead (must divide every converted layer's ``C``).
+            of ``C`` not above it. Default ``None``: 32 (the GroupNorm paper's choice) unless ``group_size``
+            or ``groups`` is given; pass at most one of the three.
+        group_size: channels per group instead: every converted layer gets ``C // group_size`` groups, and
+            it must divide every converted layer's ``C`` (checked for all of them, probed or not).
         groups: an explicit plan, layer name → group count (as in ``report.groups``). Only the named
             layers are converted; each count must divide the layer's ``C``.
         example_input: an input for one no-grad, eval-mode forward that records each BatchNorm's input
@@ -259,10 +286,12 @@ def convert_batchnorm(
         probed input shape), the skipped ones and why.
 
     Raises:
-        ValueError: a bad argument, a name in ``groups`` that is not a BatchNorm, a count or size that does
-            not divide ``C`` (the message lists the valid ones), an uninitialized lazy BatchNorm, or a
-            layer that sees a single value per sample.
-        TypeError: a BatchNorm subclass overrides ``forward`` and no converter is registered for it.
+        ValueError: a bad argument, more than one of ``num_groups``/``group_size``/``groups``, a name in
+            ``groups`` that is not a BatchNorm, a count or size that does not divide ``C`` (the message
+            names the layer and lists the valid ones), an uninitialized lazy BatchNorm, or a layer that
+            sees a single value per sample.
+        TypeError: ``module`` is not a module, or a BatchNorm subclass overrides ``forward`` and no converter
+            is registered for it.
         RuntimeError: the probe forward with ``example_input`` failed.
 
     Example::
@@ -271,14 +300,9 @@ def convert_batchnorm(
         report = convert_batchnorm(model, example_input=torch.randn(2, 3, 8, 8))
         print(report)  # '1': BatchNorm2d(48) -> GroupNorm(24, 48), input (2, 48, 6, 6)
     """
-    check_positive_int("num_groups", num_groups)
-    if group_size is not None:
-        check_positive_int("group_size", group_size)
-    if groups is not None:
-        if group_size is not None:
-            raise ValueError("pass either groups= (an explicit plan) or group_size=, not both")
-        for name, count in groups.items():
-            check_positive_int(f"groups[{name!r}]", count)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_batchnorm expects a torch.nn.Module, got {type(module).__name__}")
+    num_groups = _check_group_options(num_groups, group_size, groups)
 
     # 1. Find every BatchNorm-like layer with every name it has (a shared layer has several).
     names: dict[int, list[str]] = {}
@@ -358,12 +382,15 @@ def convert_batchnorm(
             (explicit,) = counts
         if spatial is None and isinstance(sub, nn.BatchNorm1d) and explicit is None:
             # BatchNorm1d sees (N, C) or (N, C, L); for (N, C) only one group avoids erasing the data.
+            _check_group_size(_display(layer_names), channels, group_size)
             report.unprobed.append(_display(layer_names))
             count = 1
         else:
             count = _choose_groups(_display(layer_names), channels, spatial, num_groups, group_size, explicit)
         converter = _converter_for(type(sub))
         new = SwappedGroupNorm.from_batchnorm(sub, count) if converter is None else converter(sub, count)
+        if isinstance(new, SwappedGroupNorm):
+            new.layer_name = _display(layer_names)
         replacements[id(sub)] = new
         report.converted.append(ConvertedLayer(layer_names, _qualname(type(sub)), channels, count, shape))
     if report.unprobed:
@@ -470,16 +497,22 @@ def _choose_groups(
                 f"its input without spatial extent; use 1 group or any of {_divisors(channels)[:-1]}"
             )
         return explicit
+    _check_group_size(name, channels, group_size)
     if spatial == 1:
         return 1  # no spatial extent: normalize over all the features, like LayerNorm
     if group_size is not None:
-        if channels % group_size:
-            raise ValueError(
-                f"group_size={group_size} does not divide the {channels} channels of {name}; "
-                f"valid group sizes: {_divisors(channels)}"
-            )
         return channels // group_size
     return max(d for d in _divisors(channels) if d <= num_groups)
+
+
+def _check_group_size(name: str, channels: int, group_size: int | None) -> None:
+    # Checked for every layer before any shape rule (a layer without spatial extent gets 1 group): an
+    # explicit group_size that does not fit a layer is a mistake to report, not to replace quietly.
+    if group_size is not None and channels % group_size:
+        raise ValueError(
+            f"group_size={group_size} does not divide the {channels} channels of {name}; "
+            f"valid group sizes: {_divisors(channels)}"
+        )
 
 
 def _probe_input_shapes(
@@ -544,6 +577,33 @@ def _is_frozen_batchnorm_class(module: nn.Module) -> bool:
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return any(cls.__name__ == "DTensor" for cls in type(t).__mro__)
+
+
+def _check_group_options(num_groups: Any, group_size: Any, groups: Any) -> int:
+    """Check the three ways of choosing groups (at most one may be given); return the num_groups to use."""
+    given = [
+        name
+        for name, value in (("num_groups", num_groups), ("group_size", group_size), ("groups", groups))
+        if value is not None
+    ]
+    if len(given) > 1:
+        # Otherwise one would silently win over the other(s).
+        raise ValueError(
+            f"pass one of num_groups=, group_size= or groups=, not {' and '.join(given)} "
+            f"(got num_groups={num_groups!r}, group_size={group_size!r}, groups={groups!r})"
+        )
+    if num_groups is not None:
+        check_positive_int("num_groups", num_groups)
+    if group_size is not None:
+        check_positive_int("group_size", group_size)
+    if groups is not None:
+        if not isinstance(groups, Mapping):
+            raise ValueError(
+                f"groups must be a mapping of layer name to group count (like report.groups), got {groups!r}"
+            )
+        for name, count in groups.items():
+            check_positive_int(f"groups[{name!r}]", count)
+    return _DEFAULT_GROUPS if num_groups is None else num_groups
 
 
 def _divisors(n: int) -> list[int]:

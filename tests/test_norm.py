@@ -174,7 +174,21 @@ def test_explicit_plan_converts_only_the_named_layers():
         ({"groups": {"0": 0}}, r"groups\['0'\] must be a positive int, got 0"),
         (
             {"groups": {"0": 2}, "group_size": 2},
-            r"pass either groups= \(an explicit plan\) or group_size=, not both",
+            r"pass one of num_groups=, group_size= or groups=, not group_size and groups "
+            r"\(got num_groups=None, group_size=2, groups=\{'0': 2\}\)",
+        ),
+        (
+            {"num_groups": 4, "group_size": 2},
+            r"pass one of num_groups=, group_size= or groups=, not num_groups and group_size "
+            r"\(got num_groups=4, group_size=2, groups=None\)",
+        ),
+        (
+            {"num_groups": 4, "groups": {"0": 2}},
+            r"pass one of num_groups=, group_size= or groups=, not num_groups and groups",
+        ),
+        (
+            {"groups": [("0", 2)]},
+            r"groups must be a mapping of layer name to group count \(like report.groups\), got \[\('0', 2\)\]",
         ),
         (
             {"groups": {"fc": 2}},
@@ -185,6 +199,53 @@ def test_explicit_plan_converts_only_the_named_layers():
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         convert_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), **kwargs)
+
+
+def test_module_must_be_a_module():
+    with pytest.raises(TypeError, match=r"convert_batchnorm expects a torch.nn.Module, got dict"):
+        convert_batchnorm({"bn": nn.BatchNorm2d(4)})
+
+
+@pytest.mark.parametrize("example_input", [None, torch.zeros(2, 5)], ids=["unprobed", "probed"])
+def test_group_size_must_divide_every_layer_even_one_that_gets_one_group(example_input):
+    """A BatchNorm1d on (N, C) gets 1 group; a group_size that does not divide its C is still an error
+    (it used to become 1 group silently)."""
+    model = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16))
+    with pytest.raises(
+        ValueError,
+        match=r"group_size=3 does not divide the 16 channels of '1'; valid group sizes: \[1, 2, 4, 8, 16\]",
+    ):
+        convert_batchnorm(model, group_size=3, example_input=example_input)
+    assert type(model[1]) is nn.BatchNorm1d  # nothing was swapped
+
+
+def test_default_groups_for_counts_32_does_not_divide():
+    """The largest divisor of C not above 32, as the module docstring lists."""
+    counts = (8, 24, 48, 56, 64, 144, 336, 37)
+    model = nn.Sequential(*(nn.BatchNorm2d(c) for c in counts))
+    report = convert_batchnorm(model)
+    assert [layer.num_groups for layer in report.converted] == [8, 24, 24, 28, 32, 24, 28, 1]
+
+
+def test_unprobed_layer_with_one_value_per_group_refuses_to_run():
+    """BatchNorm2d(32) on 1x1 maps, swapped without the input shape: 32 groups of one value would output
+    the bias whatever the input; its first forward raises, naming the layer and the fix."""
+    model = nn.Sequential(nn.Conv2d(3, 32, 1), nn.BatchNorm2d(32))
+    convert_batchnorm(model)
+    assert model[1].num_groups == 32
+    assert model(torch.randn(2, 3, 2, 2)).shape == (2, 32, 2, 2)  # with spatial extent it runs
+    with pytest.raises(
+        ValueError,
+        match=r"'1': GroupNorm\(32, 32\) swapped for a BatchNorm got input of shape \(2, 32, 1, 1\): each group "
+        r"holds a single value per sample, so the layer would output a constant. Let the swap see the input "
+        r"shape \(set example_input_array on the LightningModule, or pass example_input= to convert_batchnorm\)",
+    ):
+        model(torch.randn(2, 3, 1, 1))
+    probed = nn.Sequential(nn.Conv2d(3, 32, 1), nn.BatchNorm2d(32))
+    convert_batchnorm(probed, example_input=torch.randn(2, 3, 1, 1))
+    assert probed[1].num_groups == 1
+    out = probed(torch.randn(4, 3, 1, 1))
+    assert out.std(dim=1).min() > 0.5  # normalized over the 32 channels, not erased
 
 
 # ------------------------------------------------------------------------ no group of a single value

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -13,8 +13,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_memopt._checks import check_positive_int
-from lightning_memopt.callbacks._hooks import wrap_instance_hook
+from lightning_memopt._checks import check_bool, check_positive_int
+from lightning_memopt.callbacks._hooks import Attachments
 from lightning_memopt.norm import ConversionReport, SwappedGroupNorm, convert_batchnorm, revert_groupnorm
 
 __all__ = ["BatchNormToGroupNorm"]
@@ -44,8 +44,10 @@ class BatchNormToGroupNorm(Callback):
 
     Args:
         num_groups: upper bound on groups per layer: a layer with ``C`` channels gets the largest divisor of
-            ``C`` not above it. Default 32.
-        group_size: channels per group instead of ``num_groups``; must divide every layer's channels.
+            ``C`` not above it (so 48 channels get 24 groups, 24 channels one group per channel, see
+            :mod:`lightning_memopt.norm`). Default ``None``: 32, unless ``group_size`` is given.
+        group_size: channels per group instead of ``num_groups`` (pass one of the two); it must divide every
+            converted layer's channels, which is checked in ``setup``.
         when: ``"always"`` (default) swaps in every run; ``"micro_batching"`` swaps only when a callback in
             ``trainer.callbacks`` splits batches (one whose class has a truthy ``splits_batches``, such as
             ``AutoAccumulation`` and ``OOMBackoff``).
@@ -54,10 +56,17 @@ class BatchNormToGroupNorm(Callback):
             backoff can shrink it to anything, and the decision must be made before the optimizers exist.
         probe: run the probe forward with ``example_input_array`` (when the module sets it). Default True.
 
+    After ``fit``, finished or failed, the swap stays (it is the model now) and nothing else of the
+    callback does: the hook wrappers come off in ``teardown`` or ``on_exception``, so ``torch.save(model)``
+    works and the callback holds no reference to the model or the Trainer (``report.module`` is ``None``).
+
     Raises:
-        ValueError: an argument out of range (message names it and the valid choices).
+        ValueError: an argument out of range, or both ``num_groups`` and ``group_size`` (the message names
+            the value and the valid choices).
+        TypeError: ``probe`` is not a bool.
         MisconfigurationException: in ``setup``, when the model has a layer that cannot be converted
-            faithfully (see :func:`~lightning_memopt.norm.convert_batchnorm`) or the probe forward fails.
+            faithfully, such as a ``group_size`` that does not divide a layer's channels (see
+            :func:`~lightning_memopt.norm.convert_batchnorm`), or the probe forward fails.
 
     Example::
 
@@ -73,7 +82,7 @@ class BatchNormToGroupNorm(Callback):
     def __init__(
         self,
         *,
-        num_groups: int = 32,
+        num_groups: int | None = None,
         group_size: int | None = None,
         when: Literal["always", "micro_batching"] = "always",
         micro_batch_size_below: int | None = None,
@@ -82,6 +91,12 @@ class BatchNormToGroupNorm(Callback):
         for name, value in (("num_groups", num_groups), ("group_size", group_size)):
             if value is not None:
                 check_positive_int(name, value)
+        if num_groups is not None and group_size is not None:
+            raise ValueError(
+                f"pass num_groups or group_size, not both (got num_groups={num_groups}, group_size={group_size}): "
+                "num_groups caps the groups per layer, group_size fixes the channels per group"
+            )
+        check_bool("probe", probe)
         if when not in _WHEN:
             raise ValueError(f"when must be one of {_WHEN}, got {when!r}")
         if micro_batch_size_below is not None:
@@ -96,10 +111,11 @@ class BatchNormToGroupNorm(Callback):
         self.when = when
         self.micro_batch_size_below = micro_batch_size_below
         self.probe = probe
-        self.report: ConversionReport | None = None  # what the last swap did
+        self.report: ConversionReport | None = None
+        """What the last swap did; its ``module`` is ``None`` once fit ends (the callback keeps no model)."""
         # layer name -> group count of what is swapped in this run; {} when deciding not to swap
         self._groups: dict[str, int] | None = None
-        self._unwrap: dict[str, Callable[[], None]] = {}  # hook name -> undoes our wrapper, at teardown
+        self._attached = Attachments()  # the hook wrappers on the module, taken off when fit ends
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -108,24 +124,32 @@ class BatchNormToGroupNorm(Callback):
         # 2. activation checkpointing, 3. precision conversion / DDP-FSDP wrapping / optimizers, 4. the
         # micro-batching engine. A callback's setup runs before the module's configure_model, so layers built
         # there do not exist yet: for such modules the swap runs right after configure_model instead, through
-        # a wrapper on the instance's public hook (removed in teardown).
-        self._wrap(
+        # a wrapper on the instance's public hook (removed in teardown, or on_exception when fit raises).
+        self._attached.wrap(
             pl_module, "on_load_checkpoint", before=lambda ckpt: self._match_checkpoint(pl_module, ckpt)
         )
         if is_overridden("configure_model", pl_module):
-            self._wrap(pl_module, "configure_model", after=lambda: self._swap(trainer, pl_module))
+            self._attached.wrap(pl_module, "configure_model", after=lambda: self._swap(trainer, pl_module))
         else:
             self._swap(trainer, pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for unwrap in self._unwrap.values():
-            unwrap()
-        self._unwrap.clear()
+        self._detach()
 
-    def _wrap(self, pl_module: pl.LightningModule, name: str, **around: Callable[..., None]) -> None:
-        if name not in self._unwrap:
-            self._unwrap[name] = wrap_instance_hook(pl_module, name, **around)
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # Lightning calls on_exception, not teardown, when fit raises: the wrappers must come off here too,
+        # or the model keeps local functions (torch.save(model) fails) that reference the Trainer.
+        self._detach()
+
+    def _detach(self) -> None:
+        # The swap itself stays (it is the model now); the wrappers and every reference to the model go.
+        self._attached.detach(self)
+        if self.report is not None:
+            self.report = dataclasses.replace(self.report, module=None)
 
     @override
     def state_dict(self) -> dict[str, Any]:

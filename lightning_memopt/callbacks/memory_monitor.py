@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memopt._checks import check_bool, check_positive_int
+from lightning_memopt.callbacks._hooks import forget_module
 from lightning_memopt.memory.device import DeviceMemory, TrackedMemory, device_memory
 from lightning_memopt.memory.report import (
     PHASES,
@@ -19,6 +23,7 @@ from lightning_memopt.memory.report import (
     fold_peak,
     merge_records,
     peak_phase,
+    report_dir_problem,
     summary,
     write_report,
 )
@@ -65,9 +70,11 @@ class MemoryMonitor(Callback):
     running the tracker as well (at the CPU cost above). It then sums to the tracker's peak, which can be
     below the allocator's by non-tensor allocations (cuBLAS workspaces, NCCL buffers).
 
-    **Logged keys** (through every logger of the Trainer, at ``step=trainer.global_step``; each value
-    is the largest of the logging window, i.e. of the steps since the last log, not of the run so far;
-    under a distributed strategy it is the largest over ranks, with one ``all_gather`` per log):
+    **Logged keys** (with ``log=True``, through every logger of the Trainer, at
+    ``step=trainer.global_step``; each value is the largest of the logging window, i.e. of the steps since
+    the last log, not of the run so far; under a distributed strategy it is the largest over ranks, with
+    one ``all_gather`` per log). They follow the package's ``<area>/<quantity>`` vocabulary, area
+    ``memory/``, unit in the name:
 
     ===================================  ===  =================================================================
     key                                  unit meaning
@@ -85,20 +92,29 @@ class MemoryMonitor(Callback):
     phase with the breakdown in MiB) and, when matplotlib is installed, ``memory_report.png`` (peak per
     step by phase; stacked breakdown at each phase's peak) into ``trainer.log_dir`` (or ``dirpath``),
     and prints a short summary. The numbers stay readable in :attr:`history` and :attr:`val_history`.
+    After ``fit``, finished or failed, the callback holds no reference to the model, its tensors or the
+    Trainer, and no tracker stays entered.
 
     Args:
+        log: Log the keys above (default True). False: nothing is logged (and no ``all_gather`` runs for
+            it); :attr:`history` and, with ``report=True``, the report are still written.
         log_every_n_steps: Log every this many training batches (the window the peaks cover). Default
-            None: the Trainer's ``log_every_n_steps``.
+            None: the Trainer's ``log_every_n_steps``. Only with ``log=True``.
         breakdown: ``"auto"`` (default): bytes by category wherever the tracker runs anyway (not on
             CUDA); ``"always"``: also on CUDA, by running the tracker there too; ``"never"``: only peaks.
         report: Write the report files and print the summary at the end of fit (default True).
-        dirpath: Directory for the report; default None: ``trainer.log_dir``.
+        dirpath: Directory for the report (created if missing; only with ``report=True``); default None:
+            ``trainer.log_dir``. Checked in ``setup``: a location where no file can be created fails the fit
+            before its first step, not after its last.
         max_history: How many per-step records to keep; past it neighbours are merged pairwise, each
             keeping the larger peak (default 2048: a few MiB at most).
 
     Raises:
-        ValueError: If ``log_every_n_steps`` or ``max_history`` is not a positive int, or ``breakdown``
-            is not one of ``"auto"``, ``"always"``, ``"never"``.
+        ValueError: If ``log_every_n_steps`` or ``max_history`` is not a positive int, ``breakdown``
+            is not one of ``"auto"``, ``"always"``, ``"never"``, or an option is given that the others
+            switch off (``log_every_n_steps`` with ``log=False``, ``dirpath`` with ``report=False``).
+        TypeError: If ``log`` or ``report`` is not a bool, or ``dirpath`` not a path.
+        MisconfigurationException: In ``setup``, if no file can be created in the report's directory.
 
     Example::
 
@@ -116,25 +132,42 @@ class MemoryMonitor(Callback):
     def __init__(
         self,
         *,
+        log: bool = True,
         log_every_n_steps: int | None = None,
         breakdown: Literal["auto", "always", "never"] = "auto",
         report: bool = True,
-        dirpath: str | Path | None = None,
+        dirpath: str | os.PathLike | None = None,
         max_history: int = 2048,
     ) -> None:
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool)
-            or not isinstance(log_every_n_steps, int)
-            or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"log_every_n_steps must be a positive int, got {log_every_n_steps!r}; "
-                "pass e.g. 1 to log every step, or None to follow the Trainer's log_every_n_steps"
-            )
+        check_bool("log", log)
+        check_bool("report", report)
+        if log_every_n_steps is not None:
+            try:
+                check_positive_int("log_every_n_steps", log_every_n_steps)
+            except ValueError as err:
+                raise ValueError(
+                    f"{err}; pass e.g. 1 to log every step, or None to follow the Trainer's log_every_n_steps"
+                ) from None
+            if not log:
+                raise ValueError(
+                    f"log_every_n_steps={log_every_n_steps} only applies with log=True; drop it or pass log=True"
+                )
         if breakdown not in _BREAKDOWN_MODES:
             raise ValueError(f"breakdown must be one of {_BREAKDOWN_MODES}, got {breakdown!r}")
         if isinstance(max_history, bool) or not isinstance(max_history, int) or max_history < 2:
             raise ValueError(f"max_history must be an int >= 2, got {max_history!r}")
+        if dirpath is not None:
+            if not isinstance(dirpath, (str, os.PathLike)):
+                raise TypeError(
+                    f"dirpath must be a directory path (str or os.PathLike) or None, got {dirpath!r} "
+                    f"({type(dirpath).__name__}); pass e.g. dirpath='logs/memory'"
+                )
+            if not report:
+                raise ValueError(
+                    f"dirpath={str(dirpath)!r} only applies with report=True; drop it or pass report=True"
+                )
+        # Not `self.log`: Lightning binds the module's `log` method onto every callback under that name.
+        self.log_enabled = log
         self.log_every_n_steps = log_every_n_steps
         self.breakdown = breakdown
         self.report = report
@@ -161,11 +194,24 @@ class MemoryMonitor(Callback):
     # ------------------------------------------------------------------ set-up and tear-down
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not trainer.loggers:
+        if stage != "fit":
+            return
+        if self.report:
+            # Rank zero writes the report: it checks, and every rank raises together (no rank left waiting).
+            # trainer.log_dir is itself a collective: every rank asks for it.
+            directory = self._report_dir(trainer)
+            problem = report_dir_problem(directory) if trainer.is_global_zero else None
+            problem = trainer.strategy.broadcast(problem, src=0)
+            if problem is not None:
+                raise MisconfigurationException(
+                    f"MemoryMonitor cannot write its report into {str(directory)!r}: {problem}. "
+                    "Pass dirpath= a writable directory, or report=False"
+                )
+        if self.log_enabled and not trainer.loggers:
             rank_zero_warn(
                 "MemoryMonitor: the Trainer has no logger, so the memory/* keys are not logged; the history"
                 " and the report are still recorded. Pass a logger (e.g. Trainer(logger=CSVLogger('logs')))"
-                " to log them."
+                " to log them, or MemoryMonitor(log=False) to measure without logging."
             )
 
     @override
@@ -196,6 +242,7 @@ class MemoryMonitor(Callback):
         self._tracker = self._memory = None
         self._record = self._val_record = self._window = None
         self._phase = None
+        forget_module(self)
 
     # ------------------------------------------------------------------ training phases
     @override
@@ -237,7 +284,7 @@ class MemoryMonitor(Callback):
         self._window = record if self._window is None else merge_records([self._window, record])
         self._batches += 1
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if self._batches % every == 0:
+        if self.log_enabled and self._batches % every == 0:
             window = self._over_ranks(trainer, pl_module, [self._window])[0]
             self._window = None
             self._log(trainer, _train_metrics(window))
@@ -287,8 +334,9 @@ class MemoryMonitor(Callback):
         self._exit()
         record, self._val_record = self._val_record, None
         self.val_history.append(record)
-        record = self._over_ranks(trainer, pl_module, [record])[0]
-        self._log(trainer, {"memory/val_peak_gib": record["validation"] / _GIB})
+        if self.log_enabled:
+            record = self._over_ranks(trainer, pl_module, [record])[0]
+            self._log(trainer, {"memory/val_peak_gib": record["validation"] / _GIB})
 
     # ------------------------------------------------------------------ report
     @override
@@ -299,7 +347,7 @@ class MemoryMonitor(Callback):
         val_history = (
             self._over_ranks(trainer, pl_module, list(self.val_history)) if len(self.val_history) else []
         )
-        directory = Path(self.dirpath) if self.dirpath is not None else Path(trainer.log_dir or ".")
+        directory = self._report_dir(trainer)
         if not trainer.is_global_zero:
             return
         device = "CUDA allocator" if not isinstance(self._memory, TrackedMemory) else "live tensor bytes"
@@ -309,6 +357,9 @@ class MemoryMonitor(Callback):
         rank_zero_info(
             summary(history, val_history) + f"\n  report: {', '.join(map(str, self.report_paths))}"
         )
+
+    def _report_dir(self, trainer: pl.Trainer) -> Path:
+        return Path(self.dirpath) if self.dirpath is not None else Path(trainer.log_dir or ".")
 
     # ------------------------------------------------------------------ resuming
     @override

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from lightning_memopt.memory.tracker import MemoryTracker
+from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["DeviceMemory", "CudaMemory", "TrackedMemory", "device_memory"]
 
@@ -98,13 +99,20 @@ class TrackedMemory:
 
 
 def device_memory(
-    device: torch.device | str, *, tracker: MemoryTracker | None = None, capacity: int | None = None
+    device: torch.device | str, *, tracker: MemoryTracker | None = None, capacity: int | str | None = None
 ) -> DeviceMemory:
     """The :class:`DeviceMemory` for ``device``.
 
     CUDA devices read the allocator (``capacity`` overrides what the device reports, e.g. to leave room
     for another process); other devices need a ``tracker`` and know only the capacity they are given.
+    ``capacity`` is bytes (an int, or a string such as ``"6GiB"``, read by
+    :func:`~lightning_memopt.memory.units.parse_bytes`).
+
+    Raises:
+        ValueError: a ``capacity`` that is not a positive byte size, or no ``tracker`` off CUDA.
     """
+    if capacity is not None:
+        capacity = parse_bytes(capacity, name="capacity")
     device = torch.device(device)
     if device.type == "cuda":
         return CudaMemory(device, capacity)

@@ -20,7 +20,9 @@ turn them into text, ``memory_report.md`` and, when matplotlib is installed, ``m
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -32,6 +34,7 @@ __all__ = [
     "empty_record",
     "merge_records",
     "peak_phase",
+    "report_dir_problem",
     "summary",
     "write_report",
 ]
@@ -277,6 +280,31 @@ def _plot(history: Sequence[dict[str, int]], val_history: Sequence[dict[str, int
     fig.savefig(path, dpi=110)
 
 
+def report_dir_problem(directory: str | os.PathLike) -> str | None:
+    """Why :func:`write_report` could not write into ``directory``, or ``None`` if it can.
+
+    Checked without creating anything: the nearest existing ancestor must be a directory in which a file
+    can be created (a probe file is created and deleted there), so an unwritable location is found
+    before a run rather than after its last step.
+
+    Example::
+
+        >>> with tempfile.NamedTemporaryFile() as file:  # a file where a directory should be
+        ...     report_dir_problem(f"{file.name}/reports").endswith("is not a directory")
+        True
+    """
+    path = Path(directory).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{str(existing)!r} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"cannot create files in {str(existing)!r} ({type(err).__name__}: {err.strerror or err})"
+    return None
+
+
 def write_report(
     history: Sequence[dict[str, int]],
     directory: str | Path,
@@ -305,6 +333,7 @@ def write_report(
 
     Raises:
         ValueError: If ``history`` is empty.
+        TypeError: If ``directory`` is not a path.
 
     Example::
 
@@ -315,6 +344,10 @@ def write_report(
     """
     if not history:
         raise ValueError("write_report needs at least one training record, got none; was any step run?")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            f"directory must be a str or os.PathLike, got {directory!r} ({type(directory).__name__})"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     md = directory / f"{filename}.md"

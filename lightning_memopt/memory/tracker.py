@@ -163,16 +163,8 @@ class MemoryTracker:
         modules: torch.nn.Module | Iterable[torch.nn.Module] | None = None,
         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
     ) -> None:
-        self._modules = _as_list(modules, torch.nn.Module, "modules")
-        self._optimizers = [
-            getattr(o, "_optimizer", o)
-            for o in _as_list(optimizers, (torch.optim.Optimizer, object), "optimizers")
-        ]
-        for opt in self._optimizers:
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(
-                    f"optimizers must be torch.optim.Optimizer instances, got {type(opt).__name__}"
-                )
+        self._modules = _modules(modules)
+        self._optimizers = _optimizers(optimizers)
         self._entries: dict[int, _Entry] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._current = dict.fromkeys(CATEGORIES, 0)
@@ -219,13 +211,14 @@ class MemoryTracker:
     # ------------------------------------------------------------------ marking
     def track_modules(self, *modules: torch.nn.Module) -> None:
         """Add modules after construction (e.g. layers created in ``configure_model``)."""
+        modules = tuple(_modules(modules))
         self._modules.extend(modules)
         if self._stack:
             self._mark_modules(modules)
 
     def track_optimizers(self, *optimizers: torch.optim.Optimizer) -> None:
         """Add optimizers after construction (Lightning creates them after the model)."""
-        opts = [getattr(o, "_optimizer", o) for o in optimizers]
+        opts = _optimizers(optimizers)
         self._optimizers.extend(opts)
         if self._stack:
             self._mark_optimizers(opts)
@@ -376,6 +369,28 @@ class MemoryTracker:
             self._peak = self._total
             self._peak_breakdown = dict(self._current)
             self._peak_clock = self._clock
+
+
+def _modules(value) -> list[torch.nn.Module]:
+    modules = _as_list(value, torch.nn.Module, "modules")
+    for module in modules:
+        # A string is iterable too: without this check MemoryTracker("model") fails only at entry.
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"modules must be torch.nn.Module instances, got {module!r} ({type(module).__name__})"
+            )
+    return modules
+
+
+def _optimizers(value) -> list[torch.optim.Optimizer]:
+    # Lightning's LightningOptimizer wraps the torch optimizer as `_optimizer`.
+    opts = [
+        getattr(o, "_optimizer", o) for o in _as_list(value, (torch.optim.Optimizer, object), "optimizers")
+    ]
+    for opt in opts:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {type(opt).__name__}")
+    return opts
 
 
 def _as_list(value, kind, name: str) -> list:

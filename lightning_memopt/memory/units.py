@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 __all__ = ["parse_bytes", "format_bytes"]
@@ -63,7 +64,13 @@ def parse_bytes(value: int | str, *, name: str = "size") -> int:
 
 
 def format_bytes(n: int | float) -> str:
-    """Format a byte count for people: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+    """Format a byte count for people: ``format_bytes(3 * 2**20) == '3.00 MiB'``.
+
+    Raises:
+        TypeError: ``n`` is not a real number (a bool or a string such as ``"5"`` included).
+    """
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise TypeError(f"format_bytes expects a number of bytes (int or float), got {n!r}")
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -1,6 +1,9 @@
+import gc
+import io
 import logging
 import os
 import warnings
+import weakref
 
 import lightning as L
 import pytest
@@ -223,6 +226,47 @@ def test_layers_built_in_configure_model_are_swapped(tmp_path):
     assert "configure_model" not in model.__dict__ and "on_load_checkpoint" not in model.__dict__
 
 
+class FailingBNNet(BNNet):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("injected failure")
+        return super().training_step(batch, batch_idx)
+
+
+class FailingLateNet(LateNet):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("injected failure")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "raised"])
+@pytest.mark.parametrize("late", [False, True], ids=["swap_in_setup", "swap_after_configure_model"])
+def test_after_fit_nothing_stays_attached_or_holds_the_model(tmp_path, fail, late):
+    """A fit that raised inside training_step used to leave an on_load_checkpoint wrapper on the model:
+    torch.save(model) failed with "Can't pickle local object 'wrap_instance_hook.<locals>.wrapper'"."""
+    model = (FailingLateNet if late else FailingBNNet)() if fail else (LateNet if late else BNNet)()
+    callback = BatchNormToGroupNorm()
+    trainer = _trainer(tmp_path, [callback], max_steps=3)
+    if fail:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            trainer.fit(model)
+    else:
+        trainer.fit(model)
+    assert _swapped(model) == {"net.1": 8, "net.5": 1}  # the swap stays: it is the model now
+    assert not {"configure_model", "on_load_checkpoint"} & set(vars(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert _swapped(torch.load(buffer, weights_only=False)) == {"net.1": 8, "net.5": 1}
+    assert callback.report.module is None and len(callback.report.converted) == 2
+    model_ref, trainer_ref = weakref.ref(model), weakref.ref(trainer)
+    del model, trainer
+    gc.collect()
+    # The test still holds the callback: it keeps neither the model nor the Trainer alive.
+    assert model_ref() is None and trainer_ref() is None
+
+
 # ---------------------------------------------------------------------------------------- warnings
 
 
@@ -346,6 +390,38 @@ def test_splitting_is_detected_by_class_attribute_only(tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BatchNormToGroupNorm(**kwargs)
+
+
+def test_num_groups_and_group_size_together_raise():
+    """Both given used to let group_size win silently."""
+    with pytest.raises(
+        ValueError,
+        match=r"pass num_groups or group_size, not both \(got num_groups=4, group_size=2\): num_groups caps",
+    ):
+        BatchNormToGroupNorm(num_groups=4, group_size=2)
+
+
+@pytest.mark.parametrize("probe", ["no", 1, None])
+def test_probe_must_be_a_bool(probe):
+    """'no' is truthy: it used to probe silently."""
+    with pytest.raises(
+        TypeError, match=rf"probe must be True or False, got {probe!r}; pass a bool, e.g. probe=False"
+    ):
+        BatchNormToGroupNorm(probe=probe)
+
+
+def test_group_size_that_does_not_divide_an_unprobed_layer_raises_in_setup(tmp_path):
+    """group_size=3 on BatchNorm1d(16) without an example input used to become 1 group silently."""
+    model = BNNet(probe_shape=None)
+    model.net = nn.Sequential(nn.Flatten(), nn.Linear(108, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+    callback = BatchNormToGroupNorm(group_size=3)
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"cannot swap the BatchNorm layers of BNNet: group_size=3 does not divide the 16 channels of "
+        r"'net.2'; valid group sizes: \[1, 2, 4, 8, 16\]",
+    ):
+        callback.setup(_trainer(tmp_path, [callback]), model, "fit")
+    assert _swapped(model) == {}
 
 
 def test_group_size_is_passed_through(tmp_path):

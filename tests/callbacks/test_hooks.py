@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from lightning_memopt.callbacks._hooks import wrap_instance_hook
+from lightning_memopt.callbacks._hooks import Attachments, forget_module, wrap_instance_hook
 
 
 class Module:
@@ -42,3 +42,38 @@ def test_before_gets_the_arguments_and_an_existing_instance_attribute_comes_back
     assert seen == [((), {})]
     remove()
     assert module.configure_model is own
+
+
+def test_attachments_detach_everything_once_and_the_model_methods_lightning_bound():
+    module, other = Module(), Module()
+    attached = Attachments()
+    attached.wrap(module, "configure_model", after=lambda: calls.append("after"))
+    attached.wrap(module, "configure_model", after=lambda: calls.append("twice"))  # same hook: ignored
+    attached.wrap(other, "configure_model", before=lambda: calls.append("before"))
+    calls.clear()
+    module.configure_model()
+    other.configure_model()
+    assert calls == ["original", "after", "before", "original"]
+
+    class Callback:
+        pass
+
+    callback = Callback()
+    callback.log, callback.log_dict = (
+        Module().configure_model,
+        Module().configure_model,
+    )  # bound, as Lightning does
+    attached.detach(callback)
+    attached.detach(callback)  # a second call (teardown after on_exception) does nothing
+    assert "configure_model" not in vars(module) and "configure_model" not in vars(other)
+    assert "log" not in vars(callback) and "log_dict" not in vars(callback)
+
+
+def test_forget_module_keeps_values_that_are_not_bound_methods():
+    class Callback:
+        pass
+
+    callback = Callback()
+    callback.log = True  # a user's own option under that name
+    forget_module(callback)
+    assert callback.log is True

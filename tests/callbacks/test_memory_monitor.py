@@ -1,9 +1,11 @@
 import csv
 import gc
+import io
 import json
 import logging
 import os
 import types
+import warnings
 import weakref
 
 import lightning.pytorch as pl
@@ -12,13 +14,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import MemoryMonitor
 from lightning_memopt.memory import CATEGORIES, MemoryTracker
 from lightning_memopt.memory import device as device_module
-from lightning_memopt.memory.report import PHASES, merge_records
+from lightning_memopt.memory import report as report_module
+from lightning_memopt.memory.report import PHASES, merge_records, report_dir_problem
 from tests.distributed import run_ranks
 
 GIB = 2**30
@@ -117,11 +121,85 @@ class ReferenceTracker(Callback):
             r"breakdown must be one of \('auto', 'always', 'never'\), got 'sometimes'",
         ),
         ({"max_history": 1}, "max_history must be an int >= 2, got 1"),
+        (
+            {"log": False, "log_every_n_steps": 5},
+            r"log_every_n_steps=5 only applies with log=True; drop it or pass log=True",
+        ),
+        (
+            {"report": False, "dirpath": "out"},
+            r"dirpath='out' only applies with report=True; drop it or pass",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MemoryMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        # 'no' is truthy: it used to write the report silently.
+        ({"report": "no"}, r"report must be True or False, got 'no'; pass a bool, e.g. report=False"),
+        ({"report": 0}, r"report must be True or False, got 0"),
+        ({"log": "false"}, r"log must be True or False, got 'false'; pass a bool, e.g. log=False"),
+        ({"log": None}, r"log must be True or False, got None"),
+        # Used to fail in on_fit_end, after every step had run.
+        (
+            {"dirpath": 5},
+            r"dirpath must be a directory path \(str or os.PathLike\) or None, got 5 \(int\); pass e.g.",
+        ),
+    ],
+)
+def test_wrong_types(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        MemoryMonitor(**kwargs)
+
+
+def test_unwritable_report_dir_fails_in_setup_before_any_step(tmp_path):
+    """A location where no file can be created used to fail in on_fit_end: after every step had run."""
+    (tmp_path / "file").write_text("")
+    model = TinyModel()
+    steps = []
+    model.on_train_batch_start = lambda *args: steps.append(1)
+    monitor = MemoryMonitor(dirpath=tmp_path / "file" / "reports")
+    with pytest.raises(
+        MisconfigurationException,
+        match=rf"MemoryMonitor cannot write its report into '{tmp_path}/file/reports': '{tmp_path}/file' is "
+        r"not a directory. Pass dirpath= a writable directory, or report=False",
+    ):
+        _trainer(tmp_path, [monitor], logger=False).fit(model, _loader(8))
+    assert steps == []
+
+
+def test_report_dir_problem_names_what_cannot_be_written(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    assert (
+        report_dir_problem(tmp_path / "file" / "a" / "b") == f"{str(tmp_path / 'file')!r} is not a directory"
+    )
+    assert report_dir_problem(tmp_path / "new" / "dir") is None
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+
+    def refuse(*args, **kwargs):  # root may write anywhere: simulate a read-only location
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(report_module.tempfile, "TemporaryFile", refuse)
+    assert report_dir_problem(tmp_path / "new") == (
+        f"cannot create files in {str(tmp_path)!r} (PermissionError: Permission denied)"
+    )
+
+
+def test_log_false_logs_nothing_and_still_writes_the_report(tmp_path):
+    monitor = MemoryMonitor(log=False)
+    trainer = _trainer(tmp_path, [monitor], limit_val_batches=1, val_check_interval=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyModel(), _loader(8), _loader(8))
+    assert not [w for w in caught if "MemoryMonitor" in str(w.message)]  # no "no logger" warning either
+    assert not os.path.exists(os.path.join(trainer.logger.log_dir, "metrics.csv"))  # nothing logged
+    assert len(monitor.history) == 4 and len(monitor.val_history) == 2
+    assert [p.name for p in monitor.report_paths] == ["memory_report.md", "memory_report.png"]
+    assert monitor.report_paths[0].parent == tmp_path / "logs" / "version_0"
 
 
 def test_logs_documented_keys_every_step_with_tracker_values(tmp_path, caplog):
@@ -254,9 +332,30 @@ def test_tracker_exited_on_exception_and_keeps_nothing_alive(tmp_path):
     assert monitor.report_paths == []  # fit did not end
     ref = weakref.ref(model.net[0].weight)
     del model, trainer
-    del monitor.log, monitor.log_dict  # Lightning itself binds pl_module.log to every callback
     gc.collect()
     assert ref() is None  # the callback holds no reference to the model or its tensors
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "raised"])
+def test_after_fit_nothing_stays_attached_or_holds_the_model(tmp_path, fail):
+    monitor = MemoryMonitor(log_every_n_steps=1, report=False)
+    model = TinyModel(fail_at=2 if fail else None)
+    trainer = _trainer(tmp_path, [monitor], limit_val_batches=1, val_check_interval=2)
+    if fail:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            trainer.fit(model, _loader(8), _loader(8))
+    else:
+        trainer.fit(model, _loader(8), _loader(8))
+    assert len(monitor.history) == (2 if fail else 4)
+    assert _get_current_dispatch_mode_stack() == []
+    assert not [k for k, v in vars(model).items() if type(v).__module__.startswith("lightning_memopt")]
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # the tracker's grad hooks
+    torch.save(model, io.BytesIO())
+    model_ref, trainer_ref = weakref.ref(model), weakref.ref(trainer)
+    del model, trainer
+    gc.collect()
+    # The test still holds the callback: it keeps neither the model nor the Trainer alive.
+    assert model_ref() is None and trainer_ref() is None
 
 
 class FakeCuda(types.SimpleNamespace):

@@ -77,3 +77,14 @@ def test_cpu_branch_uses_tracker():
 def test_cpu_without_tracker_is_an_error():
     with pytest.raises(ValueError, match="'cpu' device needs a MemoryTracker"):
         device_memory("cpu")
+
+
+def test_capacity_is_a_byte_size():
+    tracker = MemoryTracker()
+    assert device_memory("cpu", tracker=tracker, capacity="1KiB").capacity() == 1024
+    with pytest.raises(ValueError, match=r"capacity must be positive, got 0; pass an int number of bytes"):
+        device_memory("cpu", tracker=tracker, capacity=0)
+    with pytest.raises(ValueError, match=r"capacity must be a byte size, got True"):
+        device_memory("cuda", capacity=True)
+    with pytest.raises(ValueError, match=r"capacity must be a byte size, got 1.5 \(float\)"):
+        device_memory("cpu", tracker=tracker, capacity=1.5)

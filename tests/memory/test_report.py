@@ -143,3 +143,9 @@ def test_write_report_without_breakdown_plots(tmp_path):
 def test_write_report_empty_history(tmp_path):
     with pytest.raises(ValueError, match="write_report needs at least one training record, got none"):
         write_report([], tmp_path)
+
+
+def test_write_report_needs_a_path():
+    rec = {"step": 0, "steps": 1, "forward": 1, "backward": 2, "optimizer": 1}
+    with pytest.raises(TypeError, match=r"directory must be a str or os.PathLike, got 5 \(int\)"):
+        write_report([rec], 5, plot=False)

@@ -219,3 +219,29 @@ def test_nested_trackers_both_see_saved_tensors_and_exit_in_any_order():
     inner.__exit__(None, None, None)
     assert torch.UntypedStorage.resize_ is tracker_module._ORIGINAL_RESIZE
     assert not tracker_module._ACTIVE
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        # A string is iterable: it used to fail only when the tracker was entered.
+        ({"modules": "model"}, r"modules must be torch.nn.Module instances, got 'm' \(str\)"),
+        (
+            {"modules": [torch.nn.Linear(2, 2), 3]},
+            r"modules must be torch.nn.Module instances, got 3 \(int\)",
+        ),
+        ({"optimizers": "sgd"}, r"optimizers must be torch.optim.Optimizer instances, got str"),
+    ],
+)
+def test_wrong_types_raise_at_construction(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        MemoryTracker(**kwargs)
+
+
+def test_track_modules_and_optimizers_check_types():
+    tracker = MemoryTracker()
+    with pytest.raises(TypeError, match=r"modules must be torch.nn.Module instances, got 'x' \(str\)"):
+        tracker.track_modules("x")
+    with pytest.raises(TypeError, match=r"optimizers must be torch.optim.Optimizer instances, got int"):
+        tracker.track_optimizers(1)
+    assert tracker._modules == [] and tracker._optimizers == []

@@ -51,3 +51,11 @@ def test_format_bytes():
 def test_parse_bytes_rejects_overflow():
     with pytest.raises(ValueError, match=r"budget must be a finite byte size, got '1e400GB'"):
         parse_bytes("1e400GB", name="budget")
+
+
+@pytest.mark.parametrize("value", ["5", True, None])
+def test_format_bytes_needs_a_number(value):
+    with pytest.raises(
+        TypeError, match=rf"format_bytes expects a number of bytes \(int or float\), got {value!r}"
+    ):
+        format_bytes(value)
