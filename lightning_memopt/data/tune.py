@@ -1,0 +1,199 @@
+"""Measure the training DataLoader alone at a few ``num_workers`` values and pick the fastest.
+
+Each candidate is a fresh DataLoader over the *same* dataset, sampler (or batch sampler) and collate
+function, iterated for the first ``batches`` batches. Iterating a shuffling sampler, and starting
+workers, draw from the global torch RNG; every RNG that can decide the order (torch's, the loader's and
+the sampler's generators, Python's ``random`` and NumPy's) is saved before the first candidate and
+restored after each, so every candidate, and the training that follows, sees the same samples in the
+same order as without tuning. An ``IterableDataset`` may be a one-shot stream, so it is not tuned.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_memopt._checks import check_positive_int
+from lightning_memopt.data.diagnosis import cores_per_rank
+
+__all__ = ["TuneRow", "TuneResult", "tune_num_workers", "worker_candidates"]
+
+_CLOSE = 0.05  # a candidate within 5% of the fastest counts as equally fast (fewer workers win)
+
+
+@dataclass(frozen=True)
+class TuneRow:
+    """Seconds one candidate took."""
+
+    num_workers: int
+    first_batch: float
+    """From ``iter()`` to the first batch (includes starting the workers)."""
+    total: float
+    """From ``iter()`` to the last timed batch."""
+    batches: int
+
+    @property
+    def per_batch(self) -> float:
+        """Mean seconds per batch after the first."""
+        return (self.total - self.first_batch) / max(self.batches - 1, 1)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The measured table and the pick."""
+
+    rows: tuple[TuneRow, ...]
+    best: int
+    """The fastest ``num_workers`` (the fewest among those within 5% of the fastest)."""
+
+    def table(self) -> str:
+        """The table as text, one row per candidate."""
+        lines = ["num_workers | first batch (s) | per batch (ms) | total (s)"]
+        for row in self.rows:
+            mark = "  <- fastest" if row.num_workers == self.best else ""
+            lines.append(
+                f"{row.num_workers:>11} | {row.first_batch:>15.3f} | {row.per_batch * 1e3:>14.1f} | "
+                f"{row.total:>9.3f}{mark}"
+            )
+        return "\n".join(lines)
+
+
+def worker_candidates(current: int, cores: int) -> list[int]:
+    """0, 1, 2, 4, ... up to ``cores``, and ``current``."""
+    values = {0, current, cores}
+    k = 1
+    while k < cores:
+        values.add(k)
+        k *= 2
+    return sorted(values)
+
+
+def tune_num_workers(
+    loader: DataLoader,
+    *,
+    candidates: Iterable[int] | None = None,
+    batches: int = 16,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TuneResult:
+    """Time the first ``batches`` batches of ``loader`` at each ``num_workers`` candidate.
+
+    Args:
+        loader: The DataLoader to measure; it is not changed (apply ``result.best`` yourself).
+        candidates: ``num_workers`` values to try; default :func:`worker_candidates` for this machine.
+        batches: Batches timed per candidate (fewer if the loader is shorter).
+        clock: Seconds source (a fake one in tests).
+
+    Returns:
+        The table and the fastest value.
+
+    Raises:
+        ValueError: If ``batches`` is not a positive int, a candidate is negative, or the dataset is an
+            ``IterableDataset`` (iterating it may consume the stream).
+
+    Example::
+
+        result = tune_num_workers(loader, batches=32)
+        print(result.table())
+        loader = DataLoader(dataset, batch_size=64, num_workers=result.best)
+    """
+    check_positive_int("batches", batches)
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            "tune_num_workers cannot tune a DataLoader over an IterableDataset: iterating it may consume "
+            "the stream; set num_workers by hand"
+        )
+    values = (
+        worker_candidates(loader.num_workers, cores_per_rank()) if candidates is None else list(candidates)
+    )
+    if not values or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in values):
+        raise ValueError(f"candidates must be non-negative ints, got {values!r}")
+    saved = _rng_states(loader)
+    rows = []
+    try:
+        for workers in values:
+            rows.append(_time_one(_with_workers(loader, workers), batches, clock))
+            _restore(loader, saved)
+    finally:
+        _restore(loader, saved)
+    fastest = min(row.total for row in rows)
+    best = min(row.num_workers for row in rows if row.total <= fastest * (1 + _CLOSE))
+    return TuneResult(tuple(rows), best)
+
+
+def _with_workers(loader: DataLoader, workers: int) -> DataLoader:
+    """A DataLoader like ``loader`` (same sampling objects) with ``workers`` workers, not persistent."""
+    sampling: dict[str, Any] = (
+        {"batch_sampler": loader.batch_sampler}
+        if loader.batch_sampler is not None
+        else {"sampler": loader.sampler, "batch_size": None}
+    )
+    return DataLoader(
+        loader.dataset,
+        **sampling,
+        num_workers=workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if workers > 0 else None,
+        generator=loader.generator,
+        prefetch_factor=(loader.prefetch_factor or 2) if workers > 0 else None,
+        persistent_workers=False,
+    )
+
+
+def _time_one(loader: DataLoader, batches: int, clock: Callable[[], float]) -> TuneRow:
+    start = clock()
+    first = None
+    seen = 0
+    iterator = iter(loader)
+    try:
+        for _ in range(batches):
+            next(iterator)
+            seen += 1
+            if first is None:
+                first = clock() - start
+    except StopIteration:
+        pass
+    finally:
+        del iterator  # shuts the workers down
+    total = clock() - start
+    return TuneRow(loader.num_workers, first if first is not None else total, total, seen)
+
+
+def _generators(loader: DataLoader) -> list[torch.Generator]:
+    found = [loader.generator, getattr(loader.sampler, "generator", None)]
+    found.append(getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None))
+    return [g for g in found if isinstance(g, torch.Generator)]
+
+
+def _rng_states(loader: DataLoader) -> dict[str, Any]:
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "generators": [(g, g.get_state()) for g in _generators(loader)],
+    }
+    try:
+        import numpy
+
+        states["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return states
+
+
+def _restore(loader: DataLoader, states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    for generator, state in states["generators"]:
+        generator.set_state(state)
+    if "numpy" in states:
+        import numpy
+
+        numpy.random.set_state(states["numpy"])

@@ -1,0 +1,105 @@
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_memopt.data import LoaderSettings, StepTime, StepTimes, cores_per_rank, diagnose
+from lightning_memopt.data import diagnosis as diagnosis_module
+from tests.data.helpers import CostlyItems
+
+
+def _times(wait, compute, transfer=0.0, steps=4, max_wait=None):
+    times = StepTimes()
+    times.add([StepTime(wait, transfer, compute)] * steps)
+    if max_wait is not None:
+        times.max_wait = max_wait
+    return times
+
+
+def _settings(**kwargs):
+    return {f.setting: (f.current, f.suggested) for f in kwargs.pop("diagnosis").fixes}
+
+
+def test_compute_bound_loop_is_not_data_bound_and_gets_no_fix():
+    result = diagnose(_times(0.0625, 1.0), LoaderSettings(), threshold=0.1, cores=2)
+    assert result.wait_fraction == 0.0625 / 1.0625
+    assert not result.data_bound and result.fixes == ()
+    assert result.summary_line() == "data: not data-bound, wait fraction 0.06 over 4 steps"
+
+
+def test_main_process_loading_asks_for_workers_up_to_the_cores():
+    result = diagnose(_times(0.375, 0.125), LoaderSettings(), threshold=0.1, cores=8)
+    # one batch costs 375 ms in one process, compute 125 ms: 3 workers keep up
+    assert _settings(diagnosis=result) == {"num_workers": (0, 3), "persistent_workers": (False, True)}
+    assert result.data_bound and result.wait_fraction == 0.75
+    message = result.message()
+    assert message.startswith("the training loop is data-bound: 75% of its time goes to feeding input")
+    assert "waiting for the next batch 375.0 ms" in message and "compute 125.0 ms" in message
+    assert "num_workers=0 -> 3 (one batch costs 375.0 ms to load in one process" in message
+    assert "3 workers on the 8 CPU cores of this rank bring the wait fraction to about 0.00" in message
+    assert result.summary_line() == (
+        "data: data-bound, wait fraction 0.75 over 4 steps; fix: num_workers=3, persistent_workers=True"
+    )
+
+
+def test_too_few_cores_caps_the_workers_and_says_what_remains():
+    result = diagnose(_times(0.5, 0.125), LoaderSettings(), threshold=0.1, cores=2)
+    assert _settings(diagnosis=result)["num_workers"] == (0, 2)
+    # 2 workers deliver a 500 ms batch every 250 ms against 125 ms of compute: half the time waits
+    assert "bring the wait fraction to about 0.50" in result.message()
+    assert "needs 4 workers but this rank has 2 CPU cores" in result.note
+
+
+def test_workers_that_cannot_keep_up_are_counted_from_the_loops_pace():
+    # 1 worker, step = 125 ms compute + 125 ms wait: the worker needs 250 ms per batch, so 2 keep up
+    result = diagnose(
+        _times(0.125, 0.125), LoaderSettings(num_workers=1, persistent_workers=True), threshold=0.1, cores=4
+    )
+    assert _settings(diagnosis=result) == {"num_workers": (1, 2)}
+
+
+def test_pin_memory_only_on_cuda_and_persistent_only_for_several_epochs():
+    settings = LoaderSettings(num_workers=2, persistent_workers=False, start_method="spawn")
+    cpu = diagnose(_times(0.25, 0.25), settings, threshold=0.1, cores=2, epochs=1)
+    assert "pin_memory" not in _settings(diagnosis=cpu) and "persistent_workers" not in _settings(
+        diagnosis=cpu
+    )
+    cuda = diagnose(
+        _times(0.25, 0.25, transfer=0.03125), settings, threshold=0.1, cores=2, device_type="cuda", epochs=3
+    )
+    assert _settings(diagnosis=cuda)["pin_memory"] == (False, True)
+    assert "the transfer took 31.2 ms per step" in cuda.message()
+    assert _settings(diagnosis=cuda)["persistent_workers"] == (False, True)
+    assert "importing everything anew under the 'spawn' start method" in cuda.message()
+
+
+def test_bursty_waits_with_enough_workers_ask_for_a_deeper_queue():
+    settings = LoaderSettings(num_workers=2, persistent_workers=True, prefetch_factor=2)
+    result = diagnose(_times(0.0625, 0.25, max_wait=0.25), settings, threshold=0.1, cores=2)
+    assert _settings(diagnosis=result) == {"prefetch_factor": (2, 4)}
+    steady = diagnose(_times(0.0625, 0.25, max_wait=0.125), settings, threshold=0.1, cores=2)
+    assert steady.fixes == ()
+
+
+def test_settings_are_read_from_a_dataloader():
+    loader = DataLoader(
+        CostlyItems(),
+        batch_size=4,
+        num_workers=2,
+        pin_memory=True,
+        persistent_workers=True,
+        prefetch_factor=5,
+        multiprocessing_context="spawn",
+    )
+    assert LoaderSettings.of(loader) == LoaderSettings(2, True, True, 5, "spawn")
+    plain = LoaderSettings.of(DataLoader(CostlyItems()))
+    assert (plain.num_workers, plain.pin_memory, plain.persistent_workers, plain.prefetch_factor) == (
+        0,
+        False,
+        False,
+        None,
+    )
+    assert LoaderSettings.of([torch.zeros(1)]).num_workers == 0  # any iterable: the defaults
+
+
+def test_cores_are_shared_by_the_ranks_of_a_node(monkeypatch):
+    monkeypatch.setattr(diagnosis_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    assert (cores_per_rank(), cores_per_rank(2), cores_per_rank(8)) == (5, 2, 1)
