@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memopt.callbacks.dataloader_monitor import DataLoaderMonitor
 from lightning_memopt.memory.device import DeviceMemory, TrackedMemory, device_memory
 from lightning_memopt.memory.report import (
     PHASES,
@@ -306,8 +307,11 @@ class MemoryMonitor(Callback):
         ranks = f", largest over {trainer.world_size} ranks" if trainer.world_size > 1 else ""
         note = f"Measured by MemoryMonitor on {pl_module.device} ({device}{ranks})."
         self.report_paths = write_report(history, directory, val_history=val_history, note=note)
+        data = "".join(
+            f"\n  {c.summary_line()}" for c in trainer.callbacks if isinstance(c, DataLoaderMonitor)
+        )
         rank_zero_info(
-            summary(history, val_history) + f"\n  report: {', '.join(map(str, self.report_paths))}"
+            summary(history, val_history) + f"\n  report: {', '.join(map(str, self.report_paths))}" + data
         )
 
     # ------------------------------------------------------------------ resuming
