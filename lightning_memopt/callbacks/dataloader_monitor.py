@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.callbacks._hooks import wrap_instance_hook
+from lightning_memopt.callbacks._train_loaders import (
+    dataloaders,
+    expected_epochs,
+    on_train_loaders,
+    set_workers,
+)
 from lightning_memopt.data import (
     Diagnosis,
     LoaderSettings,
@@ -61,7 +65,8 @@ class DataLoaderMonitor(Callback):
     gets one line: data-bound or not.
 
     **Logged keys** (through every logger of the Trainer, at ``step=trainer.global_step``; means per step
-    over the logging window, i.e. the timed steps since the last log; each rank logs its own):
+    over the logging window, i.e. the timed steps since the last log; measured on every rank, and
+    written by the loggers of rank zero):
 
     ========================  ====  ============================================================
     key                       unit  meaning
@@ -112,20 +117,13 @@ class DataLoaderMonitor(Callback):
                 f"threshold must be a fraction in (0, 1), got {threshold!r}; e.g. 0.1 flags a loop that spends "
                 "more than 10% of its time waiting for data"
             )
-        for name, value in (
-            ("window", window),
-            ("tune_batches", tune_batches),
-            ("log_every_n_steps", log_every_n_steps),
-        ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(
-                    f"{name} must be a positive int (a number of steps or batches), got {value!r}"
-                )
-        if window is None:
-            raise ValueError("window must be a positive int (a number of steps), got None")
+        check_positive_int("window", window)
+        check_positive_int("tune_batches", tune_batches)
+        if log_every_n_steps is not None:
+            check_positive_int("log_every_n_steps", log_every_n_steps)
         if not isinstance(tune, bool):
             raise ValueError(
-                f"tune must be True or False, got {tune!r}; for a custom tune call tune_num_workers"
+                f"tune must be True or False, got {tune!r}; to tune by hand call tune_num_workers"
             )
         self.threshold = float(threshold)
         self.window = window
@@ -142,9 +140,7 @@ class DataLoaderMonitor(Callback):
 
         self._meter: StallMeter | None = None
         self._settings = LoaderSettings()
-        self._cores = 1
-        self._device_type = "cpu"
-        self._epochs: int | None = None
+        self._machine: dict[str, Any] = {"cores": 1}  # diagnose()'s cores, device_type, epochs
         self._log_window = StepTimes()
         self._judge_window = StepTimes()
         self._batches = 0  # training batches seen in this fit
@@ -156,28 +152,20 @@ class DataLoaderMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        # Lightning iterates the training DataLoader (starting its workers) right after requesting it,
-        # with no hook in between: catch it where it comes from. `_data_source` is Lightning 2.x internal
-        # (checked in tests/callbacks/test_dataloader_monitor.py).
-        source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
-        if isinstance(source, (pl.LightningModule, pl.LightningDataModule)):
-            self._removers.append(_on_result(source, "train_dataloader", self._prepare))
-        elif source is not None:
-            self._prepare(source)
-        else:
-            rank_zero_warn(
-                "DataLoaderMonitor: cannot find the training DataLoader's source; no pickling check"
-            )
+        remove = on_train_loaders(trainer, self._prepare)
+        if remove is None:
+            rank_zero_warn("DataLoaderMonitor: no DataLoader source found; no pickling check or tune")
+        self._removers.append(remove or (lambda: None))
 
     def _prepare(self, loaders: Any) -> None:
         # Called again when Lightning reloads the DataLoaders: check again, tune only the first time.
         tuned = bool(self.tune_results)
-        for i, loader in enumerate(_dataloaders(loaders)):
+        for i, loader in enumerate(dataloaders(loaders)):
             check_picklable(loader)
             if self.tune and not tuned:
                 self._tune(loader)
             if i < len(self.tune_results):
-                _set_workers(loader, self.tune_results[i].best)
+                set_workers(loader, self.tune_results[i].best)
 
     def _tune(self, loader: DataLoader) -> None:
         try:
@@ -192,8 +180,8 @@ class DataLoaderMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         meter = self._meter = StallMeter(step_clock(pl_module.device))
-        self._device_type = pl_module.device.type
-        self._cores = cores_per_rank(trainer.num_devices if trainer.world_size > 1 else 1)
+        cores = cores_per_rank(trainer.num_devices if trainer.world_size > 1 else 1)
+        self._machine = {"cores": cores, "device_type": pl_module.device.type}
         self._batches = 0
         self._removers.append(
             wrap_instance_hook(
@@ -206,9 +194,9 @@ class DataLoaderMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loaders = _dataloaders(trainer.train_dataloader)
+        loaders = dataloaders(trainer.train_dataloader)
         self._settings = LoaderSettings.of(loaders[0]) if loaders else LoaderSettings()
-        self._epochs = _expected_epochs(trainer)
+        self._machine["epochs"] = expected_epochs(trainer)
 
     @override
     def on_exception(
@@ -251,13 +239,9 @@ class DataLoaderMonitor(Callback):
         if log_now or self._judge_window.steps + self._meter.pending >= self.window:
             self._read()
         if log_now and self._log_window.steps:
-            step = self._log_window.per_step()
-            metrics = {
-                "data/wait_ms": step.wait * 1e3,
-                "data/transfer_ms": step.transfer * 1e3,
-                "data/compute_ms": step.compute * 1e3,
-                "data/wait_fraction": self._log_window.wait_fraction,
-            }
+            # data/wait_ms, data/transfer_ms, data/compute_ms: the fields of StepTime, per step
+            metrics = {f"data/{k}_ms": v * 1e3 for k, v in asdict(self._log_window.per_step()).items()}
+            metrics["data/wait_fraction"] = self._log_window.wait_fraction
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
             self._log_window = StepTimes()
@@ -287,14 +271,7 @@ class DataLoaderMonitor(Callback):
             window.add(times)
 
     def _diagnose(self, times: StepTimes) -> Diagnosis:
-        return diagnose(
-            times,
-            self._settings,
-            threshold=self.threshold,
-            cores=self._cores,
-            device_type=self._device_type,
-            epochs=self._epochs,
-        )
+        return diagnose(times, self._settings, threshold=self.threshold, **self._machine)
 
     def _judge(self, times: StepTimes) -> None:
         self.diagnosis = self._diagnose(times)
@@ -317,55 +294,3 @@ class DataLoaderMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._warned = bool(state_dict["warned"])
         self.times = StepTimes(**state_dict["times"])
-
-
-def _dataloaders(loaders: Any) -> list[DataLoader]:
-    """The DataLoaders inside what a ``train_dataloader`` hook may return (a loader or a collection)."""
-    if isinstance(loaders, CombinedLoader):
-        loaders = loaders.flattened
-    if isinstance(loaders, DataLoader):
-        return [loaders]
-    if isinstance(loaders, dict):
-        loaders = list(loaders.values())
-    if isinstance(loaders, (list, tuple)):
-        return [found for item in loaders for found in _dataloaders(item)]
-    return []
-
-
-def _expected_epochs(trainer: pl.Trainer) -> int | None:
-    """Epochs the fit will run (None if unknown): workers restart per epoch only when there are several."""
-    epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
-    batches = trainer.num_training_batches
-    if trainer.max_steps > 0 and batches not in (0, float("inf")):
-        by_steps = math.ceil(trainer.max_steps * trainer.accumulate_grad_batches / batches)
-        epochs = by_steps if epochs is None else min(epochs, by_steps)
-    return epochs
-
-
-def _set_workers(loader: DataLoader, workers: int) -> None:
-    loader.num_workers = workers  # DataLoader allows this one to change before it is iterated
-    if workers > 0 and loader.prefetch_factor is None:
-        loader.prefetch_factor = 2  # what DataLoader(num_workers>0) would have set
-
-
-def _on_result(obj: Any, name: str, inspect: Callable[[Any], None]) -> Callable[[], None]:
-    """Make ``obj.name(...)`` pass its result to ``inspect`` before returning it; returns the undo."""
-    original = getattr(obj, name)
-    previous = obj.__dict__.get(name)
-
-    @functools.wraps(original)  # keeps __wrapped__: Lightning's is_overridden still sees the user's hook
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        inspect(result)
-        return result
-
-    obj.__dict__[name] = wrapper
-
-    def remove() -> None:
-        if obj.__dict__.get(name) is wrapper:
-            if previous is None:
-                del obj.__dict__[name]
-            else:
-                obj.__dict__[name] = previous
-
-    return remove

@@ -243,12 +243,12 @@ def test_state_dict_round_trip():
         ({"threshold": 1.0}, r"threshold must be a fraction in \(0, 1\), got 1.0"),
         ({"threshold": True}, r"threshold must be a fraction in \(0, 1\), got True"),
         ({"threshold": "0.1"}, r"threshold must be a fraction in \(0, 1\), got '0.1'"),
-        ({"window": 0}, "window must be a positive int .*, got 0"),
-        ({"window": 2.5}, "window must be a positive int .*, got 2.5"),
-        ({"window": None}, "window must be a positive int .*, got None"),
+        ({"window": 0}, "window must be a positive int, got 0"),
+        ({"window": 2.5}, "window must be a positive int, got 2.5"),
+        ({"window": None}, "window must be a positive int, got None"),
         ({"tune": "yes"}, "tune must be True or False, got 'yes'"),
-        ({"tune_batches": 0}, "tune_batches must be a positive int .*, got 0"),
-        ({"log_every_n_steps": -1}, "log_every_n_steps must be a positive int .*, got -1"),
+        ({"tune_batches": 0}, "tune_batches must be a positive int, got 0"),
+        ({"log_every_n_steps": -1}, "log_every_n_steps must be a positive int, got -1"),
     ],
 )
 def test_bad_arguments(kwargs, match):
