@@ -16,7 +16,8 @@ The rules, each computed from numbers the caller measured (see :class:`~lightnin
     (seconds under the ``spawn`` and ``forkserver`` start methods, which import everything anew).
 ``prefetch_factor``
     With workers whose waits come in bursts (the longest wait more than 3x the mean): a deeper queue
-    absorbs slow items; the advice doubles it.
+    absorbs slow items; the advice doubles it. Bursts say nothing about the workers' average pace, so
+    then ``num_workers`` is not estimated.
 """
 
 from __future__ import annotations
@@ -144,7 +145,13 @@ def diagnose(
         return Diagnosis(times, threshold, ())
     step = times.per_step()
     fixes: list[Fix] = []
-    workers, note = _workers_fix(step.wait, step.compute, settings.num_workers, cores)
+    # Workers' pace follows from the waits only when the waits are steady: bursts (an epoch's first
+    # batch, an occasional slow item) say nothing about how fast the workers produce on average.
+    bursty = step.wait > 0 and times.max_wait > _BURSTY * step.wait
+    if settings.num_workers > 0 and bursty:
+        workers, note = None, ""
+    else:
+        workers, note = _workers_fix(step.wait, step.compute, settings.num_workers, cores)
     if workers is not None:
         fixes.append(workers)
     if device_type == "cuda" and not settings.pin_memory:
@@ -172,12 +179,7 @@ def diagnose(
                 ),
             )
         )
-    if (
-        settings.num_workers > 0
-        and workers is None
-        and step.wait > 0
-        and times.max_wait > _BURSTY * step.wait
-    ):
+    if settings.num_workers > 0 and bursty:
         current = settings.prefetch_factor or 2
         fixes.append(
             Fix(

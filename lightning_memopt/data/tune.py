@@ -43,23 +43,31 @@ class TuneRow:
         """Mean seconds per batch after the first."""
         return (self.total - self.first_batch) / max(self.batches - 1, 1)
 
+    def epoch(self, batches: int) -> float:
+        """Estimated seconds for an epoch of ``batches`` batches: the start once, then the steady pace."""
+        return self.first_batch + self.per_batch * (batches - 1)
+
 
 @dataclass(frozen=True)
 class TuneResult:
     """The measured table and the pick."""
 
     rows: tuple[TuneRow, ...]
+    epoch_batches: int
+    """Batches in one epoch of the loader (the timed batches where it has no length)."""
     best: int
-    """The fastest ``num_workers`` (the fewest among those within 5% of the fastest)."""
+    """The ``num_workers`` with the shortest estimated epoch (the fewest among those within 5% of it)."""
 
     def table(self) -> str:
         """The table as text, one row per candidate."""
-        lines = ["num_workers | first batch (s) | per batch (ms) | total (s)"]
+        lines = [
+            f"num_workers | first batch (s) | per batch (ms) | epoch of {self.epoch_batches} batches (s, est.)"
+        ]
         for row in self.rows:
             mark = "  <- fastest" if row.num_workers == self.best else ""
             lines.append(
                 f"{row.num_workers:>11} | {row.first_batch:>15.3f} | {row.per_batch * 1e3:>14.1f} | "
-                f"{row.total:>9.3f}{mark}"
+                f"{row.epoch(self.epoch_batches):>9.3f}{mark}"
             )
         return "\n".join(lines)
 
@@ -90,7 +98,8 @@ def tune_num_workers(
         clock: Seconds source (a fake one in tests).
 
     Returns:
-        The table and the fastest value.
+        The table and the value with the shortest estimated epoch: the first batch (start-up) plus the
+        steady time per batch for every further batch of an epoch.
 
     Raises:
         ValueError: If ``batches`` is not a positive int, a candidate is negative, or the dataset is an
@@ -121,9 +130,12 @@ def tune_num_workers(
             _restore(loader, saved)
     finally:
         _restore(loader, saved)
-    fastest = min(row.total for row in rows)
-    best = min(row.num_workers for row in rows if row.total <= fastest * (1 + _CLOSE))
-    return TuneResult(tuple(rows), best)
+    # Start-up is paid once per epoch (or once, with persistent workers), the pace on every batch: judge
+    # the candidates on a whole epoch, not on the few timed batches where start-up dominates.
+    epoch = len(loader) if hasattr(loader.batch_sampler or loader.sampler, "__len__") else batches
+    fastest = min(row.epoch(epoch) for row in rows)
+    best = min(row.num_workers for row in rows if row.epoch(epoch) <= fastest * (1 + _CLOSE))
+    return TuneResult(tuple(rows), epoch, best)
 
 
 def _with_workers(loader: DataLoader, workers: int) -> DataLoader:

@@ -75,8 +75,10 @@ def test_bursty_waits_with_enough_workers_ask_for_a_deeper_queue():
     settings = LoaderSettings(num_workers=2, persistent_workers=True, prefetch_factor=2)
     result = diagnose(_times(0.0625, 0.25, max_wait=0.25), settings, threshold=0.1, cores=2)
     assert _settings(diagnosis=result) == {"prefetch_factor": (2, 4)}
+    assert result.note == ""  # bursts say nothing about the workers' pace
     steady = diagnose(_times(0.0625, 0.25, max_wait=0.125), settings, threshold=0.1, cores=2)
-    assert steady.fixes == ()
+    assert steady.fixes == ()  # 2 workers at 312.5 ms per batch: 3 would keep up, the rank has 2 cores
+    assert "needs 3 workers but this rank has 2 CPU cores" in steady.note
 
 
 def test_settings_are_read_from_a_dataloader():

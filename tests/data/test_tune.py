@@ -23,11 +23,12 @@ def test_times_each_candidate_and_picks_the_fewest_workers_among_the_fastest():
         (1, 0.5, 1.0, 3),
         (2, 0.25, pytest.approx(1.04, rel=1e-12), 3),
     ]
+    assert result.epoch_batches == 3
     assert result.best == 1  # 2 workers are within 5% of 1 worker: the fewer win
     assert loader.num_workers == 0  # the loader itself is not changed
     assert result.rows[0].per_batch == 1.0
     assert result.table().splitlines() == [
-        "num_workers | first batch (s) | per batch (ms) | total (s)",
+        "num_workers | first batch (s) | per batch (ms) | epoch of 3 batches (s, est.)",
         "          0 |           1.000 |         1000.0 |     3.000",
         "          1 |           0.500 |          250.0 |     1.000  <- fastest",
         "          2 |           0.250 |          395.0 |     1.040",
@@ -37,6 +38,16 @@ def test_times_each_candidate_and_picks_the_fewest_workers_among_the_fastest():
 def test_a_short_loader_times_the_batches_it_has():
     result = tune_num_workers(DataLoader(CostlyItems(n=8), batch_size=4), candidates=[0], batches=16)
     assert result.rows[0].batches == 2 and result.best == 0
+
+
+def test_slow_start_fast_pace_wins_over_a_long_epoch():
+    # 0 workers: 1 s per batch from the start; 2 workers: 3.5 s to start, then 0.25 s per batch.
+    loader = DataLoader(CostlyItems(n=4 * 20), batch_size=4)  # 20 batches per epoch
+    clock = _scripted_clock([0.0, 1.0, 4.0, 10.0, 13.5, 14.25])
+    result = tune_num_workers(loader, candidates=[0, 2], batches=4, clock=clock)
+    assert [row.total for row in result.rows] == [4.0, 4.25]  # over the 4 timed batches 0 workers lead
+    assert result.rows[0].epoch(20) == 20.0 and result.rows[1].epoch(20) == 3.5 + 19 * 0.25
+    assert result.best == 2  # over an epoch the pace decides
 
 
 def _indices(loader):
@@ -87,5 +98,5 @@ def test_candidates_are_powers_of_two_up_to_the_cores_and_the_current_value():
 
 
 def test_result_is_plain_data():
-    result = TuneResult((TuneRow(0, 1.0, 2.0, 3),), 0)
-    assert result.rows[0].per_batch == 0.5
+    result = TuneResult((TuneRow(0, 1.0, 2.0, 3),), 10, 0)
+    assert result.rows[0].per_batch == 0.5 and result.rows[0].epoch(10) == 5.5
