@@ -26,6 +26,7 @@ from lightning_memopt.data import (
     StallMeter,
     StepTimes,
     TuneResult,
+    batch_cost,
     check_picklable,
     cores_per_rank,
     diagnose,
@@ -50,23 +51,20 @@ class DataLoaderMonitor(Callback):
     - **compute**: ``on_train_batch_start`` → ``on_train_batch_end``.
 
     On CUDA the marks are CUDA events, read (one synchronization) only at logging points and window ends,
-    so the loop never waits for the monitor and the times are the device's own. Elsewhere they are host
-    times. Not counted: the first step of a fit (its batch comes with the workers' start-up, which no
-    setting removes) and the gap over validation. Hooks of callbacks listed after this one run inside the
-    wait (list it last for the cleanest numbers).
+    so the loop never waits for the monitor; elsewhere they are host times. Not counted: the first step
+    of a fit (its batch comes with the workers' start-up) and the gap over validation. Hooks of callbacks
+    listed after this one run inside the wait (list it last for the cleanest numbers).
 
-    When the wait fraction of a ``window`` of steps exceeds ``threshold``, rank zero warns once with how
-    data-bound the loop is and the changes computed from the DataLoader and the machine (``num_workers``
-    against the CPU cores per rank, ``pin_memory`` on CUDA, ``persistent_workers``, ``prefetch_factor``;
-    the rules are in :mod:`lightning_memopt.data.diagnosis`). Before any worker starts, a DataLoader
-    whose workers start by pickling (``spawn``/``forkserver``) is checked, and an object that will not
-    pickle is named by its path (``dataset.transform is a lambda ...``) in a ``pickle.PicklingError``
-    instead of a crash at the workers' start. With ``MemoryMonitor`` also used, its end-of-fit summary
-    gets one line: data-bound or not.
+    When the wait fraction of a ``window`` of steps exceeds ``threshold``, rank zero warns once: how
+    data-bound the loop is and the changes computed from the DataLoader and the machine
+    (:mod:`lightning_memopt.data.diagnosis`; for ``num_workers`` one batch is loaded once in the main
+    process to measure its cost). Before any worker starts, a DataLoader whose workers start by pickling
+    (``spawn``/``forkserver``) is checked; an object that will not pickle is named by its path
+    (``dataset.transform is a lambda ...``) in a ``pickle.PicklingError``. With ``MemoryMonitor``, its
+    end-of-fit summary gets one line: data-bound or not.
 
-    **Logged keys** (through every logger of the Trainer, at ``step=trainer.global_step``; means per step
-    over the logging window, i.e. the timed steps since the last log; measured on every rank, and
-    written by the loggers of rank zero):
+    **Logged keys** (through every logger, at ``step=trainer.global_step``; means per step over the timed
+    steps since the last log; measured on every rank, written by the loggers of rank zero):
 
     ========================  ====  ============================================================
     key                       unit  meaning
@@ -122,9 +120,7 @@ class DataLoaderMonitor(Callback):
         if log_every_n_steps is not None:
             check_positive_int("log_every_n_steps", log_every_n_steps)
         if not isinstance(tune, bool):
-            raise ValueError(
-                f"tune must be True or False, got {tune!r}; to tune by hand call tune_num_workers"
-            )
+            raise ValueError(f"tune must be True or False, got {tune!r} (or call tune_num_workers)")
         self.threshold = float(threshold)
         self.window = window
         self.tune = tune
@@ -139,13 +135,15 @@ class DataLoaderMonitor(Callback):
         """The tables measured with ``tune=True``, one per training DataLoader."""
 
         self._meter: StallMeter | None = None
+        self._loader: DataLoader | None = None  # the training DataLoader, during fit
+        self._batch_cost: float | None = None  # seconds to load one batch in one process, once measured
         self._settings = LoaderSettings()
         self._machine: dict[str, Any] = {"cores": 1}  # diagnose()'s cores, device_type, epochs
         self._log_window = StepTimes()
         self._judge_window = StepTimes()
         self._batches = 0  # training batches seen in this fit
         self._warned = False
-        self._removers: list[Callable[[], None]] = []
+        self._removers: list[Callable[[], None]] = []  # undo what was wrapped, at teardown
 
     # ------------------------------------------------------------------ before any worker starts
     @override
@@ -195,7 +193,8 @@ class DataLoaderMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = dataloaders(trainer.train_dataloader)
-        self._settings = LoaderSettings.of(loaders[0]) if loaders else LoaderSettings()
+        self._loader = loaders[0] if loaders else None
+        self._settings = LoaderSettings.of(self._loader)
         self._machine["epochs"] = expected_epochs(trainer)
 
     @override
@@ -211,14 +210,14 @@ class DataLoaderMonitor(Callback):
     def _stop(self) -> None:
         while self._removers:
             self._removers.pop()()
-        self._meter = None
+        self._meter = self._loader = None
 
     # ------------------------------------------------------------------ the marks
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # From the second epoch on, the wait includes the DataLoader's iter() (workers restarting).
         if self._meter is not None and self._batches > 0:
-            self._meter.wait_from_now()
+            self._meter.wait_from_now(epoch_start=True)
 
     @override
     def on_train_batch_start(
@@ -239,9 +238,7 @@ class DataLoaderMonitor(Callback):
         if log_now or self._judge_window.steps + self._meter.pending >= self.window:
             self._read()
         if log_now and self._log_window.steps:
-            # data/wait_ms, data/transfer_ms, data/compute_ms: the fields of StepTime, per step
-            metrics = {f"data/{k}_ms": v * 1e3 for k, v in asdict(self._log_window.per_step()).items()}
-            metrics["data/wait_fraction"] = self._log_window.wait_fraction
+            metrics = {f"data/{key}": value for key, value in self._log_window.as_metrics().items()}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
             self._log_window = StepTimes()
@@ -271,12 +268,19 @@ class DataLoaderMonitor(Callback):
             window.add(times)
 
     def _diagnose(self, times: StepTimes) -> Diagnosis:
-        return diagnose(times, self._settings, threshold=self.threshold, **self._machine)
+        return diagnose(
+            times, self._settings, threshold=self.threshold, batch_cost=self._batch_cost, **self._machine
+        )
 
     def _judge(self, times: StepTimes) -> None:
         self.diagnosis = self._diagnose(times)
         if self.diagnosis.data_bound and not self._warned:
             self._warned = True
+            if self._loader is not None and self._batch_cost is None:
+                # Once: one batch loaded here, as a worker would, so num_workers follows from its cost.
+                self._batch_cost = batch_cost(self._loader)
+                self._meter.wait_from_now()  # that loading is not the loop's wait
+                self.diagnosis = self._diagnose(times)
             rank_zero_warn(f"DataLoaderMonitor: {self.diagnosis.message()}")
 
     def summary_line(self) -> str:

@@ -3,11 +3,13 @@
 The rules, each computed from numbers the caller measured (see :class:`~lightning_memopt.data.stall.StepTimes`):
 
 ``num_workers``
-    A loop with ``w`` seconds of wait and ``c`` of compute per step needs its loader to deliver one batch
-    every ``c`` seconds. In the main process (``num_workers=0``) one batch costs ``b = w`` seconds; with
-    ``k`` workers that cannot keep up, the loop runs at their pace, one batch per ``c + w``, so one
-    worker's batch costs ``b = k (c + w)``. ``ceil(b / c)`` workers keep up; the advice is that many,
-    capped at the CPU cores available to this rank (workers beyond the cores compete for them).
+    A loop with ``c`` seconds of compute per step needs its loader to deliver one batch every ``c``
+    seconds. If one process needs ``b`` seconds to load a batch, ``ceil(b / c)`` workers keep up; the
+    advice is that many, capped at the CPU cores available to this rank (workers beyond the cores
+    compete for them). ``b`` is measured (:func:`batch_cost`: one batch through ``__getitem__`` and the
+    collate function in this process) where the caller can; otherwise it is inferred from the waits:
+    ``b = w`` in the main process (``num_workers=0``), and ``b = k (c + w)`` for ``k`` workers that do
+    not keep up (the loop then runs at their pace, one batch per ``c + w``).
 ``pin_memory``
     On CUDA only: page-locked host memory makes the host-to-device copy faster and lets it overlap
     compute.
@@ -15,24 +17,33 @@ The rules, each computed from numbers the caller measured (see :class:`~lightnin
     With workers and more than one epoch: without it the workers are started again at every epoch
     (seconds under the ``spawn`` and ``forkserver`` start methods, which import everything anew).
 ``prefetch_factor``
-    With workers whose waits come in bursts (the longest wait more than 3x the mean): a deeper queue
-    absorbs slow items; the advice doubles it. Bursts say nothing about the workers' average pace, so
-    then ``num_workers`` is not estimated.
+    With workers whose waits come in bursts (the longest wait more than 3x the mean, epoch starts
+    aside): a deeper queue absorbs slow items; the advice doubles it. Bursts say nothing about the
+    workers' average pace, so then ``num_workers`` is not inferred from the waits.
+
+The first batch of every epoch waits for the workers' queue to fill (torch's workers fetch for an epoch
+only once it begins, persistent or not); when that is a large share of the input time the diagnosis
+says so: fewer, longer epochs amortize it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from lightning_memopt.data.pickling import worker_start_method
+from lightning_memopt.data.rng import preserved_rng
 from lightning_memopt.data.stall import StepTimes
 
-__all__ = ["LoaderSettings", "Fix", "Diagnosis", "diagnose", "cores_per_rank"]
+__all__ = ["LoaderSettings", "Fix", "Diagnosis", "diagnose", "batch_cost", "cores_per_rank"]
 
-_BURSTY = 3.0  # longest wait over mean wait above which waits count as bursts
+_BURSTY = 3.0  # longest wait over mean wait (epoch starts aside) above which waits count as bursts
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,7 @@ def diagnose(
     cores: int,
     device_type: str = "cpu",
     epochs: int | None = None,
+    batch_cost: float | None = None,
 ) -> Diagnosis:
     """Diagnose measured step times against the loader's settings.
 
@@ -137,6 +149,7 @@ def diagnose(
         cores: CPU cores available to this rank (:func:`cores_per_rank`).
         device_type: Where the model computes (``pin_memory`` matters only on ``"cuda"``).
         epochs: Epochs the run will make (None or -1: unknown, taken as more than one).
+        batch_cost: Seconds one process needs to load a batch (:func:`batch_cost`); None: inferred.
 
     Returns:
         The diagnosis; its fixes are empty when the loop is not data-bound.
@@ -144,60 +157,72 @@ def diagnose(
     if not (times.steps > 0 and times.wait_fraction > threshold):
         return Diagnosis(times, threshold, ())
     step = times.per_step()
+    k = settings.num_workers
+    steady = times.steps - times.epoch_starts
+    steady_wait = (times.wait - times.epoch_start_wait) / steady if steady else 0.0
+    bursty = k > 0 and steady_wait > 0 and times.max_wait > _BURSTY * steady_wait
+    if batch_cost is None and not bursty:
+        batch_cost = step.wait if k == 0 else k * (step.compute + step.wait)
     fixes: list[Fix] = []
-    # Workers' pace follows from the waits only when the waits are steady: bursts (an epoch's first
-    # batch, an occasional slow item) say nothing about how fast the workers produce on average.
-    bursty = step.wait > 0 and times.max_wait > _BURSTY * step.wait
-    if settings.num_workers > 0 and bursty:
-        workers, note = None, ""
-    else:
-        workers, note = _workers_fix(step.wait, step.compute, settings.num_workers, cores)
+    workers, note = _workers_fix(batch_cost, step.compute, k, cores) if batch_cost is not None else (None, "")
     if workers is not None:
         fixes.append(workers)
     if device_type == "cuda" and not settings.pin_memory:
-        fixes.append(
-            Fix(
-                "pin_memory",
-                False,
-                True,
-                f"page-locked batches copy to the GPU faster and overlap compute; "
-                f"the transfer took {step.transfer * 1e3:.1f} ms per step",
-            )
-        )
-    final_workers = workers.suggested if workers is not None else settings.num_workers
-    if final_workers > 0 and not settings.persistent_workers and (epochs is None or epochs < 0 or epochs > 1):
-        fixes.append(
-            Fix(
-                "persistent_workers",
-                False,
-                True,
-                "otherwise the workers start again at every epoch"
-                + (
-                    f", each importing everything anew under the {settings.start_method!r} start method"
-                    if settings.start_method != "fork"
-                    else ""
-                ),
-            )
-        )
-    if settings.num_workers > 0 and bursty:
+        why = f"page-locked batches copy to the GPU faster and overlap compute; the copy took {step.transfer * 1e3:.1f} ms"
+        fixes.append(Fix("pin_memory", False, True, why + " per step"))
+    final = workers.suggested if workers is not None else k
+    if final > 0 and not settings.persistent_workers and (epochs is None or epochs < 0 or epochs > 1):
+        why = "otherwise the workers start again at every epoch"
+        if settings.start_method != "fork":
+            why += f", each importing everything anew under the {settings.start_method!r} start method"
+        fixes.append(Fix("persistent_workers", False, True, why))
+    if bursty:
         current = settings.prefetch_factor or 2
-        fixes.append(
-            Fix(
-                "prefetch_factor",
-                current,
-                2 * current,
-                f"the waits come in bursts (longest "
-                f"{times.max_wait * 1e3:.1f} ms, mean {step.wait * 1e3:.1f} ms); a deeper queue absorbs them",
-            )
+        why = (
+            f"the waits come in bursts (longest {times.max_wait * 1e3:.1f} ms, mean {steady_wait * 1e3:.1f} ms "
+            "outside epoch starts); a deeper queue absorbs them"
         )
-    return Diagnosis(times, threshold, tuple(fixes), note)
+        fixes.append(Fix("prefetch_factor", current, 2 * current, why))
+    return Diagnosis(times, threshold, tuple(fixes), " ".join(filter(None, [note, _epoch_note(times, k)])))
 
 
-def _workers_fix(wait: float, compute: float, workers: int, cores: int) -> tuple[Fix | None, str]:
-    """The ``num_workers`` advice (or None) and a note on what more workers cannot fix."""
-    batch = (
-        wait if workers == 0 else workers * (compute + wait)
-    )  # seconds one loader process spends per batch
+def _epoch_note(times: StepTimes, workers: int) -> str:
+    """What the epochs' first batches cost, when they are a large share (a quarter) of the input time."""
+    feeding = times.wait + times.transfer
+    if not times.epoch_starts or times.epoch_start_wait < feeding / 4:
+        return ""
+    each = times.epoch_start_wait / times.epoch_starts
+    return (
+        f"{times.epoch_start_wait / feeding:.0%} of the input time is the first batch of each epoch "
+        f"({each * 1e3:.1f} ms each): {'workers fill their queue' if workers else 'loading starts'} only when "
+        "an epoch begins, so fewer, longer epochs amortize it."
+    )
+
+
+def batch_cost(loader: Any, *, clock: Callable[[], float] = time.perf_counter) -> float | None:
+    """Seconds this process needs to load one batch of ``loader``, as a worker does: its first batch of
+    indices through ``dataset[i]`` and the collate function, with every RNG restored after.
+
+    Returns None for an ``IterableDataset`` or anything that is not a map-style DataLoader.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
+    with preserved_rng(loader):
+        if loader.batch_sampler is not None:  # automatic batching: a list of indices per batch
+            indices = next(iter(loader.batch_sampler))
+            start = clock()
+            loader.collate_fn([dataset[i] for i in indices])
+        else:
+            index = next(iter(loader.sampler))
+            start = clock()
+            loader.collate_fn(dataset[index])
+        return clock() - start
+
+
+def _workers_fix(batch: float, compute: float, workers: int, cores: int) -> tuple[Fix | None, str]:
+    """The ``num_workers`` advice (or None) for ``batch`` seconds of loading per batch in one process,
+    and a note on what more workers cannot fix."""
     needed = math.ceil(batch / compute) if compute > 0 else cores
     suggested = min(max(needed, 1), cores)
     note = ""

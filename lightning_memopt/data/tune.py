@@ -1,26 +1,23 @@
 """Measure the training DataLoader alone at a few ``num_workers`` values and pick the fastest.
 
 Each candidate is a fresh DataLoader over the *same* dataset, sampler (or batch sampler) and collate
-function, iterated for the first ``batches`` batches. Iterating a shuffling sampler, and starting
-workers, draw from the global torch RNG; every RNG that can decide the order (torch's, the loader's and
-the sampler's generators, Python's ``random`` and NumPy's) is saved before the first candidate and
-restored after each, so every candidate, and the training that follows, sees the same samples in the
-same order as without tuning. An ``IterableDataset`` may be a one-shot stream, so it is not tuned.
+function, iterated for the first ``batches`` batches under :func:`~lightning_memopt.data.rng.preserved_rng`,
+so every candidate, and the training that follows, sees the same samples in the same order as without
+tuning. An ``IterableDataset`` may be a one-shot stream, so it is not tuned.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.data.diagnosis import cores_per_rank
+from lightning_memopt.data.rng import preserved_rng
 
 __all__ = ["TuneRow", "TuneResult", "tune_num_workers", "worker_candidates"]
 
@@ -122,14 +119,10 @@ def tune_num_workers(
     )
     if not values or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in values):
         raise ValueError(f"candidates must be non-negative ints, got {values!r}")
-    saved = _rng_states(loader)
     rows = []
-    try:
-        for workers in values:
+    for workers in values:
+        with preserved_rng(loader):  # each candidate, and the training after, sees the same order
             rows.append(_time_one(_with_workers(loader, workers), batches, clock))
-            _restore(loader, saved)
-    finally:
-        _restore(loader, saved)
     # Start-up is paid once per epoch (or once, with persistent workers), the pace on every batch: judge
     # the candidates on a whole epoch, not on the few timed batches where start-up dominates.
     epoch = len(loader) if hasattr(loader.batch_sampler or loader.sampler, "__len__") else batches
@@ -177,35 +170,3 @@ def _time_one(loader: DataLoader, batches: int, clock: Callable[[], float]) -> T
         del iterator  # shuts the workers down
     total = clock() - start
     return TuneRow(loader.num_workers, first if first is not None else total, total, seen)
-
-
-def _generators(loader: DataLoader) -> list[torch.Generator]:
-    found = [loader.generator, getattr(loader.sampler, "generator", None)]
-    found.append(getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None))
-    return [g for g in found if isinstance(g, torch.Generator)]
-
-
-def _rng_states(loader: DataLoader) -> dict[str, Any]:
-    states: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "generators": [(g, g.get_state()) for g in _generators(loader)],
-    }
-    try:
-        import numpy
-
-        states["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    return states
-
-
-def _restore(loader: DataLoader, states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    for generator, state in states["generators"]:
-        generator.set_state(state)
-    if "numpy" in states:
-        import numpy
-
-        numpy.random.set_state(states["numpy"])

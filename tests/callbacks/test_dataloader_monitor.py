@@ -1,6 +1,7 @@
 """DataLoaderMonitor on real fits with a fake clock: exact logged times, the warning text, the pickling
 culprit, tuning that keeps the sample order, and nothing left attached after fit."""
 
+import functools
 import logging
 import pickle
 import warnings
@@ -13,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memopt import DataLoaderMonitor, MemoryMonitor
 from lightning_memopt.callbacks import dataloader_monitor as monitor_module
-from lightning_memopt.data import StepTimes
+from lightning_memopt.data import StepTimes, batch_cost
 from lightning_memopt.data import tune as tune_module
 from tests.batching.helpers import quiet_trainer
 from tests.data.helpers import CostlyItems, FakeClock
@@ -87,6 +88,7 @@ def clock(monkeypatch):
     fake = FakeClock()
     monkeypatch.setattr(monitor_module, "step_clock", lambda device: fake)
     monkeypatch.setattr(monitor_module, "cores_per_rank", lambda ranks_per_node=1: 4)
+    monkeypatch.setattr(monitor_module, "batch_cost", functools.partial(batch_cost, clock=lambda: fake.now))
     return fake
 
 
@@ -120,6 +122,7 @@ def test_slow_items_log_exact_times_and_name_num_workers(clock):
     for _, metrics in logged:
         assert metrics == pytest.approx(expected, rel=1e-12)
     # the first step (its batch came with the loader's start) is not timed: 8 of 9 steps
+    # (the batch loaded once to measure its cost, when first flagged, is not counted as a wait)
     assert (monitor.times.steps, monitor.times.wait) == (8, pytest.approx(8 * wait, rel=1e-12))
     # one settle (a device sync on CUDA) per read: at each log (batches 2, 4, 6, 8) and at each window
     # end that is not a log (5, 9)
@@ -131,6 +134,17 @@ def test_slow_items_log_exact_times_and_name_num_workers(clock):
     assert [f.setting for f in monitor.diagnosis.fixes] == ["num_workers"]
     assert monitor.summary_line() == "data: data-bound, wait fraction 0.69 over 8 steps; fix: num_workers=2"
     assert "transfer_batch_to_device" not in model.__dict__  # the timing wrapper is gone after fit
+
+
+def test_num_workers_follow_the_measured_batch_cost_once(clock, monkeypatch):
+    calls = []
+    monkeypatch.setattr(monitor_module, "batch_cost", lambda loader: calls.append(loader) or 0.0625)
+    monitor = DataLoaderMonitor(window=4)
+    loader = DataLoader(CostlyItems(clock, ITEM), batch_size=4)
+    _, warned = _fit(monitor, LoaderNet(clock, compute=COMPUTE), loader)
+    assert calls == [loader]  # measured once, on the training DataLoader, when first flagged
+    # 62.5 ms measured (not the 31.25 ms the waits show) against 15.625 ms of compute: 4 workers
+    assert "num_workers=0 -> 4 (one batch costs 62.5 ms to load in one process" in warned[0]
 
 
 def test_fast_loader_is_not_flagged(clock):

@@ -1,9 +1,9 @@
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from lightning_memopt.data import LoaderSettings, StepTime, StepTimes, cores_per_rank, diagnose
+from lightning_memopt.data import LoaderSettings, StepTime, StepTimes, batch_cost, cores_per_rank, diagnose
 from lightning_memopt.data import diagnosis as diagnosis_module
-from tests.data.helpers import CostlyItems
+from tests.data.helpers import CostlyItems, FakeClock
 
 
 def _times(wait, compute, transfer=0.0, steps=4, max_wait=None):
@@ -66,7 +66,7 @@ def test_pin_memory_only_on_cuda_and_persistent_only_for_several_epochs():
         _times(0.25, 0.25, transfer=0.03125), settings, threshold=0.1, cores=2, device_type="cuda", epochs=3
     )
     assert _settings(diagnosis=cuda)["pin_memory"] == (False, True)
-    assert "the transfer took 31.2 ms per step" in cuda.message()
+    assert "the copy took 31.2 ms per step" in cuda.message()
     assert _settings(diagnosis=cuda)["persistent_workers"] == (False, True)
     assert "importing everything anew under the 'spawn' start method" in cuda.message()
 
@@ -105,3 +105,45 @@ def test_settings_are_read_from_a_dataloader():
 def test_cores_are_shared_by_the_ranks_of_a_node(monkeypatch):
     monkeypatch.setattr(diagnosis_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
     assert (cores_per_rank(), cores_per_rank(2), cores_per_rank(8)) == (5, 2, 1)
+
+
+def test_a_measured_batch_cost_decides_the_workers():
+    settings = LoaderSettings(num_workers=1, persistent_workers=True)
+    # the waits alone would say 1 worker x (125 + 125) ms = 250 ms per batch: 2 workers;
+    # measured, one batch costs 375 ms: 3 workers keep up with 125 ms of compute
+    result = diagnose(_times(0.125, 0.125), settings, threshold=0.1, cores=8, batch_cost=0.375)
+    assert _settings(diagnosis=result) == {"num_workers": (1, 3)}
+    enough = diagnose(_times(0.125, 0.125), settings, threshold=0.1, cores=8, batch_cost=0.0625)
+    assert enough.data_bound and enough.fixes == ()  # 1 worker keeps up: the waits come from elsewhere
+
+
+def test_epoch_starts_are_not_bursts_and_get_their_own_note():
+    times = StepTimes()
+    times.add([StepTime(0.03125, 0.0, 0.25)] * 6 + [StepTime(0.5, 0.0, 0.25, epoch_start=True)] * 2)
+    assert (times.epoch_starts, times.epoch_start_wait, times.max_wait) == (2, 1.0, 0.03125)
+    settings = LoaderSettings(num_workers=2, persistent_workers=True)
+    result = diagnose(times, settings, threshold=0.1, cores=2, batch_cost=0.25)
+    assert result.fixes == ()  # 2 workers at 250 ms per batch keep up with 250 ms of compute
+    assert result.note == (
+        "84% of the input time is the first batch of each epoch (500.0 ms each): workers fill their queue only "
+        "when an epoch begins, so fewer, longer epochs amortize it."
+    )
+
+
+def test_batch_cost_loads_one_batch_in_this_process_and_keeps_the_order():
+    clock = FakeClock()
+    dataset = CostlyItems(clock, cost=1 / 128, n=32)
+    loader = DataLoader(dataset, batch_size=4, sampler=RandomSampler(dataset))
+    torch.manual_seed(0)
+    expected = [b[:, 0].tolist() for b in loader]
+    torch.manual_seed(0)
+    assert batch_cost(loader, clock=lambda: clock.now) == 4 / 128
+    assert [b[:, 0].tolist() for b in loader] == expected
+    assert batch_cost(DataLoader(dataset, batch_size=None), clock=lambda: clock.now) == 1 / 128
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    assert batch_cost(DataLoader(Stream())) is None
+    assert batch_cost([1, 2]) is None

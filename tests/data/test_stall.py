@@ -35,9 +35,15 @@ def test_stop_waiting_drops_the_gap_and_wait_from_now_restarts_it():
     clock.advance(100.0)
     _step(meter, clock, wait=0.0, compute=1.0)  # no wait start: not counted
     clock.advance(7.0)  # e.g. epoch-end hooks
-    meter.wait_from_now()  # epoch start
+    meter.wait_from_now(epoch_start=True)
     _step(meter, clock, wait=0.25, compute=1.0)
-    assert meter.read() == [StepTime(0.5, 0.0, 1.0), StepTime(0.25, 0.0, 1.0)]
+    _step(meter, clock, wait=0.125, compute=1.0)
+    times = meter.read()
+    assert times == [StepTime(0.5, 0.0, 1.0), StepTime(0.25, 0.0, 1.0, True), StepTime(0.125, 0.0, 1.0)]
+    total = StepTimes()
+    total.add(times)
+    # the epoch start's wait counts in the wait, and apart; the longest wait is of the other steps
+    assert (total.wait, total.epoch_starts, total.epoch_start_wait, total.max_wait) == (0.875, 1, 0.25, 0.5)
 
 
 def test_a_step_without_end_is_dropped():
@@ -67,3 +73,9 @@ def test_step_times_sums_fraction_and_means():
     assert times.wait_fraction == pytest.approx(3.25 / 6.0, rel=1e-12)
     assert times.per_step() == StepTime(1.0, 0.25 / 3, 2.75 / 3)
     assert StepTimes().wait_fraction == 0.0
+    assert times.as_metrics() == {
+        "wait_ms": 1000.0,
+        "transfer_ms": 0.25 / 3 * 1e3,
+        "compute_ms": 2.75 / 3 * 1e3,
+        "wait_fraction": 3.25 / 6.0,
+    }
