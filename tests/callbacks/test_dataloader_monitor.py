@@ -2,9 +2,11 @@
 culprit, tuning that keeps the sample order, and nothing left attached after fit."""
 
 import functools
+import gc
 import logging
 import pickle
 import warnings
+import weakref
 
 import lightning.pytorch as pl
 import pytest
@@ -238,6 +240,19 @@ def test_memory_monitor_summary_gets_the_data_line(clock, tmp_path, caplog):
         trainer.fit(LoaderNet(clock, compute=COMPUTE), DataLoader(CostlyItems(clock, ITEM), batch_size=4))
     (printed,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory: peak")]
     assert printed.endswith("\n  data: data-bound, wait fraction 0.67 over 4 steps; fix: num_workers=2")
+
+
+def test_nothing_is_left_attached_or_alive_after_fit(clock):
+    monitor = DataLoaderMonitor(window=4)
+    model = LoaderNet(clock, compute=COMPUTE)
+    loader = DataLoader(CostlyItems(clock, ITEM), batch_size=4)
+    trainer, _ = _fit(monitor, model, loader)
+    assert monitor.times.steps == 8 and "transfer_batch_to_device" not in model.__dict__
+    model_ref, loader_ref = weakref.ref(model.layer.weight), weakref.ref(loader)
+    del model, trainer, loader
+    monitor.__dict__.pop("log", None), monitor.__dict__.pop("log_dict", None)  # Lightning binds these
+    gc.collect()
+    assert model_ref() is None and loader_ref() is None  # the monitor holds neither
 
 
 def test_state_dict_round_trip():
