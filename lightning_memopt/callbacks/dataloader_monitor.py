@@ -57,8 +57,8 @@ class DataLoaderMonitor(Callback):
 
     When the wait fraction of a ``window`` of steps exceeds ``threshold``, rank zero warns once: how
     data-bound the loop is and the changes computed from the DataLoader and the machine
-    (:mod:`lightning_memopt.data.diagnosis`; for ``num_workers`` one batch is loaded once in the main
-    process to measure its cost). Before any worker starts, a DataLoader whose workers start by pickling
+    (:mod:`lightning_memopt.data.diagnosis`; one batch is loaded once in the main process to measure its
+    cost: waits the DataLoader does not explain are not called data-bound). Before any worker starts, a DataLoader whose workers start by pickling
     (``spawn``/``forkserver``) is checked; an object that will not pickle is named by its path
     (``dataset.transform is a lambda ...``) in a ``pickle.PicklingError``. With ``MemoryMonitor``, its
     end-of-fit summary gets one line: data-bound or not.
@@ -274,13 +274,13 @@ class DataLoaderMonitor(Callback):
 
     def _judge(self, times: StepTimes) -> None:
         self.diagnosis = self._diagnose(times)
+        if self.diagnosis.data_bound and self._loader is not None and self._batch_cost is None:
+            # Once: one batch loaded here, as a worker would: is the DataLoader why, and how many workers?
+            self._batch_cost = batch_cost(self._loader)
+            self._meter.wait_from_now()  # that loading is not the loop's wait
+            self.diagnosis = self._diagnose(times)
         if self.diagnosis.data_bound and not self._warned:
             self._warned = True
-            if self._loader is not None and self._batch_cost is None:
-                # Once: one batch loaded here, as a worker would, so num_workers follows from its cost.
-                self._batch_cost = batch_cost(self._loader)
-                self._meter.wait_from_now()  # that loading is not the loop's wait
-                self.diagnosis = self._diagnose(times)
             rank_zero_warn(f"DataLoaderMonitor: {self.diagnosis.message()}")
 
     def summary_line(self) -> str:

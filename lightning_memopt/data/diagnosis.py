@@ -2,6 +2,10 @@
 
 The rules, each computed from numbers the caller measured (see :class:`~lightning_memopt.data.stall.StepTimes`):
 
+Measured waits are everything between two steps. Where one batch's loading cost is measured and, in
+the main process, is at most ``threshold`` of the step, the waits are not the DataLoader's and the loop
+is not called data-bound (other callbacks' hooks, loggers and the progress bar run between steps too).
+
 ``num_workers``
     A loop with ``c`` seconds of compute per step needs its loader to deliver one batch every ``c``
     seconds. If one process needs ``b`` seconds to load a batch, ``ceil(b / c)`` workers keep up; the
@@ -91,6 +95,9 @@ class Diagnosis:
     fixes: tuple[Fix, ...]
     note: str = ""
     """What no setting fixes (e.g. items costlier than the cores can deliver)."""
+    outside_loader: bool = False
+    """The waits are long but the DataLoader is not why: loading a batch, measured, is a small part of
+    them (other callbacks' hooks, loggers, the progress bar run between steps too)."""
 
     @property
     def wait_fraction(self) -> float:
@@ -98,7 +105,7 @@ class Diagnosis:
 
     @property
     def data_bound(self) -> bool:
-        return self.times.steps > 0 and self.wait_fraction > self.threshold
+        return self.times.steps > 0 and self.wait_fraction > self.threshold and not self.outside_loader
 
     def message(self) -> str:
         """The warning: how data-bound the loop is and the concrete changes."""
@@ -116,6 +123,8 @@ class Diagnosis:
         """One line for an end-of-fit summary."""
         verdict = "data-bound" if self.data_bound else "not data-bound"
         line = f"data: {verdict}, wait fraction {self.wait_fraction:.2f} over {self.times.steps} steps"
+        if self.outside_loader:
+            line += " (spent outside the DataLoader)"
         if self.data_bound and self.fixes:
             line += "; fix: " + ", ".join(f"{f.setting}={f.suggested!r}" for f in self.fixes)
         return line
@@ -161,6 +170,14 @@ def diagnose(
     steady = times.steps - times.epoch_starts
     steady_wait = (times.wait - times.epoch_start_wait) / steady if steady else 0.0
     bursty = k > 0 and steady_wait > 0 and times.max_wait > _BURSTY * steady_wait
+    total = step.wait + step.transfer + step.compute
+    if batch_cost is not None and k == 0 and batch_cost <= threshold * total:
+        note = (
+            f"Loading a batch takes only {batch_cost * 1e3:.2f} ms of the {step.wait * 1e3:.1f} ms wait per step "
+            f"(measured): the rest is spent between steps outside the DataLoader (other callbacks' hooks, "
+            "loggers, the progress bar), which no DataLoader setting changes."
+        )
+        return Diagnosis(times, threshold, (), note, outside_loader=True)
     if batch_cost is None and not bursty:
         batch_cost = step.wait if k == 0 else k * (step.compute + step.wait)
     fixes: list[Fix] = []

@@ -160,6 +160,28 @@ def test_fast_loader_is_not_flagged(clock):
     assert monitor.summary_line() == "data: not data-bound, wait fraction 0.00 over 8 steps"
 
 
+class SlowHooks(pl.Callback):
+    """Another callback whose batch-end hook takes time: it runs between steps, inside the wait."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_train_batch_end(self, *args):
+        self.clock.advance(4 * ITEM)
+
+
+def test_waits_outside_the_dataloader_are_measured_but_not_blamed_on_it(clock):
+    monitor = DataLoaderMonitor(window=4)
+    trainer = quiet_trainer([monitor, SlowHooks(clock)], max_steps=9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LoaderNet(clock, compute=COMPUTE), DataLoader(CostlyItems(clock, 0.0), batch_size=4))
+    assert monitor.times.wait_fraction == pytest.approx(2 / 3, rel=1e-12)  # measured as it is
+    assert _monitor_warnings(caught) == []  # loading a batch (measured) costs nothing here
+    assert monitor.diagnosis.outside_loader and not monitor.diagnosis.data_bound
+    assert monitor.summary_line().endswith("(spent outside the DataLoader)")
+
+
 def test_epochs_and_validation_several_epochs_ask_for_persistent_workers(clock):
     # 2 batches per epoch, 4 epochs, validation (100 fake seconds each) after every epoch and a sanity check
     val = DataLoader(CostlyItems(clock, ITEM, n=4), batch_size=4)

@@ -147,3 +147,18 @@ def test_batch_cost_loads_one_batch_in_this_process_and_keeps_the_order():
 
     assert batch_cost(DataLoader(Stream())) is None
     assert batch_cost([1, 2]) is None
+
+
+def test_waits_the_measured_loading_does_not_explain_are_not_data_bound():
+    times = _times(0.25, 0.5)  # a third of the time between steps
+    result = diagnose(times, LoaderSettings(), threshold=0.1, cores=2, batch_cost=0.0625)  # 8% of the step
+    assert result.wait_fraction == 1 / 3 and not result.data_bound and result.outside_loader
+    assert result.fixes == ()
+    assert result.note.startswith(
+        "Loading a batch takes only 62.50 ms of the 250.0 ms wait per step (measured)"
+    )
+    assert result.summary_line() == (
+        "data: not data-bound, wait fraction 0.33 over 4 steps (spent outside the DataLoader)"
+    )
+    loading = diagnose(times, LoaderSettings(), threshold=0.1, cores=2, batch_cost=0.125)  # 17%: it is
+    assert loading.data_bound and _settings(diagnosis=loading)["num_workers"] == (0, 1)
