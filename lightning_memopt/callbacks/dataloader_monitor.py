@@ -98,7 +98,7 @@ class DataLoaderMonitor(Callback):
 
         monitor = DataLoaderMonitor()
         Trainer(max_steps=50, callbacks=[monitor]).fit(BoringModel())
-        print(monitor.summary_line())  # data: not data-bound, wait fraction 0.03 over 49 steps
+        print(monitor.summary_line())  # "data: not data-bound, wait fraction 0.29 over 49 steps (...)"
     """
 
     def __init__(

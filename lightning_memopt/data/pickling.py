@@ -9,7 +9,9 @@ objects before any worker starts and, when one fails, walks into it the way pick
 innermost object that fails: ``dataset.transform.transforms[1]``.
 
 Tensors and NumPy arrays are not serialized (they always pickle, and copying a large dataset's tensors
-would cost its size in memory and time): a :class:`pickle.Pickler` stands them in with nothing.
+would cost its size in memory and time): a :class:`pickle.Pickler` stands them in with nothing, and
+writes into nothing. What remains costs one pickling of the dataset's Python objects (the DataLoader
+itself does one per worker).
 """
 
 from __future__ import annotations
