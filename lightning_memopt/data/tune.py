@@ -21,7 +21,7 @@ from lightning_memopt.data.rng import preserved_rng
 
 __all__ = ["TuneRow", "TuneResult", "tune_num_workers", "worker_candidates"]
 
-_CLOSE = 0.05  # a candidate within 5% of the fastest counts as equally fast (fewer workers win)
+_CLOSE = 0.05  # a candidate within 5% of the fastest counts as equally fast
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class TuneResult:
     epoch_batches: int
     """Batches in one epoch of the loader (the timed batches where it has no length)."""
     best: int
-    """The ``num_workers`` with the shortest estimated epoch (the fewest among those within 5% of it)."""
+    """The ``num_workers`` with the shortest estimated epoch. Among those within 5% of it, workers win over
+    ``0`` (timed alone, the loader cannot show that only workers load while the model computes), and
+    then the fewest workers."""
 
     def table(self) -> str:
         """The table as text, one row per candidate."""
@@ -127,7 +129,8 @@ def tune_num_workers(
     # the candidates on a whole epoch, not on the few timed batches where start-up dominates.
     epoch = len(loader) if hasattr(loader.batch_sampler or loader.sampler, "__len__") else batches
     fastest = min(row.epoch(epoch) for row in rows)
-    best = min(row.num_workers for row in rows if row.epoch(epoch) <= fastest * (1 + _CLOSE))
+    close = [row.num_workers for row in rows if row.epoch(epoch) <= fastest * (1 + _CLOSE)]
+    best = min(close, key=lambda k: (k == 0, k))
     return TuneResult(tuple(rows), epoch, best)
 
 

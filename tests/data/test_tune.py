@@ -50,6 +50,15 @@ def test_slow_start_fast_pace_wins_over_a_long_epoch():
     assert result.best == 2  # over an epoch the pace decides
 
 
+def test_workers_win_a_near_tie_with_the_main_process():
+    # 0 workers: 0.95 s; 1 worker: 0.99 s (within 5%): in training only workers load while the model computes
+    loader = DataLoader(CostlyItems(n=8), batch_size=4)
+    clock = _scripted_clock([0.0, 0.5, 0.95, 10.0, 10.5, 10.99])
+    assert tune_num_workers(loader, candidates=[0, 1], batches=2, clock=clock).best == 1
+    clock = _scripted_clock([0.0, 0.5, 0.9, 10.0, 10.5, 11.0])  # 1 worker 11% slower: the main process
+    assert tune_num_workers(loader, candidates=[0, 1], batches=2, clock=clock).best == 0
+
+
 def _indices(loader):
     return [batch[:, 0].long().tolist() for batch in loader]
 
