@@ -16,17 +16,26 @@ _CALLBACKS = {
     "AutoAccumulation": "lightning_memopt.callbacks.auto_accumulation",
     "AutoCheckpoint": "lightning_memopt.callbacks.auto_checkpoint",
     "BatchNormToGroupNorm": "lightning_memopt.callbacks.batchnorm_swap",
+    "DataLoaderMonitor": "lightning_memopt.callbacks.dataloader_monitor",
     "MemoryMonitor": "lightning_memopt.callbacks.memory_monitor",
     "OOMBackoff": "lightning_memopt.callbacks.oom_backoff",
 }
 
-__all__ = ["AutoAccumulation", "AutoCheckpoint", "BatchNormToGroupNorm", "MemoryMonitor", "OOMBackoff"]
+__all__ = [
+    "AutoAccumulation",
+    "AutoCheckpoint",
+    "BatchNormToGroupNorm",
+    "DataLoaderMonitor",
+    "MemoryMonitor",
+    "OOMBackoff",
+]
 
 if TYPE_CHECKING:
     from lightning_memopt.callbacks import (
         AutoAccumulation,
         AutoCheckpoint,
         BatchNormToGroupNorm,
+        DataLoaderMonitor,
         MemoryMonitor,
         OOMBackoff,
     )

@@ -151,6 +151,7 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
         "AutoAccumulation",
         "AutoCheckpoint",
         "BatchNormToGroupNorm",
+        "DataLoaderMonitor",
         "MemoryMonitor",
         "OOMBackoff",
     }
@@ -182,13 +183,15 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
     init_args: {group_size: 4, when: micro_batching, micro_batch_size_below: 16}
   - class_path: lightning_memopt.MemoryMonitor
     init_args: {breakdown: never, report: false, max_history: 64}
+  - class_path: lightning_memopt.DataLoaderMonitor
+    init_args: {threshold: 0.25, window: 8, tune: true, tune_batches: 4}
 """
     )
     parser = ArgumentParser()
     parser.add_argument("--config", action="config")
     parser.add_argument("--callbacks", type=list[Callback])
     callbacks = parser.instantiate_classes(parser.parse_args(["--config", str(variants)])).callbacks
-    ckpt_gib, ckpt_fraction, ckpt_every, accumulation, backoff, swap, monitor = callbacks
+    ckpt_gib, ckpt_fraction, ckpt_every, accumulation, backoff, swap, monitor, data = callbacks
     assert (parse_bytes(ckpt_gib.budget), ckpt_gib.headroom) == (6 * 2**30, 0.2)
     assert ckpt_fraction.budget == 0.5
     assert (ckpt_every.mode, ckpt_every.every_n) == ("every_n", 3)
@@ -197,6 +200,7 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
     assert backoff.grow_after == 100
     assert (swap.group_size, swap.when, swap.micro_batch_size_below) == (4, "micro_batching", 16)
     assert (monitor.breakdown, monitor.report, monitor.max_history) == ("never", False, 64)
+    assert (data.threshold, data.window, data.tune, data.tune_batches) == (0.25, 8, True, 4)
 
 
 def test_bad_yaml_value_is_reported_with_the_callbacks_message(tmp_path, gpt_train):
