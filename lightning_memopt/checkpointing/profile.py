@@ -36,6 +36,7 @@ from lightning_memopt.checkpointing.apply import (
     CHOICES,
     _storage_key,
     _tensors,
+    _without_cache,
     apply_checkpointing,
     observe_saved,
     remove_checkpointing,
@@ -184,6 +185,8 @@ def record_block_inputs(
                 last = last_output[0]
                 chained = first is not None and last is not None and _storage_key(first) == _storage_key(last)
                 held = first is not None and not chained and is_held is not None and is_held(first)
+                # Without the key/value cache: the block runs again on these inputs, and a cache would grow.
+                a, kw = _without_cache(module, a, kw)
                 captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held)
 
         return hook
