@@ -49,6 +49,7 @@ __all__ = [
     "checkpointed_blocks",
     "observe_saved",
     "is_compute_op",
+    "framework_checkpointing",
 ]
 
 Choice = Literal["keep", "selective", "full", "offload"]
@@ -410,6 +411,28 @@ def remove_checkpointing(model: nn.Module) -> None:
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = state.own_forward
+
+
+# Attributes by which other libraries mark checkpointing they do themselves: transformers' models
+# (``gradient_checkpointing_enable()`` sets ``is_gradient_checkpointing`` on the model and
+# ``gradient_checkpointing`` on each ``GradientCheckpointingLayer``) and timm's (``set_grad_checkpointing()``).
+_FRAMEWORK_FLAGS = ("is_gradient_checkpointing", "gradient_checkpointing", "grad_checkpointing")
+
+
+def framework_checkpointing(model: nn.Module) -> str | None:
+    """The first module of ``model`` that checkpoints activations by its library's own means, as
+    ``"name (ClassName.flag)"``, or None. Checkpointing a block twice recomputes it twice for nothing.
+
+    Example::
+
+        >>> framework_checkpointing(nn.Sequential(nn.Linear(2, 2))) is None
+        True
+    """
+    for name, module in model.named_modules():
+        for flag in _FRAMEWORK_FLAGS:
+            if getattr(module, flag, False) is True:
+                return f"{name or 'the model'} ({type(module).__name__}.{flag})"
+    return None
 
 
 def checkpointed_blocks(model: nn.Module) -> dict[str, str]:

@@ -34,6 +34,7 @@ __all__ = [
     "evaluate_plan",
     "brute_force_plan",
     "InfeasibleBudgetError",
+    "keep_where_no_gain",
 ]
 
 
@@ -192,6 +193,31 @@ def evaluate_plan(
         block_bytes,
         peak_bytes=max(peak, total),
     )
+
+
+def keep_where_no_gain(profiles: Sequence[BlockProfile], choices: Sequence[str]) -> list[str]:
+    """``choices`` with every treatment that does not lower what the blocks hold switched back to ``keep``.
+
+    Checkpointing a block keeps its input; where the block's own activations are no larger (a block whose
+    input an op outside it holds anyway, a cheap projection after a large input), recomputing saves
+    nothing and only costs time, and a wrongly chosen treatment can even raise the peak. A block keeps
+    its activations when doing so raises neither the bytes held at the end of the forward nor the peak
+    (:class:`Plan`), judged one block at a time in forward order.
+
+    Example::
+
+        >>> keep_where_no_gain(profiles, ["full"] * len(profiles))  # doctest: +SKIP
+        ['full', 'full', 'keep']
+    """
+    chosen = list(choices)
+    current = evaluate_plan(profiles, chosen)
+    for i, choice in enumerate(chosen):
+        if choice == "keep":
+            continue
+        trial = evaluate_plan(profiles, [*chosen[:i], "keep", *chosen[i + 1 :]])
+        if trial.activation_bytes <= current.activation_bytes and trial.peak_bytes <= current.peak_bytes:
+            chosen[i], current = "keep", trial
+    return chosen
 
 
 def _pareto(entries: list[tuple[int, float, tuple]]) -> list[tuple[int, float, tuple]]:

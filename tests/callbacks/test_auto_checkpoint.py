@@ -63,9 +63,9 @@ def test_zero_arguments_on_cpu_checkpoints_every_block_built_in_configure_model(
     assert cb.plan.choices == module.seen_choices[1] and cb.plan.predicted
     metrics = trainer.callback_metrics
     # Full checkpointing holds exactly each block's input: B * T * h fp32 = 4 * 8 * 16 * 4 bytes.
-    assert metrics["auto_checkpoint/activation_bytes_predicted"].item() == 3 * 4 * 8 * 16 * 4
-    assert metrics["auto_checkpoint/activation_bytes_measured"].item() == 3 * 4 * 8 * 16 * 4
-    assert metrics["auto_checkpoint/recompute_gflops"].item() > 0
+    assert metrics["checkpoint/activation_bytes_predicted"].item() == 3 * 4 * 8 * 16 * 4
+    assert metrics["checkpoint/activation_bytes_measured"].item() == 3 * 4 * 8 * 16 * 4
+    assert metrics["checkpoint/recompute_gflops"].item() > 0
     # Teardown takes everything off again.
     assert checkpointed_blocks(module) == {} and "configure_model" not in module.__dict__
 
@@ -99,13 +99,13 @@ def test_budget_plans_after_first_batch_and_meets_it(tmp_path):
     torch.manual_seed(0)
     module = GPTModule()
     # Params + grads (SGD: no state) of TinyGPT(3) plus outside activations, plus room for ~2 kept blocks.
-    cb = AutoCheckpoint(budget=10**6)
+    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
     trainer = _trainer(tmp_path, [cb], steps=3)
     trainer.fit(module)
     assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
     assert set(module.seen_choices[1].values()) == {"keep"}  # 1 MB is plenty: nothing recomputed
     assert cb.plan.cost == 0
-    measured = trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
+    measured = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
     assert measured == cb.plan.activation_bytes
 
 
@@ -117,14 +117,14 @@ def test_plans_for_the_micro_batch_size_autoaccumulation_chose(tmp_path):
     torch.manual_seed(0)
     module = GPTModule()
     accumulation = AutoAccumulation(max_memory=10**8, headroom=0.0)
-    cb = AutoCheckpoint(budget=10**6)
+    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
     trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module)
     assert len(accumulation.probes) >= 2 and {size for size, _ in accumulation.probes} != {4}
     assert accumulation.micro_batch_size == 4
-    measured = trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
+    measured = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
     assert measured == cb.plan.activation_bytes > 0
     assert not [w for w in caught if "held" in str(w.message)]
 
@@ -151,14 +151,14 @@ def test_capacity_known_plans_under_capacity(tmp_path, monkeypatch):
     assert cb.plan.activation_bytes <= cb.plan.budget < cb.plan.baseline_bytes
     assert "keep" in cb.plan.choices.values() or "selective" in cb.plan.choices.values()
     assert (
-        trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
+        trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
         == cb.plan.activation_bytes
     )
 
 
 def test_infeasible_budget_raises(tmp_path):
     with pytest.raises(MisconfigurationException, match="does not even hold the parameters"):
-        _trainer(tmp_path, [AutoCheckpoint(budget=1000)]).fit(GPTModule())
+        _trainer(tmp_path, [AutoCheckpoint(max_memory=1000, headroom=0.0)]).fit(GPTModule())
 
 
 def test_mismatch_warns(tmp_path):
@@ -168,7 +168,7 @@ def test_mismatch_warns(tmp_path):
                 batch = [torch.cat([batch[0], batch[0]], dim=1)]
             return super().training_step(batch, batch_idx)
 
-    cb = AutoCheckpoint(budget=10**6)
+    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
     with pytest.warns(UserWarning, match=r"the plan predicted .* \(more than 10% apart\)"):
         _trainer(tmp_path, [cb], steps=2).fit(Flaky())
 
@@ -183,7 +183,7 @@ def test_exception_in_first_step_leaves_nothing_behind(tmp_path):
 
     module = Failing()
     with pytest.raises(ValueError, match="user bug"):
-        _trainer(tmp_path, [AutoCheckpoint(budget=10**6)]).fit(module)
+        _trainer(tmp_path, [AutoCheckpoint(max_memory=10**6, headroom=0.0)]).fit(module)
     assert module.seen_choices == [{"model.h.0": "full", "model.h.1": "full", "model.h.2": "full"}]
     assert tracker._ACTIVE == []  # the step's ActivationMeter was exited
     assert checkpointed_blocks(module) == {} and "configure_model" not in module.__dict__
@@ -191,7 +191,7 @@ def test_exception_in_first_step_leaves_nothing_behind(tmp_path):
 
 def test_resume_reapplies_plan_without_profiling(tmp_path, monkeypatch):
     torch.manual_seed(0)
-    cb = AutoCheckpoint(budget=10**6)
+    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
     trainer = pl.Trainer(
         default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False
     )
@@ -205,7 +205,7 @@ def test_resume_reapplies_plan_without_profiling(tmp_path, monkeypatch):
         raise AssertionError("profiled again")
 
     monkeypatch.setattr(ac_module, "profile_blocks", boom)
-    module, cb2 = GPTModule(), AutoCheckpoint(budget=10**6)
+    module, cb2 = GPTModule(), AutoCheckpoint(max_memory=10**6, headroom=0.0)
     _trainer(tmp_path, [cb2], steps=3).fit(module, ckpt_path=ckpt)
     assert cb2.plan == cb.plan
     assert module.seen_choices[0] == cb.plan.choices
@@ -255,23 +255,23 @@ def test_fsdp_strategy_policy_is_not_doubled(tmp_path):
 
 def test_fraction_budget_needs_known_capacity(tmp_path):
     with pytest.raises(
-        MisconfigurationException, match=r"budget=0.5\) is a fraction of device capacity, but the capacity"
+        MisconfigurationException, match=r"max_memory=0.5 is a fraction of the device's capacity, but this"
     ):
-        _trainer(tmp_path, [AutoCheckpoint(budget=0.5)]).fit(GPTModule())
+        _trainer(tmp_path, [AutoCheckpoint(max_memory=0.5)]).fit(GPTModule())
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"budget": "-1GB"}, "budget must be a byte size, got '-1GB'"),
-        ({"budget": "banana"}, "budget must be a byte size, got 'banana'"),
-        ({"budget": 0}, "budget must be positive, got 0"),
-        ({"budget": 1.5}, r"must be in \(0, 1\], got 1.5"),
-        ({"budget": 0.0}, r"must be in \(0, 1\], got 0.0"),
+        ({"max_memory": "-1GB"}, "max_memory must be a byte size, got '-1GB'"),
+        ({"max_memory": "banana"}, "max_memory must be a byte size, got 'banana'"),
+        ({"max_memory": 0}, "max_memory must be positive, got 0"),
+        ({"max_memory": 1.5}, r"must be in \(0, 1\], got 1.5"),
+        ({"max_memory": 0.0}, r"must be in \(0, 1\], got 0.0"),
         ({"mode": "fast"}, "mode must be one of .* got 'fast'"),
-        ({"mode": "full", "budget": "1GB"}, "only used by mode='auto', got mode='full'"),
+        ({"mode": "full", "max_memory": "1GB"}, "only used by mode='auto', got mode='full'"),
         ({"every_n": 0}, "every_n must be an int >= 1, got 0"),
-        ({"headroom": 1.0}, r"headroom must be in \[0, 1\), got 1.0"),
+        ({"headroom": 1.0}, r"headroom must be a number in \[0, 1\) .* got 1.0"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -293,9 +293,9 @@ def test_configurable_from_yaml_like_arguments():
     parser = ArgumentParser()
     parser.add_class_arguments(AutoCheckpoint, "cb")
     for args, budget in (
-        [["--cb.budget=6GiB"], "6GiB"],
-        [["--cb.budget=0.5"], 0.5],
-        [["--cb.budget=1000"], 1000],
+        [["--cb.max_memory=6GiB"], "6GiB"],
+        [["--cb.max_memory=0.5"], 0.5],
+        [["--cb.max_memory=1000"], 1000],
     ):
         cfg = parser.parse_args([*args, "--cb.blocks=[h.*]", "--cb.cost_model.pointwise_flops_per_byte=20"])
         cb = (
@@ -303,7 +303,7 @@ def test_configurable_from_yaml_like_arguments():
             if hasattr(parser, "instantiate")
             else parser.instantiate_classes(cfg).cb
         )
-        assert (cb.budget, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (budget, ["h.*"], 20.0)
+        assert (cb.max_memory, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (budget, ["h.*"], 20.0)
 
 
 @pytest.mark.parametrize("checkpoint_first", [True, False])
