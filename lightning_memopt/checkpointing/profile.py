@@ -120,6 +120,10 @@ class BlockInputs:
     kwargs: dict
     chained: bool
     input_held: bool = False
+    shared: tuple[int, ...] = ()
+    """Positions (in ``_tensors((args, kwargs))`` order, the primary input excluded) of inputs that an
+    earlier block also took, or that autograd already holds (an attention mask, T5's position bias, an
+    encoder's output fed to every decoder block): held once, they are counted in the first block only."""
 
 
 class _OpCounter(TorchDispatchMode):
@@ -177,6 +181,7 @@ def record_block_inputs(
     """
     captured: dict[str, BlockInputs] = {}
     last_output: list[torch.Tensor | None] = [None]  # a reference, so its storage key cannot be reused
+    taken: set[int | None] = set()  # storages of inputs taken by earlier blocks (referenced in `captured`)
 
     def pre_hook(name):
         def hook(module, a, kw):
@@ -187,7 +192,12 @@ def record_block_inputs(
                 held = first is not None and not chained and is_held is not None and is_held(first)
                 # Without the key/value cache: the block runs again on these inputs, and a cache would grow.
                 a, kw = _without_cache(module, a, kw)
-                captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held)
+                others = list(enumerate(_tensors((a, kw))))[1:]
+                shared = tuple(
+                    i for i, t in others if _storage_key(t) in taken or (is_held is not None and is_held(t))
+                )
+                taken.update(_storage_key(t) for _, t in others)
+                captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held, shared)
 
         return hook
 
@@ -316,7 +326,8 @@ def profile_blocks(
 
 def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
-    return (type(block), repr(block), block.training, params, _signature_of((captured.args, captured.kwargs)))
+    inputs = _signature_of((captured.args, captured.kwargs))
+    return (type(block), repr(block), block.training, params, inputs, captured.shared)
 
 
 @contextlib.contextmanager
@@ -413,6 +424,12 @@ def _run(block, call, captured: BlockInputs, context):
     ):
         saves_out = False  # one storage: count it once, as the input
     internal = acts - in_bytes * saves_in - out_bytes * saves_out
+    inputs = _tensors((args, kwargs))
+    internal -= sum(  # inputs held once for several blocks count in the first (see BlockInputs.shared)
+        inputs[i].untyped_storage().nbytes()
+        for i in captured.shared
+        if tracker.category_of(inputs[i]) == "activations"
+    )
     cost = OptionCost(internal, saves_in, saves_out, transfer_bytes=offloaded[0])
     params = [p for p in block.parameters() if p.requires_grad]
     bwd_counter = _OpCounter()

@@ -150,10 +150,7 @@ def test_capacity_known_plans_under_capacity(tmp_path, monkeypatch):
     assert cb.plan.predicted and cb.plan.budget == 40_000
     assert cb.plan.activation_bytes <= cb.plan.budget < cb.plan.baseline_bytes
     assert "keep" in cb.plan.choices.values() or "selective" in cb.plan.choices.values()
-    assert (
-        trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
-        == cb.plan.activation_bytes
-    )
+    assert trainer.callback_metrics["checkpoint/activation_bytes_measured"].item() == cb.plan.activation_bytes
 
 
 def test_infeasible_budget_raises(tmp_path):
