@@ -269,6 +269,17 @@ def test_fraction_budget_needs_known_capacity(tmp_path):
         ({"mode": "full", "max_memory": "1GB"}, "only used by mode='auto', got mode='full'"),
         ({"every_n": 0}, "every_n must be an int >= 1, got 0"),
         ({"headroom": 1.0}, r"headroom must be a number in \[0, 1\) .* got 1.0"),
+        ({"max_memory": "1e400GB"}, "max_memory must be a finite byte size, got '1e400GB'"),
+        ({"budget": "1e400GB"}, "budget must be a finite byte size, got '1e400GB'"),
+        (
+            {"max_memory": 1000, "budget": 1000},
+            "pass max_memory=1000 or the deprecated budget=1000, not both",
+        ),
+        ({"blocks": 5}, "blocks must be module classes, class names or name patterns, got 5"),
+        ({"blocks": ["h.*", 5]}, "blocks must be module classes, class names or name patterns, got 5"),
+        ({"cost_model": 5}, "cost_model must be a CostModel, got 5"),
+        ({"allow_offload": "no"}, "allow_offload must be True or False, got 'no'"),
+        ({"log": "yes"}, "log must be True or False, got 'yes'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -316,3 +327,103 @@ def test_with_batchnorm_swap_the_module_is_restored_whatever_the_order(tmp_path,
         trainer.fit(module)
     assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
     assert "configure_model" not in vars(module) and "on_load_checkpoint" not in vars(module)
+
+
+def test_budget_is_deprecated_and_means_max_memory_without_headroom():
+    with pytest.warns(DeprecationWarning, match=r"budget=\.\.\.\) is deprecated .* use max_memory"):
+        cb = AutoCheckpoint(budget="6GiB")
+    assert (cb.max_memory, cb.headroom) == ("6GiB", 0.0)
+
+
+def _static_and_outside():
+    """TinyGPT(3)'s parameters + SGD gradients, and what autograd holds outside its blocks (see
+    test_capacity_known_plans_under_capacity), for a batch of 4 x 8 tokens."""
+    param_bytes = sum(p.numel() * 4 for p in TinyGPT(3).parameters())
+    B, T, h, vocab = 4, 8, 16, 32
+    return 2 * param_bytes, B * T * 8 + 2 * B * T * h * 4 + 2 * B * T * 4 + B * T * vocab * 4 + 4
+
+
+def test_too_small_a_limit_is_reported_with_the_users_value_and_what_it_must_hold(tmp_path):
+    static, outside = _static_and_outside()
+    limit = static + outside + 100  # 100 bytes for the blocks: less than any plan needs
+    with pytest.raises(MisconfigurationException) as err:
+        _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0)]).fit(GPTModule())
+    message = str(err.value)
+    assert f"max_memory={limit} (usable with headroom=0.0: " in message
+    assert "is too small for any plan; it must hold the parameters, gradients and optimizer state" in message
+    assert "Pass max_memory >= " in message
+    # The deprecated name is the one the user wrote.
+    with pytest.warns(DeprecationWarning), pytest.raises(MisconfigurationException, match=r"budget='1000B'"):
+        _trainer(tmp_path, [AutoCheckpoint(budget="1000B")]).fit(GPTModule())
+
+
+def test_log_false_logs_nothing(tmp_path):
+    trainer = _trainer(tmp_path, [AutoCheckpoint(log=False)])
+    trainer.fit(GPTModule())
+    assert not [k for k in trainer.callback_metrics if k.startswith("checkpoint/")]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "profiled"),
+    [
+        ({"mode": "full"}, ["keep", "full"]),
+        ({"mode": "selective"}, ["keep", "selective"]),
+        ({}, ["keep", "full"]),  # CPU, no limit: full recompute where it helps, else keep
+        ({"max_memory": 10**6}, ["keep", "selective", "full"]),  # CPU: no offload
+        ({"max_memory": 10**6, "allow_offload": True}, ["keep", "selective", "full", "offload"]),
+    ],
+)
+def test_profiles_only_the_treatments_the_mode_can_choose(tmp_path, monkeypatch, kwargs, profiled):
+    seen = []
+
+    def spy(*args, choices, **kw):
+        seen.append(list(choices))
+        return ac_module.profile_blocks.__wrapped__(*args, choices=choices, **kw)
+
+    spy.__wrapped__ = ac_module.profile_blocks
+    monkeypatch.setattr(ac_module, "profile_blocks", spy)
+    _trainer(tmp_path, [AutoCheckpoint(**kwargs)], steps=1).fit(GPTModule())
+    assert seen == [profiled]
+
+
+def test_blocks_where_recompute_saves_nothing_are_kept(tmp_path):
+    class Linears(GPTModule):
+        """Blocks that are single Linear layers: each saves its input whether checkpointed or not."""
+
+        def configure_model(self):
+            self.model = torch.nn.Sequential(
+                torch.nn.Embedding(32, 16), *[torch.nn.Linear(16, 16) for _ in range(3)]
+            )
+
+        def training_step(self, batch, batch_idx):
+            self.seen_choices.append(checkpointed_blocks(self))
+            return self.model(batch[0]).square().mean()
+
+    module, cb = Linears(), AutoCheckpoint()
+    _trainer(tmp_path, [cb], steps=2).fit(module)
+    assert module.seen_choices[0] == dict.fromkeys(["model.1", "model.2", "model.3"], "full")
+    assert (
+        module.seen_choices[1] == cb.plan.choices == dict.fromkeys(["model.1", "model.2", "model.3"], "keep")
+    )
+    assert cb.plan.extra_flops == 0 and cb.plan.activation_bytes == cb.plan.baseline_bytes
+
+
+def test_a_model_that_checkpoints_itself_is_left_alone(tmp_path):
+    class TimmLike(GPTModule):
+        def configure_model(self):
+            super().configure_model()
+            self.model.grad_checkpointing = True  # what timm's set_grad_checkpointing() sets
+
+    module = TimmLike()
+    with pytest.warns(
+        UserWarning, match=r"model \(TinyGPT.grad_checkpointing\) already checkpoints"
+    ) as record:
+        _trainer(tmp_path, [AutoCheckpoint()], steps=1).fit(module)
+    assert sum("already checkpoints" in str(w.message) for w in record) == 1
+    assert module.seen_choices == [{}]
+
+
+def test_block_patterns_match_relative_to_the_module_holding_the_blocks(tmp_path):
+    module, cb = GPTModule(), AutoCheckpoint(blocks="h.?", mode="full")
+    _trainer(tmp_path, [cb], steps=1).fit(module)
+    assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
