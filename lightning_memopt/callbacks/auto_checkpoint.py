@@ -174,7 +174,7 @@ class AutoCheckpoint(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        # FSDPStrategy's instance attribute, listed in batching/engine.py's LIGHTNING_SURFACE (tested).
+        # FSDPStrategy's, listed (and tested) in batching/engine.py's LIGHTNING_SURFACE.
         if getattr(strategy, "_activation_checkpointing_kwargs", None):
             return self._step_aside("the strategy (FSDPStrategy's activation_checkpointing_policy)")
         capacity = device_memory(strategy.root_device, tracker=MemoryTracker()).capacity()
