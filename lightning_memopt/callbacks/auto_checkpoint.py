@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -25,11 +24,12 @@ from lightning_memopt.checkpointing import (
     find_blocks,
     framework_checkpointing,
     keep_where_no_gain,
-    plan_checkpointing,
+    plan_within,
     profile_blocks,
     remove_checkpointing,
+    state_bytes,
 )
-from lightning_memopt.checkpointing.profile import record_block_inputs
+from lightning_memopt.checkpointing.profile import ForwardProbe
 from lightning_memopt.memory import MemoryTracker, format_bytes
 from lightning_memopt.memory.budget import check_headroom, check_max_memory, usable_bytes
 from lightning_memopt.memory.device import device_memory
@@ -158,11 +158,8 @@ class AutoCheckpoint(Callback):
         self._usable: int | None = None  # max_memory * (1 - headroom) in bytes, where known
         self._treatments: list[str] = []  # what profiling measures: keep, and what the mode may choose
         self._needs_check = False  # the next batch measures the plan and compares
-        self._batch_stack: contextlib.ExitStack | None = None
-        self._meter: ActivationMeter | None = None
+        self._probe: ForwardProbe | None = None  # measures a batch's forward (and records block inputs)
         self._unwrap: Callable[[], None] | None = None  # undoes the configure_model wrapper
-        self._inputs: dict | None = None
-        self._outside_bytes = 0
 
     @property
     def state_key(self) -> str:
@@ -232,52 +229,40 @@ class AutoCheckpoint(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._blocks or not self._needs_check or self._batch_stack is not None:
-            return
-        stack = contextlib.ExitStack()
-        meter = self._meter = stack.enter_context(ActivationMeter(pl_module, self._blocks))
-        if self.plan is not None and not self.plan.predicted:
-            held = lambda t: meter.tracker.category_of(t) == "activations"  # noqa: E731
-            self._inputs = stack.enter_context(record_block_inputs(self._blocks, held))
-        self._batch_stack = stack
+        if self._blocks and self._needs_check and self._probe is None and self.plan is not None:
+            self._probe = ForwardProbe(pl_module, self._blocks, record=not self.plan.predicted)
 
     @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        if self._batch_stack is not None and self._meter is not None:
-            # Under a micro-batching engine the micro-batches' backwards already ran: nothing is held now.
-            self._outside_bytes = max(
-                0, self._meter.tracker.current_breakdown["activations"] - self._meter.total
-            )
-            self._batch_stack.close()  # measure forward only: backward runs untracked
+        if self._probe is not None:
+            self._probe.forward_done()  # measure the forward only: backward runs untracked
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx
     ) -> None:
-        if self._batch_stack is None:
+        probe, self._probe = self._probe, None
+        if probe is None:
             return
-        self._batch_stack.close()
-        self._batch_stack = None
-        meter, self._meter = self._meter, None
-        assert meter is not None and self.plan is not None
+        probe.close()
+        assert self.plan is not None
         if not self.plan.predicted:
-            inputs, self._inputs = self._inputs, None
             context = trainer.precision_plugin.forward_context
             profiles = profile_blocks(
-                pl_module, self._blocks, inputs=inputs, context=context, choices=self._treatments
+                pl_module, self._blocks, inputs=probe.inputs, context=context, choices=self._treatments
             )
             ran = self.plan.choices
-            self.plan = self._choose(trainer, pl_module, profiles)
+            self.plan = self._choose(trainer, pl_module, profiles, probe.outside_bytes)
             rank_zero_info("AutoCheckpoint plan:\n" + self.plan.table())
             if self.plan.choices != ran:
                 apply_checkpointing(pl_module, self.plan)
                 return  # the next batch runs the new plan: measure that one
         self._needs_check = False
-        self._compare(pl_module, meter)
+        self._compare(pl_module, probe.meter)
 
-    def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, profiles) -> Plan:
+    def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, profiles, outside: int) -> Plan:
         """The plan to run from now on, given the blocks' profiles."""
         assert self.plan is not None
         ran = list(self.plan.choices.values())
@@ -285,42 +270,29 @@ class AutoCheckpoint(Callback):
             return evaluate_plan(profiles, ran, self.cost_model)
         if self._usable is None:  # no limit known: recompute wherever it lowers the bytes held
             return evaluate_plan(profiles, keep_where_no_gain(profiles, ran), self.cost_model)
-        with MemoryTracker(pl_module, trainer.optimizers) as tracker:
-            states = tracker.current_breakdown
-        trainable = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
-        static = states["parameters"] + max(states["gradients"], trainable) + states["optimizer_state"]
-        blocks_budget = self._usable - static - self._outside_bytes
-        # The smallest over ranks (FSDP shards can differ by a few bytes), so that every rank plans the same.
-        device = trainer.strategy.root_device
-        blocks_budget = int(
-            trainer.strategy.reduce(torch.tensor(blocks_budget, device=device), reduce_op="min")
-        )
-        try:  # with nothing left for the blocks, plan for 1 byte: the error says what the blocks need
-            return plan_checkpointing(
-                profiles, max(blocks_budget, 1), allowed=self._treatments, cost_model=self.cost_model
+        # The largest over ranks (FSDP shards can differ by a few bytes), so that every rank plans the same.
+        held = torch.tensor([state_bytes(pl_module, trainer.optimizers), outside])
+        states, outside = trainer.strategy.reduce(
+            held.to(trainer.strategy.root_device), reduce_op="max"
+        ).tolist()
+        try:
+            return plan_within(
+                profiles,
+                self._usable,
+                states=int(states),
+                outside=int(outside),
+                allowed=self._treatments,
+                cost_model=self.cost_model,
             )
         except InfeasibleBudgetError as err:
-            raise self._too_small(static, err.minimum) from err
-
-    def _too_small(self, static: int, blocks_minimum: int) -> MisconfigurationException:
-        """The error for a limit no plan fits, in the user's terms: their value and what it must hold."""
-        assert self._usable is not None
-        need = static + self._outside_bytes + blocks_minimum
-        limit = (
-            f"{self._limit_name}={self.max_memory!r}"
-            if self.max_memory is not None
-            else "the device capacity"
-        )
-        short = self._usable < static + self._outside_bytes
-        what = "does not even hold" if short else "is too small for any plan; it must hold"
-        return MisconfigurationException(
-            f"AutoCheckpoint: {limit} (usable with headroom={self.headroom}: {format_bytes(self._usable)}) {what} "
-            f"the parameters, gradients and optimizer state ({format_bytes(static)}), the activations outside "
-            f"the blocks ({format_bytes(self._outside_bytes)}) and the blocks' smallest peak "
-            f"({format_bytes(blocks_minimum)}): {format_bytes(need)} in all. Pass {self._limit_name} >= "
-            f"{format_bytes(int(need / (1 - self.headroom)) + 1)}, use a smaller micro-batch "
-            "(AutoAccumulation) or shard the model (FSDP)."
-        )
+            limit = (
+                f"{self._limit_name}={self.max_memory!r}" if self.max_memory is not None else "the capacity"
+            )
+            raise MisconfigurationException(
+                f"AutoCheckpoint: {limit} (usable with headroom={self.headroom}: {format_bytes(self._usable)}) "
+                f"{err}. Pass {self._limit_name} >= {format_bytes(int(err.minimum / (1 - self.headroom)) + 1)}, "
+                "use a smaller micro-batch (AutoAccumulation) or shard the model (FSDP)."
+            ) from err
 
     def _compare(self, pl_module: pl.LightningModule, meter: ActivationMeter) -> None:
         assert self.plan is not None
@@ -367,10 +339,9 @@ class AutoCheckpoint(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._batch_stack is not None:
-            self._batch_stack.close()
-            self._batch_stack = None
-        self._meter, self._inputs = None, None
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None

@@ -22,6 +22,8 @@ from lightning_memopt.checkpointing.planner import (
     evaluate_plan,
     keep_where_no_gain,
     plan_checkpointing,
+    plan_within,
+    state_bytes,
 )
 from lightning_memopt.checkpointing.profile import (
     ActivationMeter,
@@ -54,6 +56,8 @@ __all__ = [
     "keep_where_no_gain",
     "observe_saved",
     "plan_checkpointing",
+    "plan_within",
     "profile_blocks",
     "remove_checkpointing",
+    "state_bytes",
 ]

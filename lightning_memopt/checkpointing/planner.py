@@ -35,6 +35,8 @@ __all__ = [
     "brute_force_plan",
     "InfeasibleBudgetError",
     "keep_where_no_gain",
+    "plan_within",
+    "state_bytes",
 ]
 
 
@@ -282,6 +284,50 @@ def plan_checkpointing(
             minimum,
         )
     return evaluate_plan(profiles, best, cost_model, budget)
+
+
+def state_bytes(model, optimizers=()) -> int:
+    """Bytes of ``model``'s parameters, their gradients (counted before the first backward allocates
+    them) and the optimizers' state: what a training step holds besides activations."""
+    from lightning_memopt.memory import MemoryTracker
+
+    with MemoryTracker(model, list(optimizers)) as tracker:
+        held = tracker.current_breakdown
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return held["parameters"] + max(held["gradients"], trainable) + held["optimizer_state"]
+
+
+def plan_within(
+    profiles: Sequence[BlockProfile],
+    usable: int,
+    *,
+    states: int,
+    outside: int,
+    allowed: Sequence[str] = CHOICES,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """:func:`plan_checkpointing` for a whole training step: the blocks get ``usable`` minus ``states``
+    (parameters, gradients, optimizer state: :func:`state_bytes`) minus the ``outside`` activations.
+
+    Raises:
+        InfeasibleBudgetError: If no plan fits. Its message names each part and the total the step needs;
+            its ``minimum`` is that total (bytes).
+    """
+    try:  # with nothing left for the blocks, plan for 1 byte: the error says what the blocks need
+        return plan_checkpointing(
+            profiles, max(usable - states - outside, 1), allowed=allowed, cost_model=cost_model
+        )
+    except InfeasibleBudgetError as err:
+        need = states + outside + err.minimum
+        what = (
+            "does not even hold" if usable < states + outside else "is too small for any plan; it must hold"
+        )
+        raise InfeasibleBudgetError(
+            f"{what} the parameters, gradients and optimizer state ({format_bytes(states)}), the activations "
+            f"outside the blocks ({format_bytes(outside)}) and the blocks' smallest peak "
+            f"({format_bytes(err.minimum)}): {format_bytes(need)} in all",
+            need,
+        ) from err
 
 
 def _smallest_feasible(profiles, allowed, cost_model) -> int:

@@ -54,6 +54,7 @@ __all__ = [
     "record_block_inputs",
     "profile_blocks",
     "ActivationMeter",
+    "ForwardProbe",
 ]
 
 _aten = torch.ops.aten
@@ -503,4 +504,37 @@ class ActivationMeter:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+class ForwardProbe:
+    """Around one training step's forward: the blocks' activation bytes (:class:`ActivationMeter`), the
+    activations held outside the blocks, and (``record=True``) each block's inputs for profiling.
+
+    Call :meth:`forward_done` when the forward ends (before backward) and :meth:`close` after the step;
+    ``close`` is safe to call twice and after an exception.
+    """
+
+    def __init__(self, model: nn.Module, blocks: Iterable[tuple[str, nn.Module]], *, record: bool) -> None:
+        self._stack = contextlib.ExitStack()
+        self.meter = self._stack.enter_context(ActivationMeter(model, blocks))
+        self.inputs: dict[str, BlockInputs] | None = None
+        self.outside_bytes = 0
+        """Activations autograd holds at the end of the forward outside the blocks (embeddings, head, loss)."""
+        self.open = True
+        if record:
+            held = lambda t: self.meter.tracker.category_of(t) == "activations"  # noqa: E731
+            self.inputs = self._stack.enter_context(record_block_inputs(self.meter.blocks, held))
+
+    def forward_done(self) -> None:
+        """Stop measuring: backward runs untracked. Under a micro-batching engine the micro-batches'
+        backwards already ran and nothing is held now: the blocks' bytes were taken as they ran."""
+        if self.open:
+            self.outside_bytes = max(
+                0, self.meter.tracker.current_breakdown["activations"] - self.meter.total
+            )
+        self.close()
+
+    def close(self) -> None:
+        self.open = False
         self._stack.close()
