@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -182,6 +183,10 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
     # not be found by the real forward (nor change which casts the real forward and its recomputation run).
     autocast_cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
+    # An op without a fake kernel (e.g. grouped matmul) is an expected outcome here, not an error to log.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
         with _disable_current_modes(), torch.random.fork_rng(devices=[]):
             mode = detect_fake_mode(_tensors((args, kwargs))) or FakeTensorMode(allow_non_fake_inputs=True)
@@ -203,6 +208,7 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
     except Exception:  # a data-dependent op, an op fake tensors do not support
         return _RECOMPUTE_ALL
     finally:
+        fake_log.setLevel(fake_level)
         torch.set_autocast_cache_enabled(autocast_cache)
         with torch.no_grad():
             for b, saved in buffers:

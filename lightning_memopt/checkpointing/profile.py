@@ -14,8 +14,10 @@ left alone; RNG and buffers are restored afterwards):
   same numbers for ``keep``; that difference is exactly the recomputation.
 - transfer bytes: bytes copied to CPU by ``offload`` (they come back, so twice that crosses the bus).
 
-Blocks with the same class, configuration (``repr``), parameter shapes and input shapes are profiled
-once. Everything runs in the precision context given (autocast), so bf16 activations count half.
+Inputs several blocks take (an attention mask, T5's position bias, the encoder output every decoder block
+attends to) are held once: they count in the first block that takes them. A Hugging Face key/value cache
+is not recorded (a block re-run on its inputs would append to it again). Blocks with the same class,
+configuration (``repr``), parameter shapes, input shapes and shared inputs are profiled once. Everything runs in the precision context given (autocast), so bf16 activations count half.
 """
 
 from __future__ import annotations

@@ -518,3 +518,20 @@ def test_profile_and_plan_input_errors():
         plan_checkpointing(profiles, 10**6)
     with pytest.raises(ValueError, match="allowed must name at least one treatment"):
         plan_checkpointing(profiles, 10**6, allowed=[])
+
+
+def test_keep_where_no_gain_keeps_blocks_whose_recompute_saves_nothing():
+    from lightning_memopt.checkpointing import BlockProfile, OptionCost, keep_where_no_gain
+
+    def block(name, keep_internal):
+        # Full recompute holds only the input; keeping holds the input and `keep_internal` more bytes.
+        options = {
+            "keep": OptionCost(keep_internal, saves_input=True, saves_output=False),
+            "full": OptionCost(0, saves_input=True, saves_output=False, recompute_flops=10),
+        }
+        return BlockProfile(name, 10, input_bytes=64, output_bytes=64, chained=True, options=options)
+
+    profiles = [block("a", 100), block("b", 0), block("c", 32)]
+    # b's own activations are only its input: recomputing it lowers nothing, so it keeps them.
+    assert keep_where_no_gain(profiles, ["full"] * 3) == ["full", "keep", "full"]
+    assert keep_where_no_gain(profiles, ["keep", "full", "keep"]) == ["keep", "keep", "keep"]

@@ -218,3 +218,25 @@ def test_hf_gradient_checkpointing_is_not_doubled():
     assert sum("already checkpoints" in str(w.message) for w in rec) == 1
     assert seen == [{}, {}]  # HF checkpoints, AutoCheckpoint stepped aside
     _assert_same_parameters("gpt2", module, _plain("gpt2", SMALL, False)[0])
+
+
+if __name__ == "__main__":
+    # The zoo table: every model x mode at the peak test's batch size (not run by pytest).
+    #   PYTHONPATH=$PWD python tests/zoo/test_auto_checkpoint_zoo.py
+    print("| model | mode | result | step peak vs plain (first step) | blocks | plan |")
+    print("|---|---|---|---|---|---|")
+    for name in sorted(ZOO):
+        reference, plain_peak = _plain(name, LARGE, True)
+        for mode in ("auto", "full", "selective"):
+            callback = AutoCheckpoint(mode=mode)
+            try:
+                module, _, seen, peaks = _fit(name, [callback], LARGE, measure=True)
+                _assert_same_parameters(name, module, reference)
+                result = "ok"
+            except Exception as err:  # noqa: BLE001 - a table row per failure
+                result, peaks, seen = f"FAILED: {str(err)[:60]}", [0, 0], [{}, {}]
+            plan = dict(Counter(seen[-1].values()))
+            print(
+                f"| {name} | {mode} | {result} | {peaks[-1] / plain_peak:.2f}x ({peaks[0] / plain_peak:.2f}x) "
+                f"| {len(seen[-1])} | {plan} |"
+            )
