@@ -9,3 +9,9 @@ def check_positive_int(name: str, value: Any) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (bools are not ints here)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_bool(name: str, value: Any, *, none_ok: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is True or False (or None, where allowed)."""
+    if not isinstance(value, bool) and not (none_ok and value is None):
+        raise ValueError(f"{name} must be True or False{' or None' if none_ok else ''}, got {value!r}")

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memopt._checks import check_bool, check_positive_int
 from lightning_memopt.callbacks._hooks import wrap_instance_hook
 from lightning_memopt.checkpointing import (
     ActivationMeter,
@@ -28,6 +29,7 @@ from lightning_memopt.checkpointing import (
     profile_blocks,
     remove_checkpointing,
     state_bytes,
+    treatments,
 )
 from lightning_memopt.checkpointing.profile import ForwardProbe
 from lightning_memopt.memory import MemoryTracker, format_bytes
@@ -114,7 +116,7 @@ class AutoCheckpoint(Callback):
         log: bool = True,
         budget: int | float | str | None = None,
     ) -> None:
-        self._limit_name = "max_memory"
+        self._limit_name = "max_memory" if budget is None else "budget"
         if budget is not None:
             if max_memory is not None:
                 raise ValueError(
@@ -124,23 +126,21 @@ class AutoCheckpoint(Callback):
                 "AutoCheckpoint(budget=...) is deprecated and will be removed in the next release; use "
                 "max_memory=... (budget=X means max_memory=X, headroom=0)"
             )
-            max_memory, headroom, self._limit_name = budget, 0.0, "budget"
+            max_memory, headroom = budget, 0.0
         check_max_memory(max_memory, name=self._limit_name)
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if max_memory is not None and mode != "auto":
             raise ValueError(
-                f"{self._limit_name}={max_memory!r} is only used by mode='auto', got mode={mode!r}; drop one of them"
+                f"{self._limit_name}={max_memory!r} is only used by mode='auto', got mode={mode!r}"
             )
-        if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-            raise ValueError(f"every_n must be an int >= 1, got {every_n!r}")
+        check_positive_int("every_n", every_n)
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise ValueError(
-                f"cost_model must be a CostModel, got {cost_model!r}; e.g. CostModel(pointwise_flops_per_byte=20)"
+                f"cost_model must be a CostModel, got {cost_model!r}; e.g. CostModel(offload_flops_per_byte=1e4)"
             )
-        for name, value in (("allow_offload", allow_offload), ("log", log)):
-            if not isinstance(value, bool) and not (name == "allow_offload" and value is None):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
+        check_bool("allow_offload", allow_offload, none_ok=True)
+        check_bool("log", log)
         check_blocks(blocks)
         self.blocks = blocks
         self.max_memory = max_memory
@@ -180,9 +180,7 @@ class AutoCheckpoint(Callback):
         except ValueError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
         offload = self.allow_offload if self.allow_offload is not None else strategy.root_device.type != "cpu"
-        planned = ["selective", "full"] + (["offload"] if offload else [])
-        forced = {"auto": planned if self._usable is not None else ["full"], "every_n": ["full"]}
-        self._treatments = ["keep", *forced.get(self.mode, [self.mode])]
+        self._treatments = treatments(self.mode, planned=self._usable is not None, offload=offload)
         self._module = pl_module
         # An instance attribute, removed in teardown; Lightning calls it since it differs from the base hook.
         self._unwrap = wrap_instance_hook(
@@ -266,23 +264,18 @@ class AutoCheckpoint(Callback):
         """The plan to run from now on, given the blocks' profiles."""
         assert self.plan is not None
         ran = list(self.plan.choices.values())
-        if self.mode != "auto":
-            return evaluate_plan(profiles, ran, self.cost_model)
-        if self._usable is None:  # no limit known: recompute wherever it lowers the bytes held
-            return evaluate_plan(profiles, keep_where_no_gain(profiles, ran), self.cost_model)
+        if self.mode != "auto" or self._usable is None:  # no limit: recompute wherever it lowers the bytes
+            chosen = ran if self.mode != "auto" else keep_where_no_gain(profiles, ran)
+            return evaluate_plan(profiles, chosen, self.cost_model)
         # The largest over ranks (FSDP shards can differ by a few bytes), so that every rank plans the same.
-        held = torch.tensor([state_bytes(pl_module, trainer.optimizers), outside])
-        states, outside = trainer.strategy.reduce(
-            held.to(trainer.strategy.root_device), reduce_op="max"
-        ).tolist()
+        held = torch.tensor(
+            [state_bytes(pl_module, trainer.optimizers), outside], device=trainer.strategy.root_device
+        )
+        states, outside = trainer.strategy.reduce(held, reduce_op="max").tolist()
         try:
+            allowed, costs = self._treatments, self.cost_model
             return plan_within(
-                profiles,
-                self._usable,
-                states=int(states),
-                outside=int(outside),
-                allowed=self._treatments,
-                cost_model=self.cost_model,
+                profiles, self._usable, states=states, outside=outside, allowed=allowed, cost_model=costs
             )
         except InfeasibleBudgetError as err:
             limit = (

@@ -24,6 +24,7 @@ from lightning_memopt.checkpointing.planner import (
     plan_checkpointing,
     plan_within,
     state_bytes,
+    treatments,
 )
 from lightning_memopt.checkpointing.profile import (
     ActivationMeter,
@@ -60,4 +61,5 @@ __all__ = [
     "profile_blocks",
     "remove_checkpointing",
     "state_bytes",
+    "treatments",
 ]

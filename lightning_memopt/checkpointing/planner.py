@@ -37,6 +37,7 @@ __all__ = [
     "keep_where_no_gain",
     "plan_within",
     "state_bytes",
+    "treatments",
 ]
 
 
@@ -284,6 +285,21 @@ def plan_checkpointing(
             minimum,
         )
     return evaluate_plan(profiles, best, cost_model, budget)
+
+
+def treatments(mode: str, *, planned: bool, offload: bool) -> list[str]:
+    """What to profile for ``mode``: ``keep`` (recompute is measured against it) and what the mode can
+    choose. A forced mode profiles its treatment only; ``auto`` all of them when it plans under a limit
+    (``offload`` where allowed), else ``full`` (kept where it saves nothing: :func:`keep_where_no_gain`).
+
+    Example::
+
+        >>> treatments("auto", planned=True, offload=False), treatments("selective", planned=False, offload=True)
+        (['keep', 'selective', 'full'], ['keep', 'selective'])
+    """
+    if mode == "auto" and planned:
+        return ["keep", "selective", "full"] + (["offload"] if offload else [])
+    return ["keep", "full" if mode in ("auto", "every_n") else mode]
 
 
 def state_bytes(model, optimizers=()) -> int:
