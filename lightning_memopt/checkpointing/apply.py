@@ -172,6 +172,8 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
+    if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
+        return _RECOMPUTE_ALL  # a cache the block keeps: a dry run would write fake keys into it
     buffers = [(b, b.detach().clone()) for b in block.buffers()]
     count = _CountOps()
 

@@ -535,3 +535,45 @@ def test_keep_where_no_gain_keeps_blocks_whose_recompute_saves_nothing():
     # b's own activations are only its input: recomputing it lowers nothing, so it keeps them.
     assert keep_where_no_gain(profiles, ["full"] * 3) == ["full", "keep", "full"]
     assert keep_where_no_gain(profiles, ["keep", "full", "keep"]) == ["keep", "keep", "keep"]
+
+
+class _CachingBlock(nn.Module):
+    """Attention-like block that appends its keys to a Hugging Face cache when one is passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k, self.q = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, past_key_values=None, use_cache=False):
+        k = self.k(x)  # (B, T, C)
+        if past_key_values is not None:
+            k, _ = past_key_values.update(k[:, None], k[:, None], 0)  # (B, 1, T_cache, C)
+            k = k[:, 0]
+        return (self.q(x) @ k.transpose(1, 2)).softmax(-1) @ k, use_cache
+
+
+@pytest.mark.parametrize("choice", ["selective", "full", "offload"])
+def test_checkpointed_blocks_run_without_the_key_value_cache(choice):
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    torch.manual_seed(0)
+    block, x = _CachingBlock(), torch.randn(2, 4, 8)
+    reference, _ = block(x)  # what training computes: no earlier keys in the cache
+    reference.sum().backward()
+    ref = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    apply_checkpointing(block, {"": choice})
+    cache = cache_utils.DynamicCache()
+    out, use_cache = block(x, past_key_values=cache, use_cache=True)
+    out.sum().backward()  # a recomputation appending to the cache again would see twice the keys
+    assert cache.get_seq_length() == 0 and use_cache is False
+    torch.testing.assert_close(out, reference)
+    for p, r in zip(block.parameters(), ref):
+        torch.testing.assert_close(p.grad, r)
+    # A block that only reads the cache says so, and keeps it.
+    type(block)._can_checkpoint_with_cache = True
+    try:
+        block(x, past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 4
+    finally:
+        del type(block)._can_checkpoint_with_cache
+    remove_checkpointing(block)
