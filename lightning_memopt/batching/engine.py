@@ -80,7 +80,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -106,6 +106,7 @@ LIGHTNING_SURFACE = (
     (Strategy, "model"),
     (Strategy, "root_device"),
     (ParallelStrategy, "block_backward_sync"),
+    (FSDPStrategy, "_activation_checkpointing_kwargs"),  # an instance attribute; read by AutoCheckpoint
 )
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")

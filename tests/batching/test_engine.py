@@ -6,7 +6,8 @@ from lightning_memopt.batching.engine import LIGHTNING_SURFACE
 def test_lightning_surface_the_engine_relies_on_exists():
     """Fails loudly if a Lightning upgrade renames or removes what batching/engine.py wraps."""
     for owner, name in LIGHTNING_SURFACE:
-        assert hasattr(owner, name), (
+        # a class attribute, or an instance attribute its __init__ sets
+        assert hasattr(owner, name) or f"self.{name} =" in inspect.getsource(owner.__init__), (
             f"{owner.__name__}.{name} is gone: update lightning_memopt/batching/engine.py"
         )
     from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization

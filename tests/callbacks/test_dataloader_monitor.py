@@ -297,7 +297,6 @@ def test_state_dict_round_trip():
         ({"window": 0}, "window must be a positive int, got 0"),
         ({"window": 2.5}, "window must be a positive int, got 2.5"),
         ({"window": None}, "window must be a positive int, got None"),
-        ({"tune": "yes"}, "tune must be True or False, got 'yes'"),
         ({"tune_batches": 0}, "tune_batches must be a positive int, got 0"),
         ({"log_every_n_steps": -1}, "log_every_n_steps must be a positive int, got -1"),
     ],
@@ -305,6 +304,13 @@ def test_state_dict_round_trip():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DataLoaderMonitor(**kwargs)
+
+
+def test_tune_must_be_a_bool():
+    with pytest.raises(
+        TypeError, match="tune must be True or False, got 'yes'; pass a bool, e.g. tune=False"
+    ):
+        DataLoaderMonitor(tune="yes")
 
 
 def test_lightning_cli_yaml(tmp_path):

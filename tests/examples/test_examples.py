@@ -114,8 +114,9 @@ def test_gpt_memopt_config_instantiates_callbacks_with_yaml_values(gpt_train):
     (backoff,) = _callbacks(cli, OOMBackoff)
     (monitor,) = _callbacks(cli, MemoryMonitor)
     # Byte strings from the YAML arrive as bytes.
-    assert listed["lightning_memopt.AutoCheckpoint"]["budget"] == "40MiB"
-    assert parse_bytes(checkpoint.budget) == 40 * 2**20  # AutoCheckpoint parses it when it plans
+    assert listed["lightning_memopt.AutoCheckpoint"]["max_memory"] == "40MiB"
+    assert parse_bytes(checkpoint.max_memory) == 40 * 2**20  # AutoCheckpoint parses it when it plans
+    assert checkpoint.headroom == listed["lightning_memopt.AutoCheckpoint"]["headroom"] == 0.0
     assert (
         accumulation.micro_batch_size == listed["lightning_memopt.AutoAccumulation"]["micro_batch_size"] == 8
     )
@@ -170,9 +171,9 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
     variants.write_text(
         """callbacks:
   - class_path: lightning_memopt.AutoCheckpoint
-    init_args: {budget: 6GiB, headroom: 0.2}
+    init_args: {max_memory: 6GiB, headroom: 0.2}
   - class_path: lightning_memopt.AutoCheckpoint
-    init_args: {budget: 0.5}
+    init_args: {max_memory: 0.5}
   - class_path: lightning_memopt.AutoCheckpoint
     init_args: {mode: every_n, every_n: 3}
   - class_path: lightning_memopt.AutoAccumulation
@@ -192,8 +193,8 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
     parser.add_argument("--callbacks", type=list[Callback])
     callbacks = parser.instantiate_classes(parser.parse_args(["--config", str(variants)])).callbacks
     ckpt_gib, ckpt_fraction, ckpt_every, accumulation, backoff, swap, monitor, data = callbacks
-    assert (parse_bytes(ckpt_gib.budget), ckpt_gib.headroom) == (6 * 2**30, 0.2)
-    assert ckpt_fraction.budget == 0.5
+    assert (parse_bytes(ckpt_gib.max_memory), ckpt_gib.headroom) == (6 * 2**30, 0.2)
+    assert ckpt_fraction.max_memory == 0.5
     assert (ckpt_every.mode, ckpt_every.every_n) == ("every_n", 3)
     assert (accumulation.max_memory, accumulation.headroom) == (1_500_000_000, 0.05)
     assert accumulation._sizes["eval_micro_batch_size"] == 64
@@ -206,7 +207,7 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
 def test_bad_yaml_value_is_reported_with_the_callbacks_message(tmp_path, gpt_train):
     config = tmp_path / "bad.yaml"
     config.write_text(
-        "trainer:\n  callbacks:\n    - class_path: lightning_memopt.AutoCheckpoint\n      init_args: {budget: banana}\n"
+        "trainer:\n  callbacks:\n    - class_path: lightning_memopt.AutoCheckpoint\n      init_args: {max_memory: banana}\n"
     )
     with pytest.raises(ValueError, match="banana"):
         gpt_train.main(["--config", str(config)], run=False)
