@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_memopt._checks import check_positive_int
+from lightning_memopt._checks import check_bool, check_positive_int
 from lightning_memopt.callbacks._hooks import wrap_instance_hook
 from lightning_memopt.callbacks._train_loaders import (
     dataloaders,
@@ -87,7 +87,8 @@ class DataLoaderMonitor(Callback):
 
     Raises:
         ValueError: If ``threshold`` is not in (0, 1), ``window``, ``tune_batches`` or
-            ``log_every_n_steps`` is not a positive int, or ``tune`` is not a bool.
+            ``log_every_n_steps`` is not a positive int.
+        TypeError: If ``tune`` is not a bool.
         pickle.PicklingError: At fit start, when the training DataLoader's workers cannot be started.
 
     Example::
@@ -119,8 +120,7 @@ class DataLoaderMonitor(Callback):
         check_positive_int("tune_batches", tune_batches)
         if log_every_n_steps is not None:
             check_positive_int("log_every_n_steps", log_every_n_steps)
-        if not isinstance(tune, bool):
-            raise ValueError(f"tune must be True or False, got {tune!r} (or call tune_num_workers)")
+        check_bool("tune", tune)
         self.threshold = float(threshold)
         self.window = window
         self.tune = tune
