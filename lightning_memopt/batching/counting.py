@@ -25,6 +25,7 @@ this for any other loss.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,15 +59,13 @@ class LabelCount:
 
 def _hf_models(module: nn.Module) -> list[nn.Module]:
     """The outermost Hugging Face ``PreTrainedModel`` submodules of ``module`` (itself included)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # transformers is optional: without it no module is one of its models
+    transformers = sys.modules.get("transformers")
+    if transformers is None:  # not imported: no module is one of its models (and importing it takes seconds)
         return []
+    pretrained = transformers.PreTrainedModel
     found: list[tuple[str, nn.Module]] = []
     for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(
-            name.startswith(f"{p}.") or p == "" for p, _ in found
-        ):
+        if isinstance(sub, pretrained) and not any(name.startswith(f"{p}.") or p == "" for p, _ in found):
             found.append((name, sub))
     return [sub for _, sub in found]
 
@@ -122,12 +121,16 @@ def _path_of_ignored(batch: Any, path: str = "batch") -> str | None:
     return None
 
 
-def choose_count(batch: Any, shift: bool | None) -> tuple[CountFn | None, str | None]:
+def choose_count(
+    batch: Any, shift: bool | None, *, check_ignored: bool = True
+) -> tuple[CountFn | None, str | None]:
     """The default ``count_fn`` for ``batch`` (None: samples), and a warning when that may not be exact.
 
     Args:
         batch: The optimizer batch.
         shift: :func:`causal_shift` of the model.
+        check_ignored: Look for -100 in the integer tensors of a batch without ``labels`` (one small
+            reduction per tensor); False once the warning was given.
     """
     labels = batch.get(LABELS) if isinstance(batch, Mapping) else None
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dtype != torch.bool:
@@ -139,7 +142,7 @@ def choose_count(batch: Any, shift: bool | None) -> tuple[CountFn | None, str | 
             "positions, pass count_fn=... (the number of items the loss averages over in a micro-batch) to "
             "AutoAccumulation/OOMBackoff"
         )
-    path = _path_of_ignored(batch)
+    path = _path_of_ignored(batch) if check_ignored else None
     if path is None:
         return None, None
     return None, (

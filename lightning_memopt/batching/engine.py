@@ -427,24 +427,23 @@ class MicroBatchEngine:
                 with sync:
                     out = self._originals["training_step"](part, *rest, **kwargs)
                     loss = _loss_of(out)
-                    # A micro-batch counting no items (all labels -100) has a mean over nothing (NaN) as its
-                    # loss and weighs 0 in the batch's mean: no backward, nothing added.
-                    if weight > 0 or len(parts) == 1:
-                        scaled = loss * weight if len(parts) > 1 else loss  # k=1: no extra op in the graph
-                        if scaler is not None:
-                            scaled = scaler.scale(scaled)
-                        if sharded:  # sync before the backward, and before FSDP's final callback after it
-                            (scaled,) = _SyncInBackward.apply(self, True, scaled)
-                        scaled.backward()
-                        del scaled
-                if weight > 0 or len(parts) == 1:
+                    scaled = loss * weight if len(parts) > 1 else loss  # k=1: no extra op in the graph
+                    if scaler is not None:
+                        scaled = scaler.scale(scaled)
+                    if sharded:  # sync before the backward, and before FSDP's final callback after it
+                        (scaled,) = _SyncInBackward.apply(self, True, scaled)
+                    # Every micro-batch runs its backward, so DDP/FSDP communicate as expected. One that counts
+                    # no items (all labels -100) has a mean over nothing, NaN, as its loss and weighs 0: its
+                    # gradients are zeros (cross-entropy's backward writes only at counted positions).
+                    scaled.backward()
+                if weight > 0 or len(parts) == 1:  # NaN * 0 is NaN: leave it out of the batch's loss
                     part_loss = loss.detach().float()
                     if len(parts) > 1:
                         part_loss = part_loss * weight
                     full_loss = part_loss if full_loss is None else full_loss + part_loss
                 if isinstance(out, Mapping):
                     extras.append({k: _detach(v) for k, v in out.items() if k != "loss"})
-                del out, loss
+                del out, loss, scaled
         assert full_loss is not None
         if not extras:
             return full_loss, None, recorder
@@ -761,7 +760,7 @@ class MicroBatchEngine:
             return micro_batch_weights(parts, sizes, self.count_fn)
         if self._shift is _UNKNOWN:
             self._shift = causal_shift(self._trainer.lightning_module)
-        count_fn, warning = choose_count(batch, self._shift)
+        count_fn, warning = choose_count(batch, self._shift, check_ignored=not self._warned)
         if warning is not None and not self._warned:
             self._warned = True
             rank_zero_warn(warning)
@@ -964,7 +963,8 @@ class _LogRecorder:
             ]
             if len(numeric) == len(records):
                 weight = sum(r[1] for r in records)
-                mean = sum(_as_tensor(r[0]).detach().float() * r[1] for r in records) / weight
+                # weight 0: a micro-batch that counts no items, whose means are NaN
+                mean = sum(_as_tensor(r[0]).detach().float() * r[1] for r in records if r[1] > 0) / weight
                 value = mean if isinstance(records[-1][0], torch.Tensor) else float(mean)
                 if "batch_size" in kwargs:  # the user counted a micro-batch; the step counts them all
                     kwargs = {**kwargs, "batch_size": sum(r[3].get("batch_size", 0) for r in records)}

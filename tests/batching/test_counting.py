@@ -106,3 +106,29 @@ def test_unreadable_loss_warns_once_and_count_fn_makes_it_exact():
             ]
         )
     torch.testing.assert_close(exact.layer.weight, reference.layer.weight, rtol=1e-12, atol=0)
+
+
+class DictTagger(TokenTagger):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step((batch["x"], batch["labels"]), batch_idx)
+        self.log("loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses = [*getattr(self, "losses", []), float(outputs["loss"])]
+
+
+def test_a_micro_batch_without_counted_items_weighs_nothing():
+    # samples 0 and 1 have only -100 labels: that micro-batch's mean is NaN and must not poison anything
+    x, y = next(iter(_tagging_data()))
+    y[:2] = -100
+    data = DataLoader([{"x": a, "labels": b} for a, b in zip(x, y)], batch_size=6)
+    modules = []
+    for callbacks in ([], [AutoAccumulation(micro_batch_size=2, log=False)]):
+        modules.append(DictTagger())
+        trainer = quiet_trainer(callbacks, max_steps=1)
+        trainer.fit(modules[-1], data)
+        assert torch.isfinite(trainer.callback_metrics["loss"])
+    reference, split = modules
+    torch.testing.assert_close(split.layer.weight, reference.layer.weight, rtol=1e-12, atol=0)
+    assert split.losses == pytest.approx(reference.losses, rel=1e-6)  # the step returns a float32 loss
