@@ -17,6 +17,7 @@ from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.tracker import MemoryTracker
+from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["AutoAccumulation"]
 
@@ -124,7 +125,10 @@ class AutoAccumulation(MicroBatchingCallback):
             raise ValueError(
                 f"max_probes must be an int >= 3 (two to fit, one to verify), got {max_probes!r}"
             )
-        self.max_memory = max_memory
+        # bytes for an absolute limit (as before fractions were accepted), the float for a fraction
+        self.max_memory = (
+            max_memory if max_memory is None or isinstance(max_memory, float) else parse_bytes(max_memory)
+        )
         self.headroom = check_headroom(headroom)
         self.max_probes = max_probes
         super().__init__(log=log, count_fn=count_fn, split_fn=split_fn)
