@@ -54,7 +54,7 @@ class LabelCount:
 
     def __call__(self, micro_batch: Mapping[str, Any]) -> int:
         labels = micro_batch[self.key]
-        if self.shift:
+        if self.shift and labels.dim() > 1:  # (B, T) token labels; (B,) labels are one item per sample
             labels = labels[..., 1:]
         return int((labels != IGNORE_INDEX).sum())
 

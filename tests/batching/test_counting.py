@@ -19,6 +19,7 @@ def test_label_count_with_and_without_the_causal_shift():
     assert LabelCount()({"labels": LABELS}) == 9
     assert LabelCount(shift=True)({"labels": LABELS}) == 6  # position 0 of each sample predicts nothing
     assert LabelCount(key="y")({"y": LABELS[:1]}) == 2
+    assert LabelCount(shift=True)({"labels": torch.tensor([3, -100, 1])}) == 2  # per-sample labels: no shift
 
 
 def test_choose_count():
