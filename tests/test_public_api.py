@@ -15,6 +15,7 @@ def test_fixed_public_names_import_and_callbacks_need_no_arguments():
         BatchNormToGroupNorm,
         DataLoaderMonitor,
         MemoryMonitor,
+        MicroBatchOOMError,
         OOMBackoff,
     )
     from lightning_memopt.checkpointing import (  # noqa: F401
@@ -34,10 +35,15 @@ def test_fixed_public_names_import_and_callbacks_need_no_arguments():
         MemoryMonitor,
         DataLoaderMonitor,
     ]
-    assert sorted(c.__name__ for c in callbacks) == sorted(lightning_memopt.__all__)
+    assert sorted(c.__name__ for c in [*callbacks, MicroBatchOOMError]) == sorted(lightning_memopt.__all__)
     for cls in callbacks:
         assert isinstance(cls(), pl.Callback)
-        assert cls.__module__ == lightning_memopt._CALLBACKS[cls.__name__]
+        assert cls.__module__ == lightning_memopt._PUBLIC[cls.__name__]
+    # the error users catch: one class, wherever it is imported from
+    from lightning_memopt.batching.engine import MicroBatchOOMError as from_engine
+
+    assert MicroBatchOOMError is from_engine and issubclass(MicroBatchOOMError, RuntimeError)
+    assert MicroBatchOOMError.__module__ == lightning_memopt._PUBLIC["MicroBatchOOMError"]
 
 
 def test_unknown_attribute_is_an_attribute_error():

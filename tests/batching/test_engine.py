@@ -1,6 +1,11 @@
 import inspect
+import types
 
 from lightning_memopt.batching.engine import LIGHTNING_SURFACE
+
+
+class _Trainer(types.SimpleNamespace):
+    """A stand-in Trainer; unlike SimpleNamespace, weakly referenceable (engines hold Trainers weakly)."""
 
 
 def test_lightning_surface_the_engine_relies_on_exists():
@@ -55,11 +60,11 @@ def test_check_refuses_deepspeed_and_double_wrapping():
     strategy = Strategy()
     strategy.training_step = lambda: None  # someone else replaced it on the instance already
     with pytest.raises(RuntimeError, match="strategy.training_step is already replaced"):
-        MicroBatchEngine().install(types.SimpleNamespace(strategy=strategy))
+        MicroBatchEngine().install(_Trainer(strategy=strategy))
     engine = MicroBatchEngine()
-    engine.install(types.SimpleNamespace(strategy=Strategy()))
+    engine.install(_Trainer(strategy=Strategy()))
     with pytest.raises(RuntimeError, match="a MicroBatchEngine serves one Trainer"):
-        engine.install(types.SimpleNamespace(strategy=Strategy()))
+        engine.install(_Trainer(strategy=Strategy()))
 
 
 def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
@@ -105,7 +110,8 @@ def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
         for m in (first, last, model):  # the root has no parameters of its own: no sync points
             fully_shard(m)
         engine = MicroBatchEngine()
-        engine._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(model=model))
+        trainer = _Trainer(strategy=types.SimpleNamespace(model=model))  # held here: engines hold it weakly
+        engine._trainer = trainer
         x = torch.randn(3, 4)
 
         def step() -> list[torch.Tensor]:
