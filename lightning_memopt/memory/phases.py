@@ -204,7 +204,7 @@ class StepPeaks:
     def begin(
         self, device: torch.device | str, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]
     ) -> None:
-        """Measure ``module`` and its ``optimizers`` on ``device`` from now on (see :class:`PhaseRecorder`)."""
+        """Measure ``module`` and its ``optimizers`` on ``device`` from now on (a :class:`PhaseRecorder`)."""
         self.end()
         self.recorder = PhaseRecorder(device, module, optimizers, breakdown=self.breakdown)
 
