@@ -2,8 +2,8 @@
 
 Lightning 2.x requests the training DataLoaders and iterates them (starting their workers) in one step
 of its fit loop, with no hook in between. :func:`on_train_loaders` reaches them earlier: through the fit
-loop's ``_data_source`` (a Lightning 2.x internal, the one this package's callbacks read outside the
-engine; ``tests/callbacks/test_dataloader_monitor.py`` checks it exists), either at once (loaders given
+loop's ``_data_source`` (a Lightning 2.x internal, listed with why in
+:data:`lightning_memopt._lightning.LIGHTNING_NAMES` and checked by a test), either at once (loaders given
 to ``fit``) or by wrapping the ``train_dataloader`` hook of the LightningModule or LightningDataModule.
 """
 
@@ -27,6 +27,8 @@ def on_train_loaders(trainer: pl.Trainer, inspect: Callable[[Any], None]) -> Cal
     Returns the function that undoes the hook wrapping (call it at teardown), or None if the source
     cannot be found (a Lightning version without ``fit_loop._data_source``).
     """
+    # Both names are in LIGHTNING_NAMES; getattr with a default so that, if one is gone, the monitor warns
+    # and skips the check instead of failing the fit.
     source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
     if isinstance(source, (pl.LightningModule, pl.LightningDataModule)):
         return _on_result(source, "train_dataloader", inspect)

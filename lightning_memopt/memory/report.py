@@ -31,6 +31,7 @@ from lightning_memopt.memory.tracker import CATEGORIES
 __all__ = [
     "PHASES",
     "MemoryHistory",
+    "check_dirpath",
     "empty_record",
     "merge_records",
     "peak_phase",
@@ -278,6 +279,15 @@ def _plot(history: Sequence[dict[str, int]], val_history: Sequence[dict[str, int
     right.set_ylabel("MiB")
     right.grid(axis="y", alpha=0.3)
     fig.savefig(path, dpi=110)
+
+
+def check_dirpath(dirpath: object) -> None:
+    """Raise ``TypeError`` unless ``dirpath`` is a directory path (``str`` or ``os.PathLike``)."""
+    if not isinstance(dirpath, (str, os.PathLike)):
+        raise TypeError(
+            f"dirpath must be a directory path (str or os.PathLike) or None, got {dirpath!r} "
+            f"({type(dirpath).__name__}); pass e.g. dirpath='logs/memory'"
+        )
 
 
 def report_dir_problem(directory: str | os.PathLike) -> str | None:

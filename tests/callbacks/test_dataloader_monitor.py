@@ -324,11 +324,3 @@ def test_lightning_cli_yaml(tmp_path):
     cli = LightningCLI(LoaderNet, args=["--config", str(config)], run=False, save_config_callback=None)
     (monitor,) = [c for c in cli.trainer.callbacks if isinstance(c, DataLoaderMonitor)]
     assert (monitor.threshold, monitor.window, monitor.tune) == (0.25, 8, True)
-
-
-def test_the_lightning_name_it_relies_on_exists():
-    # Lightning starts the training DataLoader's workers right after requesting it; the monitor finds
-    # where it comes from through this Lightning 2.x internal.
-    trainer = quiet_trainer([], max_steps=1)
-    assert hasattr(trainer.fit_loop, "_data_source")
-    assert hasattr(trainer.fit_loop._data_source, "instance")

@@ -1,0 +1,330 @@
+"""Peak memory of a training step, phase by phase: the plain-torch core of ``MemoryMonitor``.
+
+A :class:`PhaseRecorder` measures one device for one run. The caller cuts the work into *windows*: each
+:meth:`~PhaseRecorder.start` or :meth:`~PhaseRecorder.switch` opens a new peak window for a phase of a
+record (see :mod:`lightning_memopt.memory.report`), and the window's peak, with the bytes by category at
+that peak, is folded into the record when the next one opens or at :meth:`~PhaseRecorder.stop`. A phase
+opened several times in one record keeps its largest peak (a validation run's batches; several
+``backward`` calls in manual optimization).
+
+Where the numbers come from is decided once, from the device and the ``breakdown`` mode:
+
+- any device but CUDA: a :class:`~lightning_memopt.memory.MemoryTracker`, entered only while a window is
+  open (exact live tensor bytes, with the breakdown; a Python call per tensor op);
+- CUDA: the caching allocator's peak (free; ``reset_peak_memory_stats`` at each window, which other
+  readers of that peak see too), and the breakdown only with ``"always"``, from a tracker run alongside.
+
+:class:`StepPeaks` keeps a run's records, as training and validation steps open and close them;
+:func:`record_metrics` and :func:`merge_across_ranks` turn records into the
+logged values. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal, get_args
+
+import torch
+
+from lightning_memopt.memory.device import DeviceMemory, TrackedMemory, device_memory
+from lightning_memopt.memory.report import (
+    PHASES,
+    MemoryHistory,
+    empty_record,
+    fold_peak,
+    merge_records,
+    peak_phase,
+)
+from lightning_memopt.memory.tracker import CATEGORIES, MemoryTracker
+
+__all__ = [
+    "BREAKDOWN_MODES",
+    "Breakdown",
+    "PhaseRecorder",
+    "StepPeaks",
+    "check_breakdown",
+    "merge_across_ranks",
+    "record_metrics",
+]
+
+Breakdown = Literal["auto", "always", "never"]
+"""``"auto"``: bytes by category wherever the tracker runs anyway (not on CUDA); ``"always"``: on CUDA
+too, by running the tracker there as well; ``"never"``: only peaks."""
+BREAKDOWN_MODES: tuple[str, ...] = get_args(Breakdown)
+_GIB = 2**30
+
+
+def check_breakdown(breakdown: object) -> None:
+    """Raise ``ValueError`` unless ``breakdown`` is one of :data:`BREAKDOWN_MODES`."""
+    if breakdown not in BREAKDOWN_MODES:
+        raise ValueError(f"breakdown must be one of {BREAKDOWN_MODES}, got {breakdown!r}")
+
+
+class PhaseRecorder:
+    """Fold the peak bytes of successive windows into the phases of records, on one device.
+
+    Args:
+        device: The device the work runs on.
+        module: The model (its parameters and buffers are the ``parameters`` category).
+        optimizers: Its optimizers (their state is ``optimizer_state``).
+        breakdown: One of :data:`BREAKDOWN_MODES` (see :data:`Breakdown`).
+
+    Raises:
+        ValueError: If ``breakdown`` is not one of :data:`BREAKDOWN_MODES`.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 4)
+        >>> recorder = PhaseRecorder("cpu", model, [])
+        >>> record = recorder.new_record(step=0)
+        >>> recorder.start(record, "forward")
+        >>> out = model(torch.ones(2, 4))
+        >>> recorder.switch("backward")
+        >>> recorder.stop()
+        >>> record["forward_parameters"], record["backward"]
+        (80, 144)
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        breakdown: Breakdown = "auto",
+    ) -> None:
+        check_breakdown(breakdown)
+        cuda = torch.device(device).type == "cuda"
+        self.with_breakdown = breakdown == "always" or (breakdown == "auto" and not cuda)
+        """Whether records carry the bytes of each category at each phase's peak."""
+        self.tracker = MemoryTracker(module, list(optimizers)) if not cuda or self.with_breakdown else None
+        """The tracker, where one runs (None on CUDA without a breakdown)."""
+        self.memory: DeviceMemory = device_memory(device, tracker=self.tracker)
+        """Where the peaks come from."""
+        self._inside = False  # whether the tracker is entered
+        self._open: tuple[dict[str, int], str] | None = None  # (record, phase) of the open window
+
+    @property
+    def source(self) -> str:
+        """What the peaks are: ``"live tensor bytes"`` (a tracker) or ``"CUDA allocator"``."""
+        return "live tensor bytes" if isinstance(self.memory, TrackedMemory) else "CUDA allocator"
+
+    def new_record(self, step: int, phases: Sequence[str] = PHASES) -> dict[str, int]:
+        """An empty record for ``step``, with a breakdown where this recorder measures one."""
+        return empty_record(step, phases, breakdown=self.with_breakdown)
+
+    def start(self, record: dict[str, int], phase: str) -> None:
+        """Open a window for ``record[phase]``; a window still open (its step never ended) is dropped."""
+        self.discard()
+        if self.tracker is not None:
+            self.tracker.__enter__()
+            self._inside = True
+        self._reset_peak()
+        self._open = (record, phase)
+
+    def switch(self, phase: str) -> None:
+        """Fold the open window into its phase and open one for ``phase`` of the same record.
+
+        Raises:
+            RuntimeError: If no window is open.
+        """
+        if self._open is None:
+            raise RuntimeError(f"switch({phase!r}) needs an open window; call start(record, phase) first")
+        record = self._fold()
+        self._reset_peak()
+        self._open = (record, phase)
+
+    def stop(self) -> None:
+        """Fold the open window, if any, into its phase and stop measuring."""
+        if self._open is not None:
+            self._fold()
+        self.discard()
+
+    def discard(self) -> None:
+        """Stop measuring without folding (also at the end of a run, finished or failed: safe twice)."""
+        self._open = None
+        if self._inside:
+            self._inside = False
+            self.tracker.__exit__(None, None, None)
+
+    def _reset_peak(self) -> None:
+        self.memory.reset_peak()
+        if self.tracker is not None and not isinstance(self.memory, TrackedMemory):
+            self.tracker.reset_peak()  # the allocator gives the peaks; the tracker only the breakdown
+
+    def _fold(self) -> dict[str, int]:
+        record, phase = self._open
+        breakdown = self.tracker.peak_breakdown if self.with_breakdown else None
+        fold_peak(record, phase, self.memory.peak(), breakdown)
+        return record
+
+
+class StepPeaks:
+    """A run's records of training steps and validation runs, and the one being measured.
+
+    Each method stands for a moment of the loop (a ``MemoryMonitor`` hook); between :meth:`begin` and
+    :meth:`end` the :class:`PhaseRecorder` measures, outside them every moment is ignored.
+
+    Args:
+        max_history: How many records to keep of each kind (see :class:`MemoryHistory`).
+        breakdown: Passed to each run's :class:`PhaseRecorder` (see :data:`Breakdown`).
+
+    Raises:
+        ValueError: If ``max_history`` is not an int >= 2, or ``breakdown`` not one of
+            :data:`BREAKDOWN_MODES`.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 4)
+        >>> peaks = StepPeaks()
+        >>> peaks.begin("cpu", model, [])
+        >>> peaks.step_start(); out = model(torch.ones(2, 4)); peaks.phase("backward")
+        >>> peaks.step_end()
+        True
+        >>> peaks.end(); [(r["step"], r["forward"]) for r in peaks.train]
+        [(0, 144)]
+    """
+
+    def __init__(self, max_history: int = 2048, *, breakdown: Breakdown = "auto") -> None:
+        if isinstance(max_history, bool) or not isinstance(max_history, int) or max_history < 2:
+            raise ValueError(f"max_history must be an int >= 2, got {max_history!r}")
+        check_breakdown(breakdown)
+        self.breakdown = breakdown
+        self.train = MemoryHistory(max_history)
+        """One record per training step, phases :data:`~lightning_memopt.memory.report.PHASES`."""
+        self.validation = MemoryHistory(max_history)
+        """One record per validation run, phase ``validation``."""
+        self.steps = 0
+        """Training steps recorded, resumed runs' included (the ``step`` of the next record)."""
+        self.recorder: PhaseRecorder | None = None
+        self._record: dict[str, int] | None = None  # the training step being measured
+        self._val_record: dict[str, int] | None = None  # the validation run being measured
+        self._window: dict[str, int] | None = None  # the steps since the last take_window, merged
+
+    def begin(
+        self, device: torch.device | str, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+    ) -> None:
+        """Measure ``module`` and its ``optimizers`` on ``device`` from now on (a :class:`PhaseRecorder`)."""
+        self.end()
+        self.recorder = PhaseRecorder(device, module, optimizers, breakdown=self.breakdown)
+
+    def end(self) -> None:
+        """Stop measuring and drop the recorder (the model); the records stay. Safe twice."""
+        if self.recorder is not None:
+            self.recorder.discard()
+        self.recorder = self._record = self._val_record = self._window = None
+
+    def step_start(self) -> None:
+        """A training step starts, in ``forward``; a step left open (it never ended) is dropped."""
+        if self.recorder is not None:
+            self._record = self.recorder.new_record(self.steps)
+            self.recorder.start(self._record, PHASES[0])
+
+    def phase(self, name: str) -> None:
+        """The open training step enters phase ``name``."""
+        if self._record is not None:
+            self.recorder.switch(name)
+
+    def step_end(self) -> bool:
+        """Close the open training step into :attr:`train`; False if none was open."""
+        if self._record is None:
+            return False
+        self.recorder.stop()
+        record, self._record = self._record, None
+        self.train.append(record)
+        self._window = record if self._window is None else merge_records([self._window, record])
+        self.steps += 1
+        return True
+
+    def drop_step(self) -> None:
+        """Forget an open training step (one skipped before its end)."""
+        if self.recorder is not None:
+            self.recorder.discard()
+        self._record = None
+
+    def take_window(self) -> dict[str, int]:
+        """The steps since the last call, merged (their largest peaks), and start a new window.
+
+        Raises:
+            RuntimeError: If no step ended since the last call.
+        """
+        if self._window is None:
+            raise RuntimeError("take_window needs a step ended since the last call; call step_end first")
+        window, self._window = self._window, None
+        return window
+
+    def validation_start(self) -> None:
+        """A validation run starts: its batches' peaks fold into one record."""
+        if self.recorder is not None:
+            self._val_record = self.recorder.new_record(self.steps, ("validation",))
+
+    def validation_batch_start(self) -> None:
+        if self._val_record is not None:
+            self.recorder.start(self._val_record, "validation")
+
+    def validation_batch_end(self) -> None:
+        if self._val_record is not None:
+            self.recorder.stop()
+
+    def validation_end(self) -> dict[str, int] | None:
+        """Close the validation run into :attr:`validation` and return its record (None if none ran)."""
+        if self._val_record is None:
+            return None
+        self.recorder.discard()
+        record, self._val_record = self._val_record, None
+        self.validation.append(record)
+        return record
+
+    def state_dict(self) -> dict:
+        """Plain ints and lists: a resumed run continues the step count and the records."""
+        return {"batches": self.steps, "history": list(self.train), "val_history": list(self.validation)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.steps = int(state_dict["batches"])
+        self.train.records = [dict(r) for r in state_dict["history"]]
+        self.validation.records = [dict(r) for r in state_dict["val_history"]]
+
+
+def record_metrics(record: dict[str, int]) -> dict[str, float]:
+    """The ``memory/*`` keys of a record, in GiB (``bytes / 2**30``).
+
+    A validation record gives ``memory/val_peak_gib``. A training record (or several merged) gives the
+    peak of each phase, ``memory/peak_gib`` (the largest phase) and, with a breakdown, the bytes of each
+    category at that peak, ``memory/peak_<category>_gib`` (they sum to ``memory/peak_gib``).
+    """
+    if "validation" in record:
+        return {"memory/val_peak_gib": record["validation"] / _GIB}
+    metrics = {f"memory/{phase}_peak_gib": record[phase] / _GIB for phase in PHASES}
+    top = peak_phase(record)
+    metrics["memory/peak_gib"] = record[top] / _GIB
+    if f"{top}_{CATEGORIES[0]}" in record:
+        for category in CATEGORIES:
+            metrics[f"memory/peak_{category}_gib"] = record[f"{top}_{category}"] / _GIB
+    return metrics
+
+
+def merge_across_ranks(
+    records: Sequence[dict[str, int]],
+    all_gather: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device | str,
+) -> list[dict[str, int]]:
+    """Each record merged with the same record of every other rank, in one ``all_gather``.
+
+    Args:
+        records: This rank's records, all with the same keys (the same on every rank).
+        all_gather: Takes this rank's ``(len(records), len(keys))`` int64 tensor, returns the
+            ``(world_size, len(records), len(keys))`` stack of every rank's (e.g. a Lightning strategy's).
+        device: Where the tensor is built (the collective's device).
+
+    Raises:
+        ValueError: If ``records`` is empty.
+    """
+    if not records:
+        raise ValueError("merge_across_ranks needs at least one record, got none")
+    keys = list(records[0])
+    rows = torch.tensor([[r[k] for k in keys] for r in records], dtype=torch.int64, device=device)
+    gathered = all_gather(rows).tolist()  # (world, len(records), len(keys))
+    return [
+        merge_records([dict(zip(keys, rank[i])) for rank in gathered], same_step=True)
+        for i in range(len(records))
+    ]
