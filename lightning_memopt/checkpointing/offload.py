@@ -32,15 +32,17 @@ on CPU (CPU tensors then play the device's).
 
 Combining with full checkpointing: a fully checkpointed block keeps only its inputs, and non-reentrant
 checkpointing saves them through the saved-tensor hooks in force around it, so entering
-:class:`OffloadHooks` around ``checkpoint(...)`` offloads exactly those inputs (the recomputation in
-backward unpacks them). The planner does not offer that combination yet.
+:class:`OffloadHooks` around ``checkpoint(...)`` (:func:`offloading` does it around blocks) offloads
+exactly those inputs; the recomputation in backward unpacks them. The planner does not offer that
+combination as a treatment yet.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +61,7 @@ __all__ = [
     "OffloadHooks",
     "overlapped_offload",
     "offloader_for",
+    "offloading",
     "release_offloaders",
     "measured_cost_model",
 ]
@@ -352,6 +355,42 @@ def overlapped_offload(
     if device is None:
         return None
     return OffloadHooks(offloader_for(device), block, notify)
+
+
+@contextlib.contextmanager
+def offloading(blocks: Iterable[nn.Module], offloader: Offloader) -> Iterator[None]:
+    """Offload what each of ``blocks`` saves for backward while the context lasts, whatever treatment
+    :func:`~lightning_memopt.checkpointing.apply_checkpointing` gave it.
+
+    Around a fully checkpointed block this offloads only the block's inputs (all that it keeps): the
+    cheapest large saving, as the inputs are few bytes to move and the rest is recomputed.
+
+    Example::
+
+        >>> apply_checkpointing(model, {name: "full" for name, _ in blocks})  # doctest: +SKIP
+        >>> with offloading([b for _, b in blocks], offloader_for("cuda")):  # doctest: +SKIP
+        ...     loss = model(x).sum()
+    """
+    entered: list[OffloadHooks] = []
+
+    def enter(block: nn.Module, args) -> None:
+        hooks = OffloadHooks(offloader, block)
+        hooks.__enter__()
+        entered.append(hooks)
+
+    def leave(block: nn.Module, args, output) -> None:
+        entered.pop().__exit__(None, None, None)
+
+    handles = []
+    try:
+        for block in blocks:
+            handles.append(block.register_forward_pre_hook(enter))
+            # always_call: a forward that raises still pops its hooks
+            handles.append(block.register_forward_hook(leave, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def measured_cost_model(device: torch.device | str, base: CostModel | None = None) -> CostModel:

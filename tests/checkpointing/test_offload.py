@@ -265,3 +265,21 @@ def test_real_device_offload_is_exact_and_frees_device_memory():
     finally:
         remove_checkpointing(model)
         offload.release_offloaders()
+
+
+def test_offloading_around_fully_checkpointed_blocks_moves_their_inputs(fake):
+    torch.manual_seed(0)
+    ref = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3))).double()
+    model = copy.deepcopy(ref)
+    apply_checkpointing(model, {"0": "full", "1": "full", "2": "full"})
+    offloader = Offloader("cpu", min_bytes=0)
+    x = torch.randn(N, 4, dtype=torch.float64, requires_grad=True)
+    with offload.offloading(list(model), offloader):
+        out = model(x)
+    assert offloader.offloaded_bytes == 3 * X_BYTES  # each block's input, nothing else
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model)
+    out.pow(2).sum().backward()
+    ref(x.detach()).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    remove_checkpointing(model)
