@@ -5,7 +5,8 @@ block keeps for backward; those worth moving go to the host while the forward go
 one block ahead, while the backward goes on. One :class:`Offloader` per device is shared by every
 offloaded block (the prefetch needs to know which block ran before which).
 
-Forward, ``pack(t)`` for a tensor of at least ``min_bytes`` that is not a parameter or buffer of the block:
+Forward, ``pack(t)`` for a tensor of at least ``min_bytes`` that is not a parameter or buffer of the block
+(a tensor the block saves twice, such as an input of two linear layers, moves once):
 
 1. the device-to-host stream waits for the compute stream (``t`` is produced there);
 2. on that stream ``t`` is copied into a pinned buffer taken from a pool, and an event is recorded;
@@ -121,6 +122,8 @@ class _Group:
         # freed graph returns its buffers to the pool.
         self.prev = weakref.ref(prev) if prev is not None else None
         self.saved: weakref.WeakSet[_Saved] = weakref.WeakSet()
+        # id(tensor) -> (the tensor, its _Saved), both weakly: a tensor saved twice (by two ops) moves once
+        self.by_tensor: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         self.fetched = False  # its tensors' copies back to the device are queued
         self.started = False  # backward has unpacked one of its tensors
 
@@ -128,12 +131,25 @@ class _Group:
 class _Saved:
     """One offloaded tensor: its pinned copy and where it is on its round trip."""
 
-    __slots__ = ("group", "host", "shape", "dtype", "copied", "on_device", "arrived", "__weakref__")
+    __slots__ = (
+        "group",
+        "host",
+        "shape",
+        "dtype",
+        "version",
+        "uses",
+        "pending",
+        "copied",
+        "on_device",
+        "arrived",
+        "__weakref__",
+    )
 
     def __init__(self, group: _Group, host: _Host, t: torch.Tensor, copied: Any) -> None:
         self.group = group
         self.host = host
-        self.shape, self.dtype = t.shape, t.dtype
+        self.shape, self.dtype, self.version = t.shape, t.dtype, t._version
+        self.uses = self.pending = 1  # packs that returned this handle / unpacks left in this backward
         self.copied = copied  # event: the copy to the host is done
         self.on_device: torch.Tensor | None = None  # brought back, not yet handed to autograd
         self.arrived: Any = None  # event: the copy back is done
@@ -206,6 +222,12 @@ class Offloader:
 
     def pack(self, t: torch.Tensor, group: _Group) -> _Saved:
         """Start copying ``t`` to a pinned buffer on the device-to-host stream."""
+        tensor_ref, saved_ref = group.by_tensor.get(id(t), (None, None))
+        saved = saved_ref() if saved_ref is not None else None
+        if tensor_ref is not None and tensor_ref() is t and saved is not None and saved.version == t._version:
+            saved.uses += 1
+            saved.pending += 1
+            return saved
         nbytes = t.numel() * t.element_size()
         host = self.pool.take(nbytes)
         self.to_host.wait_stream(cuda.current_stream(self.device))
@@ -217,6 +239,7 @@ class Offloader:
             copied.record(self.to_host)
         saved = _Saved(group, host, t, copied)
         group.saved.add(saved)
+        group.by_tensor[id(t)] = (weakref.ref(t), weakref.ref(saved))
         weakref.finalize(saved, self.pool.give, host)
         self._in_flight.append((copied, t, nbytes))
         self.in_flight_bytes += nbytes
@@ -236,7 +259,10 @@ class Offloader:
             self._fetch([g for g in (group, prev) if g is not None and not g.fetched])
         if packed.on_device is None:  # unpacked before (a retained graph): bring it back again
             self._fetch_saved([packed])
-        t, packed.on_device = packed.on_device, None
+        t = packed.on_device
+        packed.pending -= 1
+        if packed.pending <= 0:  # its last use in this backward: autograd alone holds the device tensor now
+            packed.on_device, packed.pending = None, packed.uses
         cuda.current_stream(self.device).wait_event(packed.arrived)
         return t
 
@@ -308,7 +334,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             if not offloader.offloads(t, keep):
                 return t
             saved = offloader.pack(t, self._group)
-            if notify is not None:
+            if notify is not None and saved.uses == 1:  # a new copy, not a second save of one
                 notify(saved.host_view())
             return saved
 

@@ -22,7 +22,7 @@ from tests.memory.fake_cuda import CopyLog, install
 
 N = 10  # rows of the input of `mlp()`
 X_BYTES = N * 4 * 8  # its input, float64
-H_BYTES = N * 64 * 8  # the tanh output, saved by tanh and again by the second linear
+H_BYTES = N * 64 * 8  # the tanh output, saved by tanh and again by the second linear: moved once
 
 
 def mlp() -> nn.Module:
@@ -70,15 +70,15 @@ def test_copies_go_out_on_one_side_stream_and_come_back_on_another(fake):
     with CopyLog(fake):
         step(model, x, OffloadHooks(offloader, model))
     # forward: per saved tensor, wait for compute, copy on the side stream, record its event
-    forward = [(e[0], e[-1] if e[0] == "record" else e[1]) for e in fake.log[:9]]
-    assert forward == [("wait_stream", to_host), ("copy", to_host), ("record", to_host)] * 3
-    assert [e[2] for e in fake.log[:9] if e[0] == "copy"] == [X_BYTES, H_BYTES, H_BYTES]
-    backward = fake.log[9:]
-    # backward: the first unpack waits for the three copies in flight, then all come back behind one event
-    assert [e[0] for e in backward[:3]] == ["synchronize"] * 3
-    assert backward[3] == ("wait_stream", to_device, "compute")
+    forward = [(e[0], e[-1] if e[0] == "record" else e[1]) for e in fake.log[:6]]
+    assert forward == [("wait_stream", to_host), ("copy", to_host), ("record", to_host)] * 2
+    assert [e[2] for e in fake.log[:6] if e[0] == "copy"] == [X_BYTES, H_BYTES]
+    backward = fake.log[6:]
+    # backward: the first unpack waits for the two copies in flight, then both come back behind one event
+    assert [e[0] for e in backward[:2]] == ["synchronize"] * 2
+    assert backward[2] == ("wait_stream", to_device, "compute")
     copies_back = [e for e in backward if e[0] == "copy"]
-    assert sorted(copies_back) == [("copy", to_device, n) for n in (X_BYTES, H_BYTES, H_BYTES)]
+    assert sorted(copies_back) == [("copy", to_device, n) for n in (X_BYTES, H_BYTES)]
     (arrived,) = [e[1] for e in backward if e[0] == "record"]
     assert backward.index(("record", arrived, to_device)) < backward.index(("wait_event", "compute", arrived))
     assert len([e for e in backward if e == ("wait_event", "compute", arrived)]) == 3  # one per unpack
@@ -88,10 +88,10 @@ def test_threshold_and_parameters_decide_what_moves(fake):
     model, x = mlp(), torch.randn(N, 4, dtype=torch.float64)
     everything = Offloader("cpu", min_bytes=0)
     step(model, x, OffloadHooks(everything, model))
-    assert everything.offloaded_bytes == X_BYTES + 2 * H_BYTES  # weights (and weight.t()) stay
+    assert everything.offloaded_bytes == X_BYTES + H_BYTES  # weights (and weight.t()) stay
     large = Offloader("cpu", min_bytes=X_BYTES + 1)
     step(model, x, OffloadHooks(large, model))
-    assert large.offloaded_bytes == 2 * H_BYTES
+    assert large.offloaded_bytes == H_BYTES
     assert Offloader("cpu", min_bytes="1MiB").min_bytes == 2**20
 
 
@@ -102,10 +102,10 @@ def test_in_flight_bytes_are_bounded(fake):
     pack = offloader.pack
     offloader.pack = lambda t, g: (pack(t, g), seen.append(offloader.in_flight_bytes))[0]
     step(model, x, OffloadHooks(offloader, model))
-    # x (320 B) + tanh output (5120 B) is over the bound: the forward waits for x's copy, then for the first
-    # tanh copy when the second arrives
+    # x (320 B) + tanh output (5120 B) is over the bound: the forward waits for x's copy; the tanh output's
+    # second save moves nothing
     assert seen == [X_BYTES, H_BYTES, H_BYTES]
-    assert offloader.waits == 2 and offloader.in_flight_bytes == 0
+    assert offloader.waits == 1 and offloader.in_flight_bytes == 0
 
 
 def test_finished_copies_leave_the_queue_without_waiting(fake):
@@ -135,12 +135,12 @@ def test_pool_reuses_pinned_buffers_across_steps(fake):
     model, x = mlp(), torch.randn(N, 4, dtype=torch.float64)
     offloader = Offloader("cpu", min_bytes=0)
     step(model, x, OffloadHooks(offloader, model))
-    assert sorted(fake.pinned) == sorted([X_BYTES, H_BYTES, H_BYTES])
-    assert offloader.pool.pinned_bytes == offloader.pool.free_bytes == X_BYTES + 2 * H_BYTES
+    assert sorted(fake.pinned) == [X_BYTES, H_BYTES]
+    assert offloader.pool.pinned_bytes == offloader.pool.free_bytes == X_BYTES + H_BYTES
     last_reads = {e[1] for e in fake.entries("record") if e[2] == offloader.to_device.name}
     fake.log.clear()
     step(model, x, OffloadHooks(offloader, model))
-    assert len(fake.pinned) == 3 and offloader.pool.allocations == 3  # nothing new pinned
+    assert len(fake.pinned) == 2 and offloader.pool.allocations == 2  # nothing new pinned
     # a reused buffer is written only after the copy back out of it is done
     waits = {e[2] for e in fake.entries("wait_event") if e[1] == offloader.to_host.name}
     assert waits == last_reads
@@ -205,8 +205,8 @@ def test_apply_reports_the_pinned_copies_to_observers(fake):
     seen = []
     with observe_saved(lambda kind, t: seen.append((kind, t.untyped_storage().nbytes()))):
         wrapper(x).sum().backward()
-    assert sorted(seen) == sorted([("offloaded", X_BYTES), ("offloaded", H_BYTES), ("offloaded", H_BYTES)])
-    assert offloader.offloaded_bytes == X_BYTES + 2 * H_BYTES
+    assert sorted(seen) == [("offloaded", X_BYTES), ("offloaded", H_BYTES)]
+    assert offloader.offloaded_bytes == X_BYTES + H_BYTES
     remove_checkpointing(wrapper)
 
 
@@ -283,3 +283,21 @@ def test_offloading_around_fully_checkpointed_blocks_moves_their_inputs(fake):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
     remove_checkpointing(model)
+
+
+def test_a_tensor_saved_twice_moves_once_and_comes_back_once(fake):
+    model, x = mlp(), torch.randn(N, 4, dtype=torch.float64)
+    offloader = Offloader("cpu", min_bytes=0)
+    handles = []
+    hooks = OffloadHooks(offloader, model)
+    pack, unpack, unpacked = hooks.pack_hook, hooks.unpack_hook, []
+    hooks.pack_hook = lambda t: (lambda h: (handles.append(h), h)[1])(pack(t))
+    hooks.unpack_hook = lambda h: (lambda t: (unpacked.append((h, t)), t)[1])(unpack(h))
+    with hooks:
+        out = model(x)
+    x_saved, tanh_saved, again = [h for h in handles if isinstance(h, offload._Saved)]
+    assert again is tanh_saved and tanh_saved.uses == 2 and x_saved.uses == 1
+    out.sum().backward()
+    tanh_back = [t for h, t in unpacked if h is tanh_saved]
+    assert len(tanh_back) == 2 and tanh_back[0] is tanh_back[1]  # one device copy serves both uses
+    assert tanh_saved.on_device is None and tanh_saved.pending == 2  # released, ready for a retained graph
