@@ -71,7 +71,9 @@ OFFLOAD_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 """Device types whose tensors the overlapped offload moves (tests add ``"cpu"`` with a faked ``torch.cuda``)."""
 
 DEFAULT_MIN_BYTES = 2**20
-DEFAULT_MAX_IN_FLIGHT = 2**30
+# Enough to keep the link busy while several blocks compute (a PCIe 5 link moves ~50 MB in the millisecond
+# a 1B model's block takes at sequence 4096), small next to a card: the planner does not count these bytes.
+DEFAULT_MAX_IN_FLIGHT = 256 * 2**20
 
 
 class _Host:
@@ -173,7 +175,7 @@ class Offloader:
         min_bytes: Tensors smaller than this stay on the device (a copy's launch costs more than they save).
             Bytes, or a string such as ``"1MiB"``. Default 1 MiB.
         max_in_flight: Bytes of device tensors that may wait for their copy to the host before the forward
-            waits for the oldest. Bounds the extra device memory offloading holds. Default 1 GiB.
+            waits for the oldest. Bounds the extra device memory offloading holds. Default 256 MiB.
 
     Raises:
         ValueError: a ``min_bytes`` or ``max_in_flight`` that is not a byte size (``min_bytes`` may be 0).
@@ -192,7 +194,7 @@ class Offloader:
         min_bytes: int | str = DEFAULT_MIN_BYTES,
         max_in_flight: int | str = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
-        self.device = torch.device(device)
+        self.device = cuda.indexed(device)
         self.min_bytes = 0 if min_bytes == 0 else parse_bytes(min_bytes, name="min_bytes")
         self.max_in_flight = parse_bytes(max_in_flight, name="max_in_flight")
         self.to_host = cuda.new_stream(self.device)
@@ -351,7 +353,7 @@ _MEASURED: dict[torch.device, tuple[float, float]] = {}
 
 def offloader_for(device: torch.device | str, **options: Any) -> Offloader:
     """The shared :class:`Offloader` of ``device``; ``options`` (those of :class:`Offloader`) replace it."""
-    device = torch.device(device)
+    device = cuda.indexed(device)
     if options or device not in _OFFLOADERS:
         if device in _OFFLOADERS:
             _OFFLOADERS[device].release()
@@ -428,9 +430,9 @@ def measured_cost_model(device: torch.device | str, base: CostModel | None = Non
     from lightning_memopt.checkpointing.planner import CostModel  # planner imports apply, which imports us
 
     base = base if base is not None else CostModel()
-    device = torch.device(device)
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return base
+    device = cuda.indexed(device)
     if device not in _MEASURED:
         _MEASURED[device] = (cuda.measure_transfer_rate(device), cuda.measure_matmul_rate(device))
     transfer, flops = _MEASURED[device]

@@ -23,6 +23,7 @@ __all__ = [
     "TrackedMemory",
     "device_memory",
     "cuda_available",
+    "indexed",
     "new_stream",
     "current_stream",
     "use_stream",
@@ -146,6 +147,15 @@ def device_memory(
 def cuda_available() -> bool:
     """Whether a CUDA device can be used."""
     return bool(torch.cuda.is_available())
+
+
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device (``cuda:0`` unless ``set_device``
+    chose another), so that ``cuda`` and ``cuda:0`` name one device; other devices unchanged."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def new_stream(device: torch.device) -> Any:

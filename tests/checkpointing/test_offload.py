@@ -218,7 +218,7 @@ def test_off_the_offload_devices_apply_keeps_the_plain_copy(fake, monkeypatch):
     assert fake.pinned == [] and offload._OFFLOADERS == {}
 
 
-def test_measured_cost_model(monkeypatch):
+def test_measured_cost_model(fake, monkeypatch):
     calls = []
     monkeypatch.setattr(offload, "_MEASURED", {})
     monkeypatch.setattr(offload.cuda, "measure_transfer_rate", lambda d: calls.append(d) or 2e10)
@@ -228,6 +228,7 @@ def test_measured_cost_model(monkeypatch):
     for _ in range(2):
         model = offload.measured_cost_model("cuda:0", base)
         assert model == CostModel(pointwise_flops_per_byte=7.0, offload_flops_per_byte=4e14 / 2e10)
+    assert offload.measured_cost_model("cuda", base) == model  # "cuda" is cuda:0 here
     assert calls == [torch.device("cuda:0")]  # timed once per device
 
 

@@ -97,6 +97,9 @@ class FakeCuda:
         finally:
             self.current = previous
 
+    def current_device(self) -> int:
+        return 0
+
     def synchronize(self, device=None) -> None:
         self.log.append(("synchronize_device",))
 

@@ -27,6 +27,12 @@ def test_streams_and_events_are_torch_cuda_calls(fake):
     assert fake.log == [("record", event.name, side.name), ("synchronize_device",)]
 
 
+def test_indexed_names_the_current_cuda_device(fake):
+    assert device.indexed("cuda") == torch.device("cuda:0")
+    assert device.indexed("cuda:1") == torch.device("cuda:1")
+    assert device.indexed("cpu") == torch.device("cpu")
+
+
 def test_round_trip_rate_is_bytes_both_ways_over_fastest_round_trip(fake):
     fake.elapsed_ms = [4.0, 2.0, 3.0]
     host = torch.arange(250, dtype=torch.int32)
