@@ -219,6 +219,8 @@ class Offloader:
             and t.device == self.device
             and t.numel() > 0
             and t.numel() * t.element_size() >= self.min_bytes
+            # an expanded view (a broadcast mask) would come back materialized, larger than it left
+            and t.numel() * t.element_size() <= t.untyped_storage().nbytes()
             and _storage_ptr(t) not in keep
         )
 
