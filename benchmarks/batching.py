@@ -260,7 +260,7 @@ class _StepTimer(Callback):
 
 
 class _MetricsOff(Callback):
-    """Turn the engine's ``memopt/*`` logging off for real: Lightning sets ``callback.log`` to the module's
+    """Turn the engine's ``batching/*`` logging off for real: Lightning sets ``callback.log`` to the module's
     ``log`` method on every callback, which overwrites the callbacks' ``log=False`` flag."""
 
     def __init__(self, callback: AutoAccumulation) -> None:

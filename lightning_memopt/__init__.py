@@ -12,29 +12,41 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 # public name -> module that defines it
-_CALLBACKS = {
+_PUBLIC = {
     "AutoAccumulation": "lightning_memopt.callbacks.auto_accumulation",
     "AutoCheckpoint": "lightning_memopt.callbacks.auto_checkpoint",
     "BatchNormToGroupNorm": "lightning_memopt.callbacks.batchnorm_swap",
+    "DataLoaderMonitor": "lightning_memopt.callbacks.dataloader_monitor",
     "MemoryMonitor": "lightning_memopt.callbacks.memory_monitor",
     "OOMBackoff": "lightning_memopt.callbacks.oom_backoff",
+    "MicroBatchOOMError": "lightning_memopt.batching.errors",
 }
 
-__all__ = ["AutoAccumulation", "AutoCheckpoint", "BatchNormToGroupNorm", "MemoryMonitor", "OOMBackoff"]
+__all__ = [
+    "AutoAccumulation",
+    "AutoCheckpoint",
+    "BatchNormToGroupNorm",
+    "DataLoaderMonitor",
+    "MemoryMonitor",
+    "MicroBatchOOMError",
+    "OOMBackoff",
+]
 
 if TYPE_CHECKING:
+    from lightning_memopt.batching.errors import MicroBatchOOMError
     from lightning_memopt.callbacks import (
         AutoAccumulation,
         AutoCheckpoint,
         BatchNormToGroupNorm,
+        DataLoaderMonitor,
         MemoryMonitor,
         OOMBackoff,
     )
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CALLBACKS:
-        return getattr(importlib.import_module(_CALLBACKS[name]), name)
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'lightning_memopt' has no attribute {name!r}")
 
 

@@ -11,11 +11,12 @@ def check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_bool(name: str, value: Any) -> None:
-    """Raise ``TypeError`` naming ``name`` unless ``value`` is ``True`` or ``False``.
+def check_bool(name: str, value: Any, *, none_ok: bool = False) -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``value`` is ``True`` or ``False`` (or None, where allowed).
 
     A string such as ``'no'`` or ``'false'`` is truthy, so accepting any value would silently do the
     opposite of what was written (a YAML config quoting the value, a typo).
     """
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}; pass a bool, e.g. {name}=False")
+    if not isinstance(value, bool) and not (none_ok and value is None):
+        allowed = "True or False or None" if none_ok else "True or False"
+        raise TypeError(f"{name} must be {allowed}, got {value!r}; pass a bool, e.g. {name}=False")

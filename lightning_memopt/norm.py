@@ -102,10 +102,13 @@ def register_converter(cls: type[nn.Module], converter: Converter) -> None:
 class SwappedGroupNorm(nn.GroupNorm):
     """A GroupNorm made from a BatchNorm by :func:`convert_batchnorm`; loads the BatchNorm's checkpoints.
 
-    Its state_dict holds only ``weight`` and ``bias`` (when affine): the BatchNorm's running statistics
-    have no use in GroupNorm and are gone after the swap. Loading a state_dict saved *before* the swap
-    drops the BatchNorm's ``running_mean``, ``running_var`` and ``num_batches_tracked`` (they are kept
-    for :func:`revert_groupnorm`), every other key is loaded as strictly as the caller asked.
+    Its state_dict has exactly the BatchNorm's keys: ``weight`` and ``bias`` (when affine) and the
+    BatchNorm's ``running_mean``, ``running_var`` and ``num_batches_tracked`` (when it tracked them),
+    registered as buffers of this layer, the very tensors the BatchNorm had. GroupNorm does not read
+    them; they are kept so that the swap changes no key: a checkpoint saved before the swap loads
+    strictly, one saved after it loads strictly into the original BatchNorm model, and
+    :func:`revert_groupnorm` gives back the statistics. A state_dict without the statistics (saved by an
+    earlier version, which dropped them) still loads: the missing statistics keep their values.
 
     The original BatchNorm module is held (not as a submodule, so it is in neither ``state_dict()`` nor
     ``modules()``) so that :func:`revert_groupnorm` can restore it faithfully.
@@ -150,6 +153,11 @@ class SwappedGroupNorm(nn.GroupNorm):
                 gn.register_parameter(name, None)
             else:
                 setattr(gn, name, param)
+        # The statistics stay in the state_dict under their keys (same tensors, nothing allocated).
+        for name in _RUNNING_STATS:
+            buf = getattr(bn, name, None)
+            if isinstance(buf, torch.Tensor):
+                gn.register_buffer(name, buf)
         gn.train(bn.training)
         gn.__dict__["_batchnorm"] = bn
         return gn
@@ -169,20 +177,17 @@ class SwappedGroupNorm(nn.GroupNorm):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        bn = self.batchnorm
-        for name in _RUNNING_STATS:
-            value = state_dict.pop(prefix + name, None)
-            # Keep a pre-swap checkpoint's statistics on the held BatchNorm, so a revert restores them.
-            own = getattr(bn, name, None) if bn is not None else None
-            if isinstance(value, torch.Tensor) and isinstance(own, torch.Tensor) and own.shape == value.shape:
-                if own.is_meta:
-                    setattr(bn, name, value.detach().clone())
-                else:
-                    with torch.no_grad():
-                        own.copy_(value)
+        absent = [
+            prefix + name
+            for name in _RUNNING_STATS
+            if name in self._buffers and prefix + name not in state_dict
+        ]
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        # Statistics GroupNorm never reads are not worth failing a strict load for (earlier versions of
+        # the swap saved none); every other key stays as strict as the caller asked.
+        missing_keys[:] = [k for k in missing_keys if k not in absent]
 
 
 @dataclass(frozen=True)
@@ -261,9 +266,9 @@ def convert_batchnorm(
     Matches ``BatchNorm1d/2d/3d``, ``SyncBatchNorm`` and their subclasses (with ``isinstance``). Each
     becomes a :class:`SwappedGroupNorm` that reuses the BatchNorm's ``weight`` and ``bias`` Parameter
     objects and keeps ``eps``, ``affine`` and ``training``. A BatchNorm shared by two parents becomes one
-    GroupNorm; running the conversion twice changes nothing. The model's running statistics are gone
-    after the swap (GroupNorm has none): its ``state_dict`` keys for a swapped layer are exactly
-    ``weight`` and ``bias``, and it still loads a state_dict saved before the swap.
+    GroupNorm; running the conversion twice changes nothing. The ``state_dict`` keys do not change: the
+    running statistics stay as unused buffers of the GroupNorm (see :class:`SwappedGroupNorm`), so
+    checkpoints load strictly in both directions, before and after the swap.
 
     Args:
         module: the model; converted in place. When it is itself a BatchNorm, the replacement is returned
@@ -437,28 +442,22 @@ def revert_groupnorm(module: nn.Module) -> nn.Module:
                     bn.register_parameter(name, None)
                 else:
                     setattr(bn, name, param)
-            _follow(bn, sub.weight)
+            _restore_statistics(bn, sub)
             bn.train(sub.training)
             replacements[id(sub)] = bn
     return _replace(module, replacements)
 
 
-def _follow(bn: nn.Module, weight: torch.Tensor | None) -> None:
-    """Move the held BatchNorm's statistics to where the model went since the swap (device, float dtype)."""
-    if weight is None:
-        return
+def _restore_statistics(bn: nn.Module, gn: SwappedGroupNorm) -> None:
+    """Give the held BatchNorm the statistics its GroupNorm carried (moved and cast with the model since)."""
     materialized = False
-    for name, buf in list(bn.named_buffers(recurse=False)):
-        dtype = weight.dtype if buf.is_floating_point() else buf.dtype
-        if buf.device == weight.device and buf.dtype == dtype:
-            continue
-        if buf.is_meta:  # the model was materialized (to_empty) after the swap: fresh statistics
-            setattr(bn, name, torch.empty_like(buf, device=weight.device, dtype=dtype))
-            materialized = True
-        else:
-            setattr(bn, name, buf.to(device=weight.device, dtype=dtype))
+    for name in _RUNNING_STATS:
+        held, carried = getattr(bn, name, None), gn._buffers.get(name)
+        if isinstance(held, torch.Tensor) and carried is not None:
+            materialized |= held.is_meta and not carried.is_meta
+            setattr(bn, name, carried)
     if materialized and getattr(bn, "track_running_stats", False):
-        bn.reset_running_stats()
+        bn.reset_running_stats()  # materialized from meta (to_empty) after the swap: fresh statistics
 
 
 def _replace(root: nn.Module, replacements: dict[int, nn.Module]) -> nn.Module:

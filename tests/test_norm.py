@@ -111,7 +111,17 @@ def test_affine_false_no_running_stats_and_biasless_do_not_crash():
     assert model[0].affine is False and model[0].weight is None and model[0].bias is None
     assert model[1].weight is no_stats.weight and model[1].bias is no_stats.bias
     assert model[2].weight is no_bias.weight and model[2].bias is None
-    assert list(model.state_dict()) == ["1.weight", "1.bias", "2.weight"]
+    assert list(model.state_dict()) == [
+        "0.running_mean",
+        "0.running_var",
+        "0.num_batches_tracked",
+        "1.weight",
+        "1.bias",
+        "2.weight",
+        "2.running_mean",
+        "2.running_var",
+        "2.num_batches_tracked",
+    ]  # the BatchNorms' keys, unchanged
     out = model(torch.randn(2, 4, 3, 3))
     assert out.shape == (2, 4, 3, 3)
 
@@ -522,20 +532,24 @@ def test_state_dict_keys_and_pre_swap_checkpoint_loads():
         _randomize(m)
     saved = copy.deepcopy(old.state_dict())
     model = _cnn()
+    keys = list(model.state_dict())
     convert_batchnorm(model, example_input=X)
-    assert [k for k in model.state_dict() if k.startswith(("1.", "6."))] == [
-        "1.weight",
-        "1.bias",
-        "6.weight",
-        "6.bias",
-    ]
+    assert list(model.state_dict()) == keys  # the swap changes no key
     assert str(model.load_state_dict(saved)) == "<All keys matched successfully>"
     for i in (1, 6):
         assert torch.equal(model[i].weight, saved[f"{i}.weight"]) and torch.equal(
             model[i].bias, saved[f"{i}.bias"]
         )
-        # the statistics went to the held BatchNorm, for a faithful revert
-        assert torch.equal(model[i].batchnorm.running_mean, saved[f"{i}.running_mean"])
+        # the statistics are the held BatchNorm's own tensors, for a faithful revert
+        assert torch.equal(model[i].running_mean, saved[f"{i}.running_mean"])
+        assert model[i].running_mean is model[i].batchnorm.running_mean
+    # a checkpoint saved after the swap loads strictly into the original BatchNorm model
+    assert str(_cnn().load_state_dict(model.state_dict())) == "<All keys matched successfully>"
+    # one saved without the statistics (earlier versions of the swap dropped them) still loads
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    assert str(model.load_state_dict({k: v for k, v in saved.items() if not k.endswith(stats)})) == (
+        "<All keys matched successfully>"
+    )
     # the rest stays strict
     with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "1.extra"'):
         model.load_state_dict({**saved, "1.extra": torch.zeros(1)})
@@ -577,8 +591,9 @@ def test_conversion_allocates_nothing():
         convert_batchnorm(model)
         assert tracker.peak == param_bytes + stat_bytes  # no tensor was created, not even on meta
     with MemoryTracker(model) as tracker:
-        # the model's own tensors no longer include the statistics (held off-module for revert_groupnorm)
-        assert tracker.current_breakdown["parameters"] == param_bytes
+        # the statistics are still the model's (same tensors, now buffers of the GroupNorm; the tracker
+        # counts a module's buffers with its parameters)
+        assert tracker.current_breakdown["parameters"] == param_bytes + stat_bytes
 
 
 def test_micro_batch_gradients_match_the_full_batch():

@@ -13,7 +13,9 @@ def test_fixed_public_names_import_and_callbacks_need_no_arguments():
         AutoAccumulation,
         AutoCheckpoint,
         BatchNormToGroupNorm,
+        DataLoaderMonitor,
         MemoryMonitor,
+        MicroBatchOOMError,
         OOMBackoff,
     )
     from lightning_memopt.checkpointing import (  # noqa: F401
@@ -25,11 +27,23 @@ def test_fixed_public_names_import_and_callbacks_need_no_arguments():
     from lightning_memopt.memory import MemoryTracker  # noqa: F401
     from lightning_memopt.norm import convert_batchnorm  # noqa: F401
 
-    callbacks = [AutoCheckpoint, AutoAccumulation, OOMBackoff, BatchNormToGroupNorm, MemoryMonitor]
-    assert sorted(c.__name__ for c in callbacks) == sorted(lightning_memopt.__all__)
+    callbacks = [
+        AutoCheckpoint,
+        AutoAccumulation,
+        OOMBackoff,
+        BatchNormToGroupNorm,
+        MemoryMonitor,
+        DataLoaderMonitor,
+    ]
+    assert sorted(c.__name__ for c in [*callbacks, MicroBatchOOMError]) == sorted(lightning_memopt.__all__)
     for cls in callbacks:
         assert isinstance(cls(), pl.Callback)
-        assert cls.__module__ == lightning_memopt._CALLBACKS[cls.__name__]
+        assert cls.__module__ == lightning_memopt._PUBLIC[cls.__name__]
+    # the error users catch: one class, wherever it is imported from
+    from lightning_memopt.batching.engine import MicroBatchOOMError as from_engine
+
+    assert MicroBatchOOMError is from_engine and issubclass(MicroBatchOOMError, RuntimeError)
+    assert MicroBatchOOMError.__module__ == lightning_memopt._PUBLIC["MicroBatchOOMError"]
 
 
 def test_unknown_attribute_is_an_attribute_error():
@@ -44,7 +58,7 @@ def test_unknown_attribute_is_an_attribute_error():
 def test_plain_torch_cores_do_not_import_lightning():
     code = (
         "import sys; import lightning_memopt.memory, lightning_memopt.norm, lightning_memopt.checkpointing, "
-        "lightning_memopt.batching.split, lightning_memopt.batching.sizing; "
+        "lightning_memopt.batching.split, lightning_memopt.batching.sizing, lightning_memopt.data; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -23,16 +23,17 @@ What one training step does (``_training_step``), top to bottom:
 1. Capture the step's start state (RNGs, buffers, torchmetrics, GradScaler) if OOM retry is on.
 2. Zero gradients; split the batch into micro-batches of ``micro_batch_size`` samples.
 3. For each micro-batch: the user's ``training_step`` (through the strategy, so DDP/FSDP forward and
-   autocast apply), its loss times its share of samples (or tokens), scaled by the GradScaler,
+   autocast apply), its loss times its share of the items the loss averages over (samples, or
+   tokens that are not -100: :mod:`lightning_memopt.batching.counting`), scaled by the GradScaler,
    ``.backward()``. Logged values are recorded, not logged yet.
 4. Under DDP with OOM retry, every micro-batch ran under ``no_sync``; the ranks agree whether any ran
    out of memory (one 8-byte all-reduce), then average gradients. Without retry, the last micro-batch
    synchronizes gradients as DDP normally does (communication overlaps backward).
 5. On an out-of-memory error (anywhere in 3, on any rank): outside the ``except`` block, drop the
    attempt's gradients, restore the start state, halve the micro-batch and run the batch again. At one
-   sample per micro-batch, every rank raises :class:`MicroBatchOOMError` (after agreeing, so no rank
-   waits).
-6. Log each recorded value once, as the sample-weighted mean over micro-batches (the full-batch value),
+   sample per micro-batch (two with BatchNorm in training mode), every rank raises
+   :class:`MicroBatchOOMError` (after agreeing, so no rank waits).
+6. Log each recorded value once, as the weighted mean over micro-batches (the full-batch value),
    and return the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the
    hooks.
 
@@ -80,12 +81,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_memopt.batching.counting import causal_shift, choose_count
 from lightning_memopt.batching.distributed import all_reduce_gradients, any_rank, is_distributed
+from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
 from lightning_memopt.batching.oom import is_out_of_memory
+from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import batch_size, micro_batch_sizes, micro_batch_weights, split_batch
 from lightning_memopt.batching.state import OptimizerSnapshot, StepState, drop_gradients
 from lightning_memopt.memory.device import device_memory
@@ -106,29 +111,14 @@ LIGHTNING_SURFACE = (
     (Strategy, "model"),
     (Strategy, "root_device"),
     (ParallelStrategy, "block_backward_sync"),
+    (FSDPStrategy, "_activation_checkpointing_kwargs"),  # an instance attribute; read by AutoCheckpoint
 )
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+# One engine per Trainer. An engine refers to its Trainer only weakly (MicroBatchEngine._trainer): a value
+# that held its own key would keep the Trainer, and its model, alive for the whole process.
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-_CHECKLIST = """\
-What to do, cheapest first:
-  1. precision="bf16-mixed" (or "16-mixed") on the Trainer: activations take half the bytes.
-  2. lightning_memopt.AutoCheckpoint(): recompute activations in backward instead of keeping them.
-  3. lightning_memopt.BatchNormToGroupNorm(): small micro-batches make BatchNorm statistics noisy;
-     GroupNorm does not depend on the micro-batch size.
-  4. Shard parameters, gradients and optimizer state across devices with Lightning's
-     strategy="fsdp" or ModelParallelStrategy (FSDP2).
-  5. Offload activations to CPU memory (AutoCheckpoint(offload=True)).
-  6. A smaller model or shorter sequences: one sample does not fit as it is."""
-
-
-class MicroBatchOOMError(RuntimeError):
-    """Out of memory with one sample per micro-batch: splitting further cannot help.
-
-    A ``RuntimeError`` subclass on purpose: :func:`~lightning_memopt.batching.oom.is_out_of_memory` never
-    takes it for an allocator error, so nothing retries it again.
-    """
+_UNKNOWN = object()  # the model's loss convention, before the first split step looked at it
 
 
 class _PeerOutOfMemory(Exception):
@@ -174,9 +164,10 @@ class MicroBatchEngine:
             micro-batch synchronize gradients inside its backward (overlap) after agreeing on the first
             k-1; an OOM in that last micro-batch then ends the run. None (default): never.
         count_fn: ``count_fn(micro_batch) -> number`` of loss elements (e.g. non-padding tokens) for
-            losses that are a mean over something other than samples; None weighs by samples.
+            losses that are a mean over something other than samples; None: the default of
+            :func:`~lightning_memopt.batching.counting.choose_count` (Hugging Face ``labels``, else samples).
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut.
-        log_metrics: Log ``memopt/*`` keys from the training step.
+        log_metrics: Log ``batching/*`` keys from the training step.
     """
 
     def __init__(self) -> None:
@@ -201,7 +192,9 @@ class MicroBatchEngine:
         self.smallest_failed_size: int | None = None
         self.last_failure: str | None = None
         # machinery
-        self._trainer: Any = None
+        self._trainer_ref: weakref.ref | None = None
+        self._shift: Any = _UNKNOWN  # counting.causal_shift of the module, found on the first split step
+        self._warned = False
         self._installs = 0
         self._originals: dict[str, Any] = {}
         self._zero_grad_patched = False
@@ -210,6 +203,15 @@ class MicroBatchEngine:
         self._state: StepState | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def _trainer(self) -> Any:
+        """The Trainer served, held weakly: the registry's value must not keep its own key alive."""
+        return None if self._trainer_ref is None else self._trainer_ref()
+
+    @_trainer.setter
+    def _trainer(self, trainer: Any) -> None:
+        self._trainer_ref = None if trainer is None else weakref.ref(trainer)
+
     @classmethod
     def for_trainer(cls, trainer: Any) -> MicroBatchEngine:
         """The engine of ``trainer``, created on first use (both callbacks share it)."""
@@ -287,6 +289,7 @@ class MicroBatchEngine:
             vars(module).pop("optimizer_zero_grad", None)
         self._zero_grad_patched = False
         self._state = None
+        self._shift = _UNKNOWN  # the next fit may train another model
 
     @property
     def installed(self) -> bool:
@@ -298,7 +301,7 @@ class MicroBatchEngine:
         module = trainer.lightning_module
         self._check_accumulation(trainer)  # a GradientAccumulationScheduler may change it mid-fit
         batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        total = self._batch_size(batch, module)
+        total = self.batch_size(batch, module)
         own_state = self.retry_on_oom and self._state is None  # not inside our optimizer_step wrapper
         if own_state:
             self._state = self._capture(module)
@@ -375,9 +378,9 @@ class MicroBatchEngine:
         trainer = self._trainer
         strategy = trainer.strategy
         module = trainer.lightning_module
-        sizes = micro_batch_sizes(total, size)
+        sizes = micro_batch_sizes(total, size, smallest=smallest_micro_batch(module))
         parts = split_batch(batch, sizes, split_fn=self._split_fn(module))
-        weights = micro_batch_weights(parts, sizes, self.count_fn)
+        weights = self._weights(batch, parts, sizes)
         scaler = getattr(strategy.precision_plugin, "scaler", None)
         self.num_micro_batches = len(parts)
         agree = self.retry_on_oom and self._agreement_needed()
@@ -430,11 +433,15 @@ class MicroBatchEngine:
                         scaled = scaler.scale(scaled)
                     if sharded:  # sync before the backward, and before FSDP's final callback after it
                         (scaled,) = _SyncInBackward.apply(self, True, scaled)
+                    # Every micro-batch runs its backward, so DDP/FSDP communicate as expected. One that counts
+                    # no items (all labels -100) has a mean over nothing, NaN, as its loss and weighs 0: its
+                    # gradients are zeros (cross-entropy's backward writes only at counted positions).
                     scaled.backward()
-                part_loss = loss.detach().float()
-                if len(parts) > 1:
-                    part_loss = part_loss * weight
-                full_loss = part_loss if full_loss is None else full_loss + part_loss
+                if weight > 0 or len(parts) == 1:  # NaN * 0 is NaN: leave it out of the batch's loss
+                    part_loss = loss.detach().float()
+                    if len(parts) > 1:
+                        part_loss = part_loss * weight
+                    full_loss = part_loss if full_loss is None else full_loss + part_loss
                 if isinstance(out, Mapping):
                     extras.append({k: _detach(v) for k, v in out.items() if k != "loss"})
                 del out, loss, scaled
@@ -506,7 +513,7 @@ class MicroBatchEngine:
                         "out of memory in the optimizer step on this rank under a distributed strategy, at a "
                         "micro-batch size that had already stepped cleanly (the ranks agree on optimizer-step "
                         "OOMs only for the first step at each size); the other ranks have stepped, so the step "
-                        f"cannot be retried.\n{self.last_failure}\n{_CHECKLIST}"
+                        f"cannot be retried.\n{self.last_failure}\n{CHECKLIST}"
                     )
                 else:
                     failed = failure is not None
@@ -537,14 +544,20 @@ class MicroBatchEngine:
         self.clean_steps = 0
         self.stable_steps = 0
         self.smallest_failed_size = min(self.smallest_failed_size or size, size)
+        smallest = smallest_micro_batch(module)
         if size <= 1:
             raise MicroBatchOOMError(
                 "out of memory with one sample per micro-batch; splitting the batch further cannot help.\n"
-                f"{self.last_failure}\n{_CHECKLIST}"
+                f"{self.last_failure}\n{CHECKLIST}"
+            )
+        if size <= smallest:
+            raise MicroBatchOOMError(
+                f"out of memory with {size} samples per micro-batch, the fewest a model with BatchNorm layers in "
+                f"training mode can run. {BATCHNORM_ADVICE}\n{self.last_failure}\n{CHECKLIST}"
             )
         if self.max_micro_batch_size is None:
             self.max_micro_batch_size = self.micro_batch_size or total
-        self.micro_batch_size = math.ceil(size / 2)
+        self.micro_batch_size = max(math.ceil(size / 2), smallest)
 
     def _drop_attempt(self) -> None:
         """Drop a failed attempt's gradients and put FSDP2 back to the start of an iteration."""
@@ -624,7 +637,7 @@ class MicroBatchEngine:
             return original(*args, **kwargs)
         module = self._trainer.lightning_module
         batch = args[0]
-        total = self._batch_size(batch, module)
+        total = self.batch_size(batch, module)
         # FSDP2 all-gathers in each sharded module's forward: sync points before them, as in training.
         sharded = self.retry_on_oom and self._agreement_needed() and bool(self._fsdp_modules())
         while True:
@@ -657,7 +670,7 @@ class MicroBatchEngine:
             if size <= 1:
                 raise MicroBatchOOMError(
                     f"out of memory in {hook} with one sample per micro-batch.\n{failure or 'on another rank'}\n"
-                    f"{_CHECKLIST}"
+                    f"{CHECKLIST}"
                 )
             self.eval_micro_batch_size = math.ceil(size / 2)
 
@@ -669,7 +682,7 @@ class MicroBatchEngine:
         if len(sizes) == 1:
             return original(batch, *rest, **kwargs)
         parts = split_batch(batch, sizes, split_fn=self._split_fn(module))
-        weights = micro_batch_weights(parts, sizes, self.count_fn)
+        weights = self._weights(batch, parts, sizes)
         outputs = []
         with _LogRecorder(module) as recorder:
             for part, weight in zip(parts, weights):
@@ -698,7 +711,7 @@ class MicroBatchEngine:
         trainer = self._trainer
         strategy = trainer.strategy
         module = trainer.lightning_module
-        total = self._batch_size(batch, module)
+        total = self.batch_size(batch, module)
         part = (
             split_batch(batch, [size, total - size], split_fn=self._split_fn(module))[0]
             if size < total
@@ -740,7 +753,24 @@ class MicroBatchEngine:
         return peak
 
     # ------------------------------------------------------------------ helpers
-    def _batch_size(self, batch: Any, module: Any) -> int:
+    def _weights(self, batch: Any, parts: list[Any], sizes: list[int]) -> list[float]:
+        """Each micro-batch's share of the items its loss averages over (:mod:`~.counting` says which)."""
+        if len(parts) == 1:
+            return [1.0]
+        if self.count_fn is not None:
+            return micro_batch_weights(parts, sizes, self.count_fn)
+        if self._shift is _UNKNOWN:
+            self._shift = causal_shift(self._trainer.lightning_module)
+        count_fn, warning = choose_count(batch, self._shift, check_ignored=not self._warned)
+        if warning is not None and not self._warned:
+            self._warned = True
+            rank_zero_warn(warning)
+        if count_fn is not None and count_fn(batch) == 0:
+            count_fn = None  # nothing counted in the whole batch: its loss is NaN either way
+        return micro_batch_weights(parts, sizes, count_fn)
+
+    def batch_size(self, batch: Any, module: Any) -> int:
+        """Samples in ``batch``; ``len(batch)`` for batches only the user's ``split_fn`` can cut."""
         try:
             return batch_size(batch)
         except (TypeError, ValueError):
@@ -881,12 +911,12 @@ class MicroBatchEngine:
         return "\n".join(lines)
 
     def _log_engine_metrics(self, log: Callable[..., Any]) -> None:
-        """Log ``memopt/*`` when a value changed and every ``log_every_n_steps`` (when Lightning writes to
+        """Log ``batching/*`` when a value changed and every ``log_every_n_steps`` (when Lightning writes to
         the logger); ``self.log`` costs about as much as a small step's arithmetic, so not every step."""
         values = (
-            ("memopt/micro_batch_size", float(self.micro_batch_size or self._last_total or 0)),
-            ("memopt/num_micro_batches", float(self.num_micro_batches)),
-            ("memopt/oom_retries", float(self.oom_retries)),
+            ("batching/micro_batch_size", float(self.micro_batch_size or self._last_total or 0)),
+            ("batching/num_micro_batches", float(self.num_micro_batches)),
+            ("batching/oom_retries", float(self.oom_retries)),
         )
         trainer = self._trainer
         every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
@@ -934,7 +964,8 @@ class _LogRecorder:
             ]
             if len(numeric) == len(records):
                 weight = sum(r[1] for r in records)
-                mean = sum(_as_tensor(r[0]).detach().float() * r[1] for r in records) / weight
+                # weight 0: a micro-batch that counts no items, whose means are NaN
+                mean = sum(_as_tensor(r[0]).detach().float() * r[1] for r in records if r[1] > 0) / weight
                 value = mean if isinstance(records[-1][0], torch.Tensor) else float(mean)
                 if "batch_size" in kwargs:  # the user counted a micro-batch; the step counts them all
                     kwargs = {**kwargs, "batch_size": sum(r[3].get("batch_size", 0) for r in records)}
@@ -952,10 +983,14 @@ def _as_tensor(value: Any) -> torch.Tensor:
 
 
 def _loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise MisconfigurationException(
+                f"training_step must return a scalar loss, got a tensor of shape {tuple(loss.shape)}; reduce it "
+                "to one number, e.g. loss.mean() (a mean over samples) or loss.sum() / n, before returning it"
+            )
+        return loss
     raise MisconfigurationException(
         f"with micro-batching, training_step must return the loss tensor or a dict with a 'loss' tensor, got "
         f"{type(output).__name__}; returning None to skip a step cannot skip one micro-batch of it"

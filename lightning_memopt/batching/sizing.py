@@ -21,11 +21,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.batching.oom import is_out_of_memory
+from lightning_memopt.memory.budget import check_headroom, usable_bytes
 from lightning_memopt.memory.units import parse_bytes
 
-__all__ = ["MemoryModel", "SizingResult", "find_micro_batch_size"]
+__all__ = ["MemoryModel", "NoSizeFits", "SizingResult", "find_micro_batch_size", "smallest_micro_batch"]
 
 # Peaks are whole bytes: a line through two measured peaks predicts a third within a few bytes of rounding.
 _ROUNDING = 2
@@ -52,6 +56,22 @@ _WHOLE = 0.9
 _BACKOFF = (0.8, 0.5)
 # Bisection is used instead whenever it is sure to end within this ratio of the true maximum (or on it).
 _BISECT_WITHIN = 0.975
+
+
+class NoSizeFits(RuntimeError):
+    """No probed micro-batch size fitted the budget (a ``RuntimeError`` subclass, so callers can tell it
+    from an error raised inside a probe)."""
+
+
+def smallest_micro_batch(module: nn.Module, *, training: bool = True) -> int:
+    """The smallest micro-batch ``module`` can train on: 2 with BatchNorm layers in training mode, else 1.
+
+    BatchNorm normalizes over the micro-batch: with one sample its statistics are those of one sample
+    (and torch refuses outright when there is one value per channel). Evaluation uses running statistics.
+    """
+    if training and any(isinstance(m, _BatchNorm) and m.training for m in module.modules()):
+        return 2
+    return 1
 
 
 @dataclass(frozen=True)
@@ -179,8 +199,8 @@ def find_micro_batch_size(
     Raises:
         ValueError: If an argument is out of range, or ``probe`` returns something other than a
             positive int or None.
-        RuntimeError: If even ``min_size`` does not fit the budget, or ``max_probes`` ran out before
-            any probe fitted.
+        NoSizeFits: If even ``min_size`` does not fit the budget, or ``max_probes`` ran out before
+            any probe fitted (a ``RuntimeError``).
 
     Example::
 
@@ -196,15 +216,14 @@ def find_micro_batch_size(
     if min_size > max_size:
         raise ValueError(f"min_size ({min_size}) must be at most max_size ({max_size}); lower min_size")
     capacity = parse_bytes(capacity, name="capacity")
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}; e.g. 0.1 keeps 10% free")
+    headroom = check_headroom(headroom)
     if start is None:
         start = min_size
     if isinstance(start, bool) or not isinstance(start, int) or not min_size <= start <= max_size:
         raise ValueError(
             f"start must be an int in [min_size, max_size] = [{min_size}, {max_size}], got {start!r}"
         )
-    budget = math.floor(capacity * (1 - headroom))
+    budget = usable_bytes(capacity, headroom, None, name="capacity")  # the package's one rule
 
     probes: list[tuple[int, int | None]] = []
     peaks: dict[int, int | None] = {}
@@ -230,7 +249,7 @@ def find_micro_batch_size(
         run(size)
         if not any(fits(s) for s in peaks):
             if min_size in peaks:
-                raise RuntimeError(
+                raise NoSizeFits(
                     f"even min_size={min_size} does not fit: its probe "
                     + (
                         "ran out of memory"
@@ -246,7 +265,7 @@ def find_micro_batch_size(
         model = fitted or model
     good = [s for s in peaks if fits(s)]
     if not good:  # max_probes ran out before anything fitted
-        raise RuntimeError(
+        raise NoSizeFits(
             f"no probed size fitted the budget of {budget} bytes within max_probes={max_probes} "
             f"(probes: {probes}); raise max_probes or free memory"
         )

@@ -1,11 +1,14 @@
 """Splitting one optimizer batch into micro-batches, and weighting their losses.
 
 A batch is split along dim 0 of every tensor in it, through the containers Lightning users put batches
-in: tensors, dicts (and other mappings), lists, tuples, namedtuples and dataclasses. Values that are
-not tensors (a string tag, an int), and tensors whose dim 0 is not the batch size (a shared mask), are
-passed to every micro-batch unchanged. Any other object needs
-the LightningModule hook ``split_batch(self, batch, sizes) -> list`` (or a ``split_fn`` given to the
-callback), which the error message names.
+in: tensors, dicts (and other mappings), lists, tuples, namedtuples and dataclasses. Every tensor with
+dims must hold one row per sample (its dim 0 is the batch size): a tensor whose dim 0 differs is an
+error naming it, since passing it whole to every micro-batch would silently misalign it. A list or
+tuple of plain values (strings, numbers) whose length is the batch size holds one value per sample
+and is split with the tensors; other plain values (a string tag, an int, a 0-dim tensor) go to every
+micro-batch unchanged. Any other object needs the LightningModule hook
+``split_batch(self, batch, sizes) -> list`` (or a ``split_fn`` given to the callback), which the error
+message names.
 """
 
 from __future__ import annotations
@@ -29,16 +32,20 @@ def _hook_hint(obj: Any) -> str:
     )
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    """All tensors in ``batch``, in a fixed order."""
+def _tensors(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
+    """All tensors in ``batch`` with their paths (``batch['x']``, ``batch[1]``, ``batch.x``), in a fixed order."""
     if isinstance(batch, torch.Tensor):
-        return [batch]
+        return [(path, batch)]
     if isinstance(batch, Mapping):
-        return [t for value in batch.values() for t in _tensors(value)]
+        return [t for key, value in batch.items() for t in _tensors(value, f"{path}[{key!r}]")]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return [t for name, value in zip(batch._fields, batch) for t in _tensors(value, f"{path}.{name}")]
     if isinstance(batch, (list, tuple)):
-        return [t for value in batch for t in _tensors(value)]
+        return [t for i, value in enumerate(batch) for t in _tensors(value, f"{path}[{i}]")]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return [t for f in dataclasses.fields(batch) for t in _tensors(getattr(batch, f.name))]
+        return [
+            t for f in dataclasses.fields(batch) for t in _tensors(getattr(batch, f.name), f"{path}.{f.name}")
+        ]
     if isinstance(batch, _SCALARS):
         return []
     raise TypeError(_hook_hint(batch))
@@ -47,14 +54,11 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 def batch_size(batch: Any) -> int:
     """The number of samples in ``batch``: dim 0 of its first tensor that has dims (as Lightning counts).
 
-    Tensors whose dim 0 differs (a shared mask, a scalar) are not per-sample; every micro-batch gets
-    them whole.
-
     Raises:
         TypeError: If the batch holds an object this module cannot look into.
         ValueError: If it holds no tensor with a dim 0.
     """
-    for t in _tensors(batch):
+    for _, t in _tensors(batch):
         if t.dim() > 0:
             return t.shape[0]
     raise ValueError(
@@ -63,16 +67,32 @@ def batch_size(batch: Any) -> int:
     )
 
 
-def micro_batch_sizes(total: int, micro: int) -> list[int]:
+def _check_rows(batch: Any, total: int) -> None:
+    """Raise unless every tensor with dims in ``batch`` has ``total`` rows (one per sample)."""
+    rows = [(path, t.shape[0]) for path, t in _tensors(batch) if t.dim() > 0]
+    odd = [f"{path} has {n}" for path, n in rows if n != total]
+    if not odd:
+        return
+    raise ValueError(
+        f"the batch's tensors disagree on dim 0, the sample dimension: {rows[0][0]} has {total} rows (the "
+        f"batch size), but {', '.join(odd)}. To be split into micro-batches every tensor with dims must hold "
+        "one row per sample; make a tensor that all samples share 0-dim or a module attribute, or define "
+        "`split_batch(self, batch, sizes)` on your LightningModule (or pass `split_fn=` to the callback)"
+    )
+
+
+def micro_batch_sizes(total: int, micro: int, *, smallest: int = 1) -> list[int]:
     """Sizes of the micro-batches that run ``total`` samples at most ``micro`` at a time.
 
     The split is as even as possible with the fewest micro-batches: ``micro_batch_sizes(10, 4)`` is
     ``[4, 3, 3]``, not ``[4, 4, 2]``, so that no micro-batch is much smaller than the others (a tiny last
-    slice wastes a step and is where BatchNorm statistics go worst).
+    slice wastes a step and is where BatchNorm statistics go worst). With ``smallest`` (2 for BatchNorm in
+    training mode), no micro-batch has fewer samples, even if one then exceeds ``micro``:
+    ``micro_batch_sizes(5, 2, smallest=2)`` is ``[3, 2]``.
     """
     if total < 1 or micro < 1:
         raise ValueError(f"need total >= 1 and micro >= 1, got total={total}, micro={micro}")
-    count = -(-total // micro)
+    count = min(-(-total // micro), max(total // smallest, 1))
     base, extra = divmod(total, count)
     return [base + 1] * extra + [base] * (count - extra)
 
@@ -80,8 +100,8 @@ def micro_batch_sizes(total: int, micro: int) -> list[int]:
 def _split(batch: Any, sizes: Sequence[int], total: int) -> list[Any]:
     n = len(sizes)
     if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0 or batch.shape[0] != total:
-            return [batch] * n  # not per-sample (a scalar, a shared mask): every micro-batch gets it
+        if batch.dim() == 0:
+            return [batch] * n  # a scalar: every micro-batch gets it
         return list(torch.split(batch, list(sizes)))
     if isinstance(batch, Mapping):
         parts = {key: _split(value, sizes, total) for key, value in batch.items()}
@@ -92,6 +112,9 @@ def _split(batch: Any, sizes: Sequence[int], total: int) -> list[Any]:
         parts = [_split(value, sizes, total) for value in batch]
         return [type(batch)(*(p[i] for p in parts)) for i in range(n)]
     if isinstance(batch, (list, tuple)):
+        if len(batch) == total and not _tensors(batch):  # one plain value per sample (e.g. strings)
+            starts = [sum(sizes[:i]) for i in range(n)]
+            return [type(batch)(batch[a : a + s]) for a, s in zip(starts, sizes)]
         parts = [_split(value, sizes, total) for value in batch]
         return [type(batch)(p[i] for p in parts) for i in range(n)]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -116,8 +139,8 @@ def split_batch(
 
     Raises:
         TypeError: If the batch holds an object that cannot be split and no ``split_fn`` is given.
-        ValueError: If ``sizes`` does not add up to the batch size, or ``split_fn`` returns the wrong
-            number of micro-batches.
+        ValueError: If ``sizes`` does not add up to the batch size, the batch's tensors disagree on dim 0,
+            or ``split_fn`` returns the wrong number of micro-batches.
 
     Example::
 
@@ -138,6 +161,7 @@ def split_batch(
         raise ValueError(f"micro-batch sizes {sizes} must be positive and add up to the batch size {total}")
     if len(sizes) == 1:
         return [batch]
+    _check_rows(batch, total)
     return _split(batch, sizes, total)
 
 
@@ -149,7 +173,9 @@ def micro_batch_weights(
     With no ``count_fn`` each micro-batch weighs its share of samples (``size / total``), which is exact
     for a loss that is a mean over samples, an uneven last micro-batch included. For a loss that is a
     mean over something else, such as non-padding tokens, ``count_fn(micro_batch)`` returns how many of
-    those the micro-batch holds and the weights are its share of the total count.
+    those the micro-batch holds and the weights are its share of the total count (see
+    :mod:`lightning_memopt.batching.counting` for what this makes exact, and the default counts). A
+    micro-batch may count 0 items: its weight is 0.
 
     Raises:
         ValueError: If the counts are negative or all zero.
@@ -159,5 +185,8 @@ def micro_batch_weights(
     )
     total = sum(counts)
     if total <= 0 or min(counts) < 0:
-        raise ValueError(f"count_fn must return non-negative counts with a positive sum, got {counts}")
+        raise ValueError(
+            f"count_fn must return non-negative counts with a positive sum, got {counts}; it returns the "
+            "number of items (samples, tokens) a micro-batch's mean loss averages over"
+        )
     return [c / total for c in counts]

@@ -3,6 +3,7 @@
 from lightning_memopt.callbacks.auto_accumulation import AutoAccumulation
 from lightning_memopt.callbacks.auto_checkpoint import AutoCheckpoint
 from lightning_memopt.callbacks.batchnorm_swap import BatchNormToGroupNorm
+from lightning_memopt.callbacks.dataloader_monitor import DataLoaderMonitor
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.callbacks.oom_backoff import OOMBackoff
 
@@ -10,6 +11,7 @@ __all__: list[str] = [
     "AutoAccumulation",
     "AutoCheckpoint",
     "BatchNormToGroupNorm",
+    "DataLoaderMonitor",
     "MemoryMonitor",
     "OOMBackoff",
 ]

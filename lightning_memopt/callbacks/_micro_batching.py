@@ -2,22 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_memopt.batching.engine import MicroBatchEngine
+
+# The options both callbacks take, with the call each must accept (for error messages).
+_SHARED = {
+    "count_fn": "count_fn(micro_batch) -> number of items the loss averages over",
+    "split_fn": "split_fn(batch, sizes) -> list of micro-batches",
+}
 
 
 class MicroBatchingCallback(Callback):
     """Base of the callbacks that split batches: installs the Trainer's shared engine in ``setup`` and
     removes it in ``teardown``, or in ``on_exception`` when the fit raised (Lightning then skips the
-    callbacks' ``teardown``); subclasses configure it in :meth:`_configure`."""
+    callbacks' ``teardown``); subclasses configure it in :meth:`_configure`.
+
+    ``count_fn`` and ``split_fn`` are options of the one engine both callbacks drive: either callback may
+    take them; given to both, they must be the same object.
+    """
 
     splits_batches = True  # read (duck-typed) by BatchNormToGroupNorm
 
-    def __init__(self, *, log: bool) -> None:
+    def __init__(
+        self,
+        *,
+        log: bool,
+        count_fn: Callable[[Any], float] | None = None,
+        split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
+    ) -> None:
+        for name, fn in (("count_fn", count_fn), ("split_fn", split_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable, {_SHARED[name]}, or None; got {fn!r}")
         self.log_metrics = log  # not `self.log`: Lightning binds the module's log method to every callback
+        self.count_fn = count_fn
+        self.split_fn = split_fn
         self._engine: MicroBatchEngine | None = None
         self._holds_install = False  # this callback's install is not undone yet
 
@@ -37,6 +62,8 @@ class MicroBatchingCallback(Callback):
         engine = MicroBatchEngine.for_trainer(trainer)
         if stage == "fit":
             engine.check(trainer, pl_module)
+        for name in _SHARED:
+            setattr(engine, name, _shared_option(trainer, name))
         self._configure(engine)
         engine.log_metrics = engine.log_metrics or self.log_metrics
         engine.install(trainer)
@@ -49,6 +76,10 @@ class MicroBatchingCallback(Callback):
         if self._engine is not None and self._holds_install:
             self._holds_install = False
             self._engine.uninstall()
+        # Lightning binds the module's `log`/`log_dict` to every callback (CallbackConnector); a callback the
+        # user keeps after fit would keep the module, and through it the Trainer, alive.
+        for name in ("log", "log_dict"):
+            vars(self).pop(name, None)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -60,3 +91,20 @@ class MicroBatchingCallback(Callback):
     ) -> None:
         # Lightning calls on_exception, not teardown, when fit raises: the strategy must not stay wrapped.
         self._release()
+
+
+def _shared_option(trainer: pl.Trainer, name: str) -> Any:
+    """The one value of ``name`` given to the Trainer's micro-batching callbacks (None if none was)."""
+    given = [
+        (type(cb).__name__, getattr(cb, name))
+        for cb in trainer.callbacks
+        if isinstance(cb, MicroBatchingCallback)
+    ]
+    given = [(owner, value) for owner, value in given if value is not None]
+    if len({id(value) for _, value in given}) > 1:
+        listed = ", ".join(f"{owner}({name}={value!r})" for owner, value in given)
+        raise MisconfigurationException(
+            f"{listed}: the micro-batching callbacks share one engine and one {name}; pass it to one of them "
+            "(or the same function to both)"
+        )
+    return given[0][1] if given else None

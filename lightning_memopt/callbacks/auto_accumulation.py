@@ -8,13 +8,13 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_memopt.batching.distributed import max_over_ranks, min_over_ranks
-from lightning_memopt.batching.engine import MicroBatchEngine
-from lightning_memopt.batching.sizing import find_micro_batch_size
+from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
+from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size, smallest_micro_batch
 from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
+from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
@@ -31,34 +31,51 @@ class AutoAccumulation(MicroBatchingCallback):
     ``BatchSizeFinder``). Before the first step, a few probe steps (forward and backward of one
     micro-batch, nothing else changed: no weight update, gradients dropped, BatchNorm statistics,
     torchmetrics states and RNGs restored) measure peak memory at a few sizes, fit a line (a parabola
-    where the curve bends) to predict the largest size that fits ``capacity * (1 - headroom)``, verify
+    where the curve bends) to predict the largest size that fits ``max_memory * (1 - headroom)``, verify
     it with one more probe and fall back to bisection when a prediction misses
     (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`). Under DDP/FSDP every rank probes
     and all use the smallest size found. The size is saved in the checkpoint: a resumed run does not
     probe again.
 
-    Each micro-batch's loss is weighted by its share of the batch's samples (or of ``count_fn``'s
-    counts, e.g. non-padding tokens), so the accumulated gradient is the full batch's, an uneven last
-    micro-batch included. Values logged with ``self.log`` in ``training_step`` are logged once per step,
-    as the weighted mean over micro-batches (the full-batch value).
+    Exact accumulation: each micro-batch's mean loss is weighted by its share of the items the batch's
+    loss averages over, so the accumulated gradient equals the unsplit batch's (up to rounding), an
+    uneven last micro-batch included. The items are samples, except for a batch with integer ``labels``
+    holding -100 (the Hugging Face convention): then the labels ``!= -100``, after the one-position
+    shift of causal language models, told from the model (:mod:`lightning_memopt.batching.counting`),
+    so Hugging Face causal-LM, masked-LM and seq2seq losses with padding are exact with no user code.
+    For another loss that is not a mean over samples, pass ``count_fn`` (the package warns once when
+    it sees -100 in a batch it cannot read). Dropout draws different masks when a batch is split, so a
+    model with dropout trains like the unsplit run, not bit-for-bit like it. Values logged with
+    ``self.log`` in ``training_step`` are logged once per step, as the weighted mean over micro-batches.
 
     Args:
         micro_batch_size: A fixed training micro-batch size; skips probing. Default None: probe.
         eval_micro_batch_size: Samples per validation/test/predict micro-batch. Default None: probed
             separately (evaluation keeps no activations for backward, so it fits larger), up to the
             training batch size; the whole batch when nothing is probed.
-        max_memory: The memory the step may use, in bytes or a string like ``"6GiB"``. Default None: the
-            CUDA device's capacity. Required to probe on CPU (there is no device limit to ask); without
-            it the CPU run is not split.
+        max_memory: The memory one step may use: bytes (int), a string like ``"6GiB"``, or a float in
+            (0, 1], a fraction of the device's capacity (see :mod:`lightning_memopt.memory.budget`).
+            Default None: the CUDA device's capacity. Bytes are required to probe on CPU (there is no
+            device limit to ask); without them the CPU run is not split. Not with ``micro_batch_size``.
         headroom: Fraction of ``max_memory`` kept free for what probes cannot see (optimizer state
-            created by the first step, fragmentation, longer sequences). Default 0.1.
+            created by the first step, fragmentation, longer sequences): the probes fit
+            ``max_memory * (1 - headroom)``. Default 0.1.
         max_probes: Most probe steps to spend (at least 3). Default 6, as in ``find_micro_batch_size``.
-        count_fn: ``count_fn(micro_batch) -> number`` of elements the loss averages over, for losses that
-            are not a mean over samples (token-mean language-model losses). Default None: samples.
+        count_fn: ``count_fn(micro_batch) -> number`` of items the loss averages over, for losses that
+            are a mean over something other than samples and not in the Hugging Face convention above.
+            Default None: the convention, else samples. Shared with ``OOMBackoff`` (give it to one).
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut
             (a LightningModule method ``split_batch(self, batch, sizes)`` works too). Default None.
-        log: Log ``memopt/micro_batch_size``, ``memopt/num_micro_batches`` and ``memopt/oom_retries`` per
-            step. Default True.
+            Shared with ``OOMBackoff``.
+        log: Log the keys below per step. Default True.
+
+    Logged keys (per step, ``on_step=True``; shared with ``OOMBackoff``):
+
+    ===============================  ===============================================================
+    ``batching/micro_batch_size``    samples per micro-batch of this step
+    ``batching/num_micro_batches``   micro-batches this step ran as
+    ``batching/oom_retries``         out-of-memory retries since the fit started (cumulative count)
+    ===============================  ===============================================================
 
     Attributes:
         probes: ``(size, peak bytes or None)`` of each training probe this fit ran (empty on resume).
@@ -66,9 +83,11 @@ class AutoAccumulation(MicroBatchingCallback):
             on the first training batch, when the module has a ``validation_step``).
 
     Raises:
-        ValueError: For a bad argument (see the message).
+        ValueError: For a bad argument (see the message), or ``max_memory`` with ``micro_batch_size``.
+        TypeError: If ``count_fn`` or ``split_fn`` is not callable.
         MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
-            ``accumulate_grad_batches > 1``.
+            ``accumulate_grad_batches > 1``, or a different ``count_fn``/``split_fn`` on ``OOMBackoff``.
+        MicroBatchOOMError: At the first step, when even the smallest micro-batch does not fit.
 
     Example::
 
@@ -81,7 +100,7 @@ class AutoAccumulation(MicroBatchingCallback):
         *,
         micro_batch_size: int | None = None,
         eval_micro_batch_size: int | None = None,
-        max_memory: int | str | None = None,
+        max_memory: MemoryLimit = None,
         headroom: float = 0.1,
         max_probes: int = 6,
         count_fn: Callable[[Any], float] | None = None,
@@ -96,20 +115,23 @@ class AutoAccumulation(MicroBatchingCallback):
                 raise ValueError(
                     f"{name} must be a positive int or None (to probe / run whole), got {value!r}"
                 )
-        if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 0 <= headroom < 1:
+        check_max_memory(max_memory)
+        if max_memory is not None and micro_batch_size is not None:
             raise ValueError(
-                f"headroom must be a fraction in [0, 1), got {headroom!r}; e.g. 0.1 keeps 10% free"
+                f"micro_batch_size={micro_batch_size!r} fixes the size, so max_memory={max_memory!r} would be "
+                "ignored; pass micro_batch_size to fix the size, or max_memory to probe for it, not both"
             )
         if isinstance(max_probes, bool) or not isinstance(max_probes, int) or max_probes < 3:
             raise ValueError(
                 f"max_probes must be an int >= 3 (two to fit, one to verify), got {max_probes!r}"
             )
-        self.max_memory = parse_bytes(max_memory, name="max_memory") if max_memory is not None else None
-        self.headroom = float(headroom)
+        # bytes for an absolute limit (as before fractions were accepted), the float for a fraction
+        self.max_memory = (
+            max_memory if max_memory is None or isinstance(max_memory, float) else parse_bytes(max_memory)
+        )
+        self.headroom = check_headroom(headroom)
         self.max_probes = max_probes
-        super().__init__(log=log)
-        self.count_fn = count_fn
-        self.split_fn = split_fn
+        super().__init__(log=log, count_fn=count_fn, split_fn=split_fn)
         self.probes: list[tuple[int, int | None]] = []
         self.eval_probes: list[tuple[int, int | None]] = []
         self._fixed = micro_batch_size
@@ -127,9 +149,10 @@ class AutoAccumulation(MicroBatchingCallback):
         return self._sizes["micro_batch_size"]
 
     @override
-    def _configure(self, engine: MicroBatchEngine) -> None:
-        engine.count_fn = self.count_fn
-        engine.split_fn = self.split_fn
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.max_memory is not None:
+            self._memory_limit(trainer)  # a fraction of an unknown capacity (CPU) fails now, not at step 1
 
     @override
     def _installed(self) -> None:
@@ -142,7 +165,7 @@ class AutoAccumulation(MicroBatchingCallback):
         if self._sizes["probed"] or self._engine is None:
             return
         self._sizes["probed"] = True
-        capacity = self._capacity(trainer)
+        capacity = self._memory_limit(trainer)
         if capacity is None:
             return
         # The smallest device decides, and every rank must search with the same budget to take the
@@ -157,12 +180,13 @@ class AutoAccumulation(MicroBatchingCallback):
             )
         self._apply_sizes()
 
-    def _capacity(self, trainer: pl.Trainer) -> int | None:
+    def _memory_limit(self, trainer: pl.Trainer) -> int | None:
+        """``max_memory`` in bytes (the device's capacity for None or a fraction); None: cannot probe."""
         device = trainer.strategy.root_device
-        if self.max_memory is not None:
-            return self.max_memory
-        if device.type == "cuda":
-            return device_memory(device).capacity()
+        capacity = device_memory(device).capacity() if device.type == "cuda" else None
+        if self.max_memory is not None or capacity is not None:
+            # headroom 0: the limit itself; find_micro_batch_size applies the headroom (usable_bytes again)
+            return usable_bytes(self.max_memory, 0.0, capacity)
         rank_zero_warn(
             f"AutoAccumulation cannot ask a {device.type!r} device how much memory it has; pass "
             "max_memory= (e.g. '6GiB') to pick a micro-batch size. Running whole batches."
@@ -181,10 +205,8 @@ class AutoAccumulation(MicroBatchingCallback):
         engine = self._engine
         assert engine is not None
         device = trainer.strategy.root_device
-        max_size = min_over_ranks(engine._batch_size(batch, pl_module), device)
-        # BatchNorm in training mode cannot normalize one sample; evaluation uses running statistics.
-        has_bn = any(isinstance(m, _BatchNorm) and m.training for m in pl_module.modules())
-        min_size = 2 if has_bn and not evaluation and max_size >= 2 else 1
+        max_size = min_over_ranks(engine.batch_size(batch, pl_module), device)
+        min_size = min(smallest_micro_batch(pl_module, training=not evaluation), max_size)
 
         def probe(size: int) -> int | None:
             tracker = None
@@ -198,16 +220,24 @@ class AutoAccumulation(MicroBatchingCallback):
             (self.eval_probes if evaluation else self.probes).append((size, result))
             return result
 
-        result = find_micro_batch_size(
-            probe,
-            max_size=max_size,
-            capacity=capacity,
-            headroom=self.headroom,
-            min_size=min_size,
-            max_probes=self.max_probes,
-            # evaluation keeps no activations: try the whole batch first, one probe when it fits
-            start=max_size if evaluation else None,
-        )
+        try:
+            result = find_micro_batch_size(
+                probe,
+                max_size=max_size,
+                capacity=capacity,
+                headroom=self.headroom,
+                min_size=min_size,
+                max_probes=self.max_probes,
+                # evaluation keeps no activations: try the whole batch first, one probe when it fits
+                start=max_size if evaluation else None,
+            )
+        except NoSizeFits as error:
+            advice = f"{BATCHNORM_ADVICE}\n" if min_size > 1 else ""
+            raise MicroBatchOOMError(
+                f"AutoAccumulation(max_memory={self.max_memory!r}, headroom={self.headroom}) found no "
+                f"{'evaluation' if evaluation else 'training'} micro-batch size that fits: {error}.\n"
+                f"{advice}{CHECKLIST}"
+            ) from None
         return min_over_ranks(int(result.size), device)
 
     def _apply_sizes(self) -> None:

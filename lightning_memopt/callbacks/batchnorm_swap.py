@@ -29,8 +29,8 @@ class BatchNormToGroupNorm(Callback):
     (``AutoAccumulation``, ``OOMBackoff``) it sees fewer samples and training changes; GroupNorm does not
     depend on the batch. The swap is :func:`lightning_memopt.norm.convert_batchnorm`, done in ``setup``
     before the optimizers exist (for models built in ``configure_model``, right after it), and it is
-    kept for the rest of the run. The BatchNorm running statistics are gone after the swap; a checkpoint
-    saved before the swap still loads. The decision (layer → group count) is saved in the callback's
+    kept for the rest of the run. The ``state_dict`` keys do not change (the running statistics stay as
+    unused buffers), so checkpoints saved before or after the swap load strictly either way. The decision (layer → group count) is saved in the callback's
     state, and a run resumed from a checkpoint swaps exactly the same layers before the model's weights
     are loaded.
 

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_memopt._checks import check_bool, check_positive_int
 from lightning_memopt.callbacks._hooks import forget_module
+from lightning_memopt.callbacks.dataloader_monitor import DataLoaderMonitor
 from lightning_memopt.memory.device import DeviceMemory, TrackedMemory, device_memory
 from lightning_memopt.memory.report import (
     PHASES,
@@ -354,8 +355,11 @@ class MemoryMonitor(Callback):
         ranks = f", largest over {trainer.world_size} ranks" if trainer.world_size > 1 else ""
         note = f"Measured by MemoryMonitor on {pl_module.device} ({device}{ranks})."
         self.report_paths = write_report(history, directory, val_history=val_history, note=note)
+        data = "".join(
+            f"\n  {c.summary_line()}" for c in trainer.callbacks if isinstance(c, DataLoaderMonitor)
+        )
         rank_zero_info(
-            summary(history, val_history) + f"\n  report: {', '.join(map(str, self.report_paths))}"
+            summary(history, val_history) + f"\n  report: {', '.join(map(str, self.report_paths))}" + data
         )
 
     def _report_dir(self, trainer: pl.Trainer) -> Path:

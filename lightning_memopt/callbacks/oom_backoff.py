@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from typing_extensions import override
@@ -25,8 +26,14 @@ class OOMBackoff(MicroBatchingCallback):
     each of FSDP's all-gathers and reduce-scatters (see :mod:`lightning_memopt.batching.engine` for the
     counts); the first optimizer step at each size is agreed on too, and undone on every rank if one
     failed. Validation, test and predict steps halve their own micro-batch likewise. At one sample per
-    micro-batch it raises :class:`~lightning_memopt.batching.engine.MicroBatchOOMError` with the step's
-    memory breakdown and a checklist of what to do.
+    micro-batch (two for a model with BatchNorm layers in training mode, which cannot normalize one
+    sample) it raises :class:`~lightning_memopt.MicroBatchOOMError` with the step's memory breakdown
+    and a checklist of what to do.
+
+    The retried step is exact: micro-batch losses are weighted as ``AutoAccumulation`` weighs them (by
+    their share of the items the loss averages over, Hugging Face ``labels != -100`` included; see
+    :mod:`lightning_memopt.batching.counting`), so after a back-off the update equals the unsplit
+    batch's up to rounding, except for dropout, which draws different masks in a split batch.
 
     Works with :class:`~lightning_memopt.AutoAccumulation` (which picks the starting size; both share one
     engine) or alone (starting from the whole batch).
@@ -45,22 +52,33 @@ class OOMBackoff(MicroBatchingCallback):
             in that last micro-batch cannot be retried on every rank and ends the run with
             :class:`~lightning_memopt.batching.engine.MicroBatchOOMError`. Under FSDP2, after this many
             steps in a row without an OOM at one size (any number of micro-batches), the micro-batches
-            run without sync points and without agreement (no extra collective at all); any OOM then ends the run with ``MicroBatchOOMError`` on that rank, and
-            the other ranks fail at their next collective. Default None: always agree first (safe).
+            run without sync points and without agreement (no extra collective at all); any OOM then
+            ends the run with ``MicroBatchOOMError`` on that rank, and the other ranks fail at their
+            next collective. Default None: always agree first (safe).
+        count_fn: ``count_fn(micro_batch) -> number`` of items the loss averages over, for a loss that
+            is a mean over something other than samples and not in the Hugging Face convention. Default
+            None. Shared with ``AutoAccumulation`` (give it to one of them).
+        split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut.
+            Default None. Shared with ``AutoAccumulation``.
         log: Log the keys below from the training step. Default True.
 
-    Logged keys (per step, ``on_step=True``):
+    Logged keys (per step, ``on_step=True``; shared with ``AutoAccumulation``):
 
-    ==========================  ====================================================================
-    ``memopt/micro_batch_size``  samples per micro-batch of this step
-    ``memopt/num_micro_batches`` micro-batches this step ran as
-    ``memopt/oom_retries``       out-of-memory retries since the fit started (cumulative count)
-    ==========================  ====================================================================
+    ===============================  ===============================================================
+    ``batching/micro_batch_size``    samples per micro-batch of this step
+    ``batching/num_micro_batches``   micro-batches this step ran as
+    ``batching/oom_retries``         out-of-memory retries since the fit started (cumulative count)
+    ===============================  ===============================================================
+
+    The micro-batch sizes and the count of clean steps towards ``grow_after`` are saved in checkpoints:
+    a resumed run continues exactly as the uninterrupted one.
 
     Raises:
         ValueError: If ``grow_after`` is not a positive int, or ``overlap_after`` not an int >= 0.
+        TypeError: If ``count_fn`` or ``split_fn`` is not callable.
         MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
-            ``accumulate_grad_batches > 1`` (make the DataLoader batch the optimizer batch instead).
+            ``accumulate_grad_batches > 1`` (make the DataLoader batch the optimizer batch instead), or a
+            different ``count_fn``/``split_fn`` on ``AutoAccumulation``.
 
     Example::
 
@@ -69,7 +87,13 @@ class OOMBackoff(MicroBatchingCallback):
     """
 
     def __init__(
-        self, *, grow_after: int | None = None, overlap_after: int | None = None, log: bool = True
+        self,
+        *,
+        grow_after: int | None = None,
+        overlap_after: int | None = None,
+        count_fn: Callable[[Any], float] | None = None,
+        split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
+        log: bool = True,
     ) -> None:
         if grow_after is not None and (
             isinstance(grow_after, bool) or not isinstance(grow_after, int) or grow_after < 1
@@ -85,7 +109,7 @@ class OOMBackoff(MicroBatchingCallback):
                 f"overlap_after must be an int >= 0 (clean steps before overlapping DDP's gradient sync with "
                 f"the last micro-batch's backward) or None, got {overlap_after!r}"
             )
-        super().__init__(log=log)
+        super().__init__(log=log, count_fn=count_fn, split_fn=split_fn)
         self.grow_after = grow_after
         self.overlap_after = overlap_after
         self._loaded: dict[str, Any] = {}
@@ -120,6 +144,9 @@ class OOMBackoff(MicroBatchingCallback):
             "max_micro_batch_size": engine.max_micro_batch_size,
             "smallest_failed_size": engine.smallest_failed_size,
             "oom_retries": engine.oom_retries,
+            # grow_after counts clean steps; overlap_after and the first-step agreement count stable ones
+            "clean_steps": engine.clean_steps,
+            "stable_steps": engine.stable_steps,
         }
 
     @override

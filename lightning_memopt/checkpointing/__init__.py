@@ -9,17 +9,22 @@ from lightning_memopt.checkpointing.apply import (
     Choice,
     apply_checkpointing,
     checkpointed_blocks,
+    framework_checkpointing,
     observe_saved,
     remove_checkpointing,
 )
-from lightning_memopt.checkpointing.blocks import candidate_classes, find_blocks
+from lightning_memopt.checkpointing.blocks import candidate_classes, check_blocks, find_blocks
 from lightning_memopt.checkpointing.planner import (
     CostModel,
     InfeasibleBudgetError,
     Plan,
     brute_force_plan,
     evaluate_plan,
+    keep_where_no_gain,
     plan_checkpointing,
+    plan_within,
+    state_bytes,
+    treatments,
 )
 from lightning_memopt.checkpointing.profile import (
     ActivationMeter,
@@ -44,11 +49,17 @@ __all__ = [
     "brute_force_plan",
     "candidate_classes",
     "capture_block_inputs",
+    "check_blocks",
     "checkpointed_blocks",
     "evaluate_plan",
     "find_blocks",
+    "framework_checkpointing",
+    "keep_where_no_gain",
     "observe_saved",
     "plan_checkpointing",
+    "plan_within",
     "profile_blocks",
     "remove_checkpointing",
+    "state_bytes",
+    "treatments",
 ]

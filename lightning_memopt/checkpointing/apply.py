@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
@@ -48,6 +52,7 @@ __all__ = [
     "checkpointed_blocks",
     "observe_saved",
     "is_compute_op",
+    "framework_checkpointing",
 ]
 
 Choice = Literal["keep", "selective", "full", "offload"]
@@ -93,8 +98,22 @@ def _notify(kind: str, tensor: torch.Tensor) -> None:
         fn(kind, tensor)
 
 
-def _selective_contexts(cached: int | None):
-    """Contexts that cache the outputs of the first ``cached`` compute ops (all of them if None)."""
+@dataclass(frozen=True)
+class _CachePolicy:
+    """Which compute ops' outputs selective checkpointing caches, for one input signature."""
+
+    limit: int | None
+    """Cache only the first ``limit`` compute ops (None: no limit)."""
+    mutated: frozenset[int] = frozenset()
+    """Compute ops whose output is later changed in place (an in-place ReLU after a convolution): caching
+    those would hand backward a tensor that changed since, which torch refuses; they are recomputed."""
+
+
+_RECOMPUTE_ALL = _CachePolicy(0)
+
+
+def _selective_contexts(cache: _CachePolicy):
+    """Contexts that cache the outputs of the compute ops ``cache`` allows."""
     seen = {False: 0, True: 0}  # compute ops so far, in the forward and in a recomputation
 
     def policy(ctx, op, *args, **kwargs):
@@ -102,7 +121,7 @@ def _selective_contexts(cached: int | None):
             return CheckpointPolicy.PREFER_RECOMPUTE
         index = seen[ctx.is_recompute]
         seen[ctx.is_recompute] += 1
-        if cached is not None and index >= cached:
+        if (cache.limit is not None and index >= cache.limit) or index in cache.mutated:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if not ctx.is_recompute:
             for t in _tensors(ctx.op_output):
@@ -112,34 +131,53 @@ def _selective_contexts(cached: int | None):
     return create_selective_checkpoint_contexts(policy)
 
 
-def _compute_ops_before_last_save(block: nn.Module, fn, args, kwargs) -> int | None:
-    """How many compute ops of ``fn(*args, **kwargs)`` run before autograd saves its last tensor.
+class _CountOps(TorchDispatchMode):
+    """Number the compute ops of a forward; note the count at each save and which outputs are mutated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compute = 0
+        self.at_last_save = 0
+        self.outputs: dict[int | None, int] = {}  # storage of a compute op's output -> its index
+        self.mutated: set[int] = set()
+        self._keep: list[torch.Tensor] = []  # outputs stay referenced: a freed storage's key could be reused
+
+    def __torch_dispatch__(self, func, types, a=(), kw=None):
+        kw = kw or {}
+        if func._schema.is_mutable:
+            named = dict(zip((arg.name for arg in func._schema.arguments), a)) | kw
+            for arg in func._schema.arguments:
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    for t in _tensors(named.get(arg.name)):
+                        if _storage_key(t) in self.outputs:
+                            self.mutated.add(self.outputs[_storage_key(t)])
+        out = func(*a, **kw)
+        if is_compute_op(func):
+            for t in _tensors(out):
+                self.outputs[_storage_key(t)] = self.compute
+                self._keep.append(t)
+            self.compute += 1
+        return out
+
+
+def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
+    """What selective checkpointing may cache in ``fn(*args, **kwargs)``, found on fake tensors.
 
     Non-reentrant checkpointing recomputes the forward only until every tensor saved for backward is
-    back, so the compute ops after that point never run again and their outputs need no cache. Found by
-    running the forward once on fake tensors (no memory, no FLOPs, no RNG or buffer change; modes the
-    caller entered, such as memory trackers and FLOP counters, do not see it). None when it cannot be
-    known: early stopping is off, or the block does not run on fake tensors.
+    back, so the compute ops after that point never run again and their outputs need no cache. Outputs
+    changed in place later in the forward cannot be cached at all. Found by running the forward once on
+    fake tensors (no memory, no FLOPs, no RNG or buffer change; modes the caller entered, such as memory
+    trackers and FLOP counters, do not see it). Where the block does not run on fake tensors (a
+    data-dependent op), nothing is cached: recomputing everything is always correct.
     """
-    if getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is False:
-        return None
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.compute = 0
-            self.at_last_save = 0
-
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            out = func(*a, **(kw or {}))
-            self.compute += is_compute_op(func)
-            return out
-
+    if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
+        return _RECOMPUTE_ALL  # a cache the block keeps: a dry run would write fake keys into it
     buffers = [(b, b.detach().clone()) for b in block.buffers()]
-    count = Count()
+    count = _CountOps()
 
     def pack(t):
         count.at_last_save = count.compute
@@ -149,6 +187,10 @@ def _compute_ops_before_last_save(block: nn.Module, fn, args, kwargs) -> int | N
     # not be found by the real forward (nor change which casts the real forward and its recomputation run).
     autocast_cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
+    # An op without a fake kernel (e.g. grouped matmul) is an expected outcome here, not an error to log.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
         with _disable_current_modes(), torch.random.fork_rng(devices=[]):
             mode = detect_fake_mode(_tensors((args, kwargs))) or FakeTensorMode(allow_non_fake_inputs=True)
@@ -167,14 +209,16 @@ def _compute_ops_before_last_save(block: nn.Module, fn, args, kwargs) -> int | N
                     count,
                 ):
                     fn(*fargs, **fkwargs)
-    except Exception:  # a data-dependent op, an op fake tensors do not support: cache every compute op
-        return None
+    except Exception:  # a data-dependent op, an op fake tensors do not support
+        return _RECOMPUTE_ALL
     finally:
+        fake_log.setLevel(fake_level)
         torch.set_autocast_cache_enabled(autocast_cache)
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
-    return count.at_last_save
+    early_stop = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
+    return _CachePolicy(count.at_last_save if early_stop else None, frozenset(count.mutated))
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -227,8 +271,8 @@ class _BlockState:
     def __init__(self, choice: str, own_forward) -> None:
         self.choice = choice
         self.own_forward = own_forward  # an instance-level ``forward`` the block had before, or None
-        # selective: per input signature, how many compute ops' outputs to cache (None: all)
-        self.cached_ops: dict[str, int | None] = {}
+        # selective: per input signature, which compute ops' outputs to cache
+        self.cache_policies: dict[str, _CachePolicy] = {}
 
 
 def _signature(value) -> str:
@@ -248,6 +292,7 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
     choice = state.choice
     if choice == "keep" or not block.training or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    args, kwargs = _without_cache(block, args, kwargs)
     if choice == "offload":
         # offload.py: on CUDA, copies overlap compute on side streams; elsewhere the plain copy below.
         hooks = overlapped_offload(block, (args, kwargs), functools.partial(_notify, "offloaded"))
@@ -255,9 +300,9 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
             return fn(*args, **kwargs)
     if choice == "selective":
         key = _signature((args, kwargs))
-        if key not in state.cached_ops:
-            state.cached_ops[key] = _compute_ops_before_last_save(block, fn, args, kwargs)
-        contexts = functools.partial(_selective_contexts, state.cached_ops[key])
+        if key not in state.cache_policies:
+            state.cache_policies[key] = _cache_policy(block, fn, args, kwargs)
+        contexts = functools.partial(_selective_contexts, state.cache_policies[key])
     else:
         contexts = _noop_contexts
     buffers = [b for b in block.buffers() if b.is_floating_point() or b.dtype == torch.long]
@@ -270,6 +315,30 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
 
     # Non-reentrant only: reentrant checkpoint breaks with kwargs, DDP and inputs that need no grad.
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _is_kv_cache(value) -> bool:
+    """Whether ``value`` is a Hugging Face key/value cache (looked up only where transformers is loaded)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
+def _without_cache(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The block's inputs with any key/value cache replaced by None and ``use_cache`` off.
+
+    Hugging Face models default to ``use_cache=True``: every block appends its keys and values to a cache
+    object passed in. A recomputation would append them again (the cache grows, attention sees twice the
+    keys), and the cache would keep the very tensors checkpointing frees. Training never reads the cache,
+    so a checkpointed block runs without it, as transformers' own gradient checkpointing does; blocks that
+    declare they only read it (``_can_checkpoint_with_cache``) keep it.
+    """
+    if getattr(block, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    args = tuple(None if _is_kv_cache(a) else a for a in args)
+    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def _noop_contexts():
@@ -354,6 +423,28 @@ def remove_checkpointing(model: nn.Module) -> None:
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = state.own_forward
+
+
+# Attributes by which other libraries mark checkpointing they do themselves: transformers' models
+# (``gradient_checkpointing_enable()`` sets ``is_gradient_checkpointing`` on the model and
+# ``gradient_checkpointing`` on each ``GradientCheckpointingLayer``) and timm's (``set_grad_checkpointing()``).
+_FRAMEWORK_FLAGS = ("is_gradient_checkpointing", "gradient_checkpointing", "grad_checkpointing")
+
+
+def framework_checkpointing(model: nn.Module) -> str | None:
+    """The first module of ``model`` that checkpoints activations by its library's own means, as
+    ``"name (ClassName.flag)"``, or None. Checkpointing a block twice recomputes it twice for nothing.
+
+    Example::
+
+        >>> framework_checkpointing(nn.Sequential(nn.Linear(2, 2))) is None
+        True
+    """
+    for name, module in model.named_modules():
+        for flag in _FRAMEWORK_FLAGS:
+            if getattr(module, flag, False) is True:
+                return f"{name or 'the model'} ({type(module).__name__}.{flag})"
+    return None
 
 
 def checkpointed_blocks(model: nn.Module) -> dict[str, str]:

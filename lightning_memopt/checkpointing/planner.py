@@ -34,6 +34,10 @@ __all__ = [
     "evaluate_plan",
     "brute_force_plan",
     "InfeasibleBudgetError",
+    "keep_where_no_gain",
+    "plan_within",
+    "state_bytes",
+    "treatments",
 ]
 
 
@@ -206,6 +210,31 @@ def evaluate_plan(
     )
 
 
+def keep_where_no_gain(profiles: Sequence[BlockProfile], choices: Sequence[str]) -> list[str]:
+    """``choices`` with every treatment that does not lower what the blocks hold switched back to ``keep``.
+
+    Checkpointing a block keeps its input; where the block's own activations are no larger (a block whose
+    input an op outside it holds anyway, a cheap projection after a large input), recomputing saves
+    nothing and only costs time, and a wrongly chosen treatment can even raise the peak. A block keeps
+    its activations when doing so raises neither the bytes held at the end of the forward nor the peak
+    (:class:`Plan`), judged one block at a time in forward order.
+
+    Example::
+
+        >>> keep_where_no_gain(profiles, ["full"] * len(profiles))  # doctest: +SKIP
+        ['full', 'full', 'keep']
+    """
+    chosen = list(choices)
+    current = evaluate_plan(profiles, chosen)
+    for i, choice in enumerate(chosen):
+        if choice == "keep":
+            continue
+        trial = evaluate_plan(profiles, [*chosen[:i], "keep", *chosen[i + 1 :]])
+        if trial.activation_bytes <= current.activation_bytes and trial.peak_bytes <= current.peak_bytes:
+            chosen[i], current = "keep", trial
+    return chosen
+
+
 def _pareto(entries: list[tuple[int, float, tuple]]) -> list[tuple[int, float, tuple]]:
     entries.sort(key=lambda e: (e[0], e[1], e[2]))
     kept, best = [], float("inf")
@@ -268,6 +297,65 @@ def plan_checkpointing(
             minimum,
         )
     return evaluate_plan(profiles, best, cost_model, budget)
+
+
+def treatments(mode: str, *, planned: bool, offload: bool) -> list[str]:
+    """What to profile for ``mode``: ``keep`` (recompute is measured against it) and what the mode can
+    choose. A forced mode profiles its treatment only; ``auto`` all of them when it plans under a limit
+    (``offload`` where allowed), else ``full`` (kept where it saves nothing: :func:`keep_where_no_gain`).
+
+    Example::
+
+        >>> treatments("auto", planned=True, offload=False), treatments("selective", planned=False, offload=True)
+        (['keep', 'selective', 'full'], ['keep', 'selective'])
+    """
+    if mode == "auto" and planned:
+        return ["keep", "selective", "full"] + (["offload"] if offload else [])
+    return ["keep", "full" if mode in ("auto", "every_n") else mode]
+
+
+def state_bytes(model, optimizers=()) -> int:
+    """Bytes of ``model``'s parameters, their gradients (counted before the first backward allocates
+    them) and the optimizers' state: what a training step holds besides activations."""
+    from lightning_memopt.memory import MemoryTracker
+
+    with MemoryTracker(model, list(optimizers)) as tracker:
+        held = tracker.current_breakdown
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return held["parameters"] + max(held["gradients"], trainable) + held["optimizer_state"]
+
+
+def plan_within(
+    profiles: Sequence[BlockProfile],
+    usable: int,
+    *,
+    states: int,
+    outside: int,
+    allowed: Sequence[str] = CHOICES,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """:func:`plan_checkpointing` for a whole training step: the blocks get ``usable`` minus ``states``
+    (parameters, gradients, optimizer state: :func:`state_bytes`) minus the ``outside`` activations.
+
+    Raises:
+        InfeasibleBudgetError: If no plan fits. Its message names each part and the total the step needs;
+            its ``minimum`` is that total (bytes).
+    """
+    try:  # with nothing left for the blocks, plan for 1 byte: the error says what the blocks need
+        return plan_checkpointing(
+            profiles, max(usable - states - outside, 1), allowed=allowed, cost_model=cost_model
+        )
+    except InfeasibleBudgetError as err:
+        need = states + outside + err.minimum
+        what = (
+            "does not even hold" if usable < states + outside else "is too small for any plan; it must hold"
+        )
+        raise InfeasibleBudgetError(
+            f"{what} the parameters, gradients and optimizer state ({format_bytes(states)}), the activations "
+            f"outside the blocks ({format_bytes(outside)}) and the blocks' smallest peak "
+            f"({format_bytes(err.minimum)}): {format_bytes(need)} in all",
+            need,
+        ) from err
 
 
 def _smallest_feasible(profiles, allowed, cost_model) -> int:

@@ -14,8 +14,10 @@ left alone; RNG and buffers are restored afterwards):
   same numbers for ``keep``; that difference is exactly the recomputation.
 - transfer bytes: bytes copied to CPU by ``offload`` (they come back, so twice that crosses the bus).
 
-Blocks with the same class, configuration (``repr``), parameter shapes and input shapes are profiled
-once. Everything runs in the precision context given (autocast), so bf16 activations count half.
+Inputs several blocks take (an attention mask, T5's position bias, the encoder output every decoder block
+attends to) are held once: they count in the first block that takes them. A Hugging Face key/value cache
+is not recorded (a block re-run on its inputs would append to it again). Blocks with the same class,
+configuration (``repr``), parameter shapes, input shapes and shared inputs are profiled once. Everything runs in the precision context given (autocast), so bf16 activations count half.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from lightning_memopt.checkpointing.apply import (
     CHOICES,
     _storage_key,
     _tensors,
+    _without_cache,
     apply_checkpointing,
     observe_saved,
     remove_checkpointing,
@@ -53,6 +56,7 @@ __all__ = [
     "record_block_inputs",
     "profile_blocks",
     "ActivationMeter",
+    "ForwardProbe",
 ]
 
 _aten = torch.ops.aten
@@ -119,6 +123,10 @@ class BlockInputs:
     kwargs: dict
     chained: bool
     input_held: bool = False
+    shared: tuple[int, ...] = ()
+    """Positions (in ``_tensors((args, kwargs))`` order, the primary input excluded) of inputs that an
+    earlier block also took, or that autograd already holds (an attention mask, T5's position bias, an
+    encoder's output fed to every decoder block): held once, they are counted in the first block only."""
 
 
 class _OpCounter(TorchDispatchMode):
@@ -176,6 +184,7 @@ def record_block_inputs(
     """
     captured: dict[str, BlockInputs] = {}
     last_output: list[torch.Tensor | None] = [None]  # a reference, so its storage key cannot be reused
+    taken: set[int | None] = set()  # storages of inputs taken by earlier blocks (referenced in `captured`)
 
     def pre_hook(name):
         def hook(module, a, kw):
@@ -184,7 +193,14 @@ def record_block_inputs(
                 last = last_output[0]
                 chained = first is not None and last is not None and _storage_key(first) == _storage_key(last)
                 held = first is not None and not chained and is_held is not None and is_held(first)
-                captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held)
+                # Without the key/value cache: the block runs again on these inputs, and a cache would grow.
+                a, kw = _without_cache(module, a, kw)
+                others = list(enumerate(_tensors((a, kw))))[1:]
+                shared = tuple(
+                    i for i, t in others if _storage_key(t) in taken or (is_held is not None and is_held(t))
+                )
+                taken.update(_storage_key(t) for _, t in others)
+                captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held, shared)
 
         return hook
 
@@ -313,7 +329,8 @@ def profile_blocks(
 
 def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
-    return (type(block), repr(block), block.training, params, _signature_of((captured.args, captured.kwargs)))
+    inputs = _signature_of((captured.args, captured.kwargs))
+    return (type(block), repr(block), block.training, params, inputs, captured.shared)
 
 
 @contextlib.contextmanager
@@ -410,6 +427,12 @@ def _run(block, call, captured: BlockInputs, context):
     ):
         saves_out = False  # one storage: count it once, as the input
     internal = acts - in_bytes * saves_in - out_bytes * saves_out
+    inputs = _tensors((args, kwargs))
+    internal -= sum(  # inputs held once for several blocks count in the first (see BlockInputs.shared)
+        inputs[i].untyped_storage().nbytes()
+        for i in captured.shared
+        if tracker.category_of(inputs[i]) == "activations"
+    )
     cost = OptionCost(internal, saves_in, saves_out, transfer_bytes=offloaded[0])
     params = [p for p in block.parameters() if p.requires_grad]
     bwd_counter = _OpCounter()
@@ -483,4 +506,37 @@ class ActivationMeter:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+class ForwardProbe:
+    """Around one training step's forward: the blocks' activation bytes (:class:`ActivationMeter`), the
+    activations held outside the blocks, and (``record=True``) each block's inputs for profiling.
+
+    Call :meth:`forward_done` when the forward ends (before backward) and :meth:`close` after the step;
+    ``close`` is safe to call twice and after an exception.
+    """
+
+    def __init__(self, model: nn.Module, blocks: Iterable[tuple[str, nn.Module]], *, record: bool) -> None:
+        self._stack = contextlib.ExitStack()
+        self.meter = self._stack.enter_context(ActivationMeter(model, blocks))
+        self.inputs: dict[str, BlockInputs] | None = None
+        self.outside_bytes = 0
+        """Activations autograd holds at the end of the forward outside the blocks (embeddings, head, loss)."""
+        self.open = True
+        if record:
+            held = lambda t: self.meter.tracker.category_of(t) == "activations"  # noqa: E731
+            self.inputs = self._stack.enter_context(record_block_inputs(self.meter.blocks, held))
+
+    def forward_done(self) -> None:
+        """Stop measuring: backward runs untracked. Under a micro-batching engine the micro-batches'
+        backwards already ran and nothing is held now: the blocks' bytes were taken as they ran."""
+        if self.open:
+            self.outside_bytes = max(
+                0, self.meter.tracker.current_breakdown["activations"] - self.meter.total
+            )
+        self.close()
+
+    def close(self) -> None:
+        self.open = False
         self._stack.close()

@@ -18,7 +18,7 @@ from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["MemoryLimit", "check_headroom", "check_max_memory", "usable_bytes"]
 
-MemoryLimit = int | str | float | None
+MemoryLimit = int | float | str | None  # float before str: jsonargparse reads "0.5" as a fraction
 
 
 def check_max_memory(value: Any, *, name: str = "max_memory") -> None:

@@ -23,6 +23,9 @@ def test_micro_batch_sizes_are_even_and_fewest():
     assert micro_batch_sizes(10, 64) == [10]
     assert micro_batch_sizes(9, 3) == [3, 3, 3]
     assert micro_batch_sizes(7, 1) == [1] * 7
+    assert micro_batch_sizes(5, 2, smallest=2) == [3, 2]  # BatchNorm: no micro-batch of one sample
+    assert micro_batch_sizes(7, 1, smallest=2) == [3, 2, 2]
+    assert micro_batch_sizes(1, 1, smallest=2) == [1]
     for total in range(1, 40):
         for micro in range(1, 12):
             sizes = micro_batch_sizes(total, micro)
@@ -34,12 +37,12 @@ def test_micro_batch_sizes_are_even_and_fewest():
 
 def test_split_through_containers():
     x, y = torch.arange(20.0).view(10, 2), torch.arange(10)
-    mask = torch.ones(3, 3)  # not per-sample: shared
+    scale = torch.tensor(2.0)  # 0-dim: shared by every sample
     batch = {
         "pair": Pair(x, y),
         "list": [x, 7],
         "sample": Sample(x, y),
-        "od": OrderedDict(m=mask),
+        "od": OrderedDict(m=scale),
         "s": "tag",
     }
     parts = split_batch(batch, [4, 3, 3])
@@ -48,10 +51,34 @@ def test_split_through_containers():
     assert torch.equal(parts[2]["list"][0], x[7:]) and parts[2]["list"][1] == 7
     assert isinstance(parts[0]["sample"], Sample) and torch.equal(parts[0]["sample"].y, y[:4])
     assert parts[0]["sample"].tag == "train"
-    assert parts[2]["od"]["m"] is mask and isinstance(parts[2]["od"], OrderedDict)
+    assert parts[2]["od"]["m"] is scale and isinstance(parts[2]["od"], OrderedDict)
     assert parts[1]["s"] == "tag"
     # The pieces are views: splitting copies nothing.
     assert parts[1]["pair"].x.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_per_sample_sequences_split_with_the_tensors():
+    # (x[8], y[8], 8 strings) by 4: each micro-batch gets its own 4 strings, not all 8.
+    x, y = torch.arange(8.0), torch.arange(8)
+    names = [f"s{i}" for i in range(8)]
+    parts = split_batch((x, y, names, ("a", "b")), [4, 4])
+    assert parts[0][2] == names[:4] and parts[1][2] == names[4:]
+    assert torch.equal(parts[1][0], x[4:]) and isinstance(parts[1][2], list)
+    assert parts[1][3] == ("a", "b")  # not one per sample (2 != 8): every micro-batch gets it
+    parts = split_batch({"x": x, "ids": tuple(range(8))}, [3, 3, 2])
+    assert [p["ids"] for p in parts] == [(0, 1, 2), (3, 4, 5), (6, 7)]
+
+
+def test_tensors_disagreeing_on_dim_0_are_an_error():
+    batch = {"x": torch.zeros(8, 2), "y": torch.zeros(8), "mask": torch.ones(3, 3)}
+    with pytest.raises(
+        ValueError,
+        match=r"disagree on dim 0.*batch\['x'\] has 8 rows \(the batch size\), but batch\['mask'\] has 3\. .*split_fn=",
+    ):
+        split_batch(batch, [4, 4])
+    # a list of per-sample tensors whose dim 0 is not the batch size: ambiguous, so an error too
+    with pytest.raises(ValueError, match=r"batch\[1\]\[0\] has 3"):
+        split_batch((torch.zeros(2, 1), [torch.zeros(3, 5), torch.zeros(3, 4)]), [1, 1])
 
 
 def test_single_split_returns_batch_itself():

@@ -94,14 +94,14 @@ def main(out: str) -> None:
         result = {"plain": plain, "checkpointed": checkpointed}
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
-            # A budget between all-full and all-kept: the sharded blocks are profiled and planned for.
-            budgeted = AutoCheckpoint(budget=150_000)
+            # A limit between all-full and all-kept: the sharded blocks are profiled and planned for.
+            budgeted = AutoCheckpoint(max_memory=150_000, headroom=0.0)
             result["budgeted"], result["seen_budgeted"], metrics = run(kind, [budgeted])
             result["budgeted_plan"] = budgeted.plan.choices
             result["budgeted_bytes"] = (
                 budgeted.plan.activation_bytes,
-                metrics["auto_checkpoint/activation_bytes_predicted"],
-                metrics["auto_checkpoint/activation_bytes_measured"],
+                metrics["checkpoint/activation_bytes_predicted"],
+                metrics["checkpoint/activation_bytes_measured"],
             )
             # OOMBackoff with activation checkpointing inside sharded blocks: rank 1's backward OOM (at 4
             # and 2 samples) makes both ranks back off to 1, the same training as size 1 from the start

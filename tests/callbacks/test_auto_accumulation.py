@@ -2,8 +2,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_memopt import AutoAccumulation
+from lightning_memopt import AutoAccumulation, MicroBatchOOMError, OOMBackoff
+from lightning_memopt.batching.engine import MicroBatchEngine
 from lightning_memopt.memory import MemoryTracker
 from tests.batching.helpers import Net, assert_params_close, dataset, fit, quiet_trainer
 
@@ -111,14 +113,89 @@ def test_cpu_without_max_memory_runs_whole_batches(tmp_path):
     [
         ({"micro_batch_size": 0}, "micro_batch_size must be a positive int"),
         ({"eval_micro_batch_size": 2.5}, "eval_micro_batch_size must be a positive int"),
-        ({"headroom": 1.0}, r"headroom must be a fraction in \[0, 1\)"),
+        ({"headroom": 1.0}, r"headroom must be a number in \[0, 1\)"),
+        ({"headroom": "0.1"}, r"headroom must be a number in \[0, 1\) .*got '0.1'"),
+        ({"headroom": None}, r"headroom must be a number in \[0, 1\) .*got None"),
         ({"max_probes": 2}, "max_probes must be an int >= 3"),
         ({"max_memory": "lots"}, "max_memory must be a byte size"),
+        ({"max_memory": 1.5}, r"max_memory as a float is a fraction .* must be in \(0, 1\], got 1.5"),
+        (
+            {"micro_batch_size": 2, "max_memory": "1GiB"},
+            r"micro_batch_size=2 fixes the size, so max_memory='1GiB' would be ignored",
+        ),
     ],
 )
 def test_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AutoAccumulation(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["count_fn", "split_fn"])
+def test_functions_must_be_callable(name):
+    with pytest.raises(TypeError, match=rf"{name} must be a callable, {name}\(.*got 'abc'"):
+        AutoAccumulation(**{name: "abc"})
+    with pytest.raises(TypeError, match=rf"{name} must be a callable.*got 5"):
+        OOMBackoff(**{name: 5})
+
+
+def test_max_memory_forms(tmp_path):
+    # bytes, a string, or a fraction of the device's capacity; on CPU the capacity is unknown: early error
+    assert AutoAccumulation(max_memory=4096).max_memory == 4096
+    assert AutoAccumulation(max_memory=0.5).max_memory == 0.5
+    with pytest.raises(
+        ValueError, match=r"max_memory=0.5 is a fraction of the device's capacity.*unknown \(CPU\)"
+    ):
+        fit(Net(), [AutoAccumulation(max_memory=0.5)], steps=1, tmp_path=tmp_path)
+
+
+def test_max_memory_resolves_through_the_budget_rule(monkeypatch):
+    import types
+
+    from lightning_memopt.callbacks import auto_accumulation
+
+    class Memory:
+        def capacity(self):
+            return 8000
+
+    monkeypatch.setattr(auto_accumulation, "device_memory", lambda device: Memory())
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
+    limits = [AutoAccumulation(max_memory=m)._memory_limit(trainer) for m in (0.25, None, "1KiB", 3000)]
+    assert limits == [2000, 8000, 1024, 3000]  # the headroom is applied by the search: usable_bytes once more
+
+
+def test_nothing_fits_raises_micro_batch_oom_error(tmp_path):
+    model = Net(batchnorm=True)
+    with pytest.raises(
+        MicroBatchOOMError,
+        match=r"(?s)AutoAccumulation\(max_memory=1000, headroom=0.1\) found no training micro-batch size.*"
+        r"even min_size=2 does not fit.*BatchNormToGroupNorm.*What to do",
+    ):
+        fit(model, [AutoAccumulation(max_memory=1000)], steps=1, tmp_path=tmp_path)
+
+
+def test_non_scalar_loss_is_refused(tmp_path):
+    class PerSample(Net):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self(x) - y) ** 2).squeeze(1)  # (B,): not reduced
+
+    with pytest.raises(
+        MisconfigurationException, match=r"must return a scalar loss, got .* shape \(5,\); .*loss.mean\(\)"
+    ):
+        fit(PerSample(), [AutoAccumulation(micro_batch_size=5)], steps=1, tmp_path=tmp_path)
+
+
+def test_one_count_fn_for_both_callbacks(tmp_path):
+    count = lambda mb: len(mb[0])  # noqa: E731
+    # the same function on both, or on one: fine; two different ones: which would win? an error
+    fit(Net(), [AutoAccumulation(micro_batch_size=5, count_fn=count), OOMBackoff(count_fn=count)], steps=1)
+    trainer = fit(Net(), [AutoAccumulation(micro_batch_size=5), OOMBackoff(count_fn=count)], steps=1)
+    assert MicroBatchEngine.for_trainer(trainer).count_fn is count
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"AutoAccumulation\(count_fn=.*\), OOMBackoff\(count_fn=.*\): .* share one engine and one count_fn",
+    ):
+        fit(Net(), [AutoAccumulation(count_fn=count), OOMBackoff(count_fn=lambda mb: 1)], steps=1)
 
 
 def test_token_weighted_loss(tmp_path):

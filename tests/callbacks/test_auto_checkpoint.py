@@ -63,9 +63,9 @@ def test_zero_arguments_on_cpu_checkpoints_every_block_built_in_configure_model(
     assert cb.plan.choices == module.seen_choices[1] and cb.plan.predicted
     metrics = trainer.callback_metrics
     # Full checkpointing holds exactly each block's input: B * T * h fp32 = 4 * 8 * 16 * 4 bytes.
-    assert metrics["auto_checkpoint/activation_bytes_predicted"].item() == 3 * 4 * 8 * 16 * 4
-    assert metrics["auto_checkpoint/activation_bytes_measured"].item() == 3 * 4 * 8 * 16 * 4
-    assert metrics["auto_checkpoint/recompute_gflops"].item() > 0
+    assert metrics["checkpoint/activation_bytes_predicted"].item() == 3 * 4 * 8 * 16 * 4
+    assert metrics["checkpoint/activation_bytes_measured"].item() == 3 * 4 * 8 * 16 * 4
+    assert metrics["checkpoint/recompute_gflops"].item() > 0
     # Teardown takes everything off again.
     assert checkpointed_blocks(module) == {} and "configure_model" not in module.__dict__
 
@@ -99,13 +99,13 @@ def test_budget_plans_after_first_batch_and_meets_it(tmp_path):
     torch.manual_seed(0)
     module = GPTModule()
     # Params + grads (SGD: no state) of TinyGPT(3) plus outside activations, plus room for ~2 kept blocks.
-    cb = AutoCheckpoint(budget=10**6)
+    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
     trainer = _trainer(tmp_path, [cb], steps=3)
     trainer.fit(module)
     assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
     assert set(module.seen_choices[1].values()) == {"keep"}  # 1 MB is plenty: nothing recomputed
     assert cb.plan.cost == 0
-    measured = trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
+    measured = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
     assert measured == cb.plan.activation_bytes
 
 
@@ -117,14 +117,14 @@ def test_plans_for_the_micro_batch_size_autoaccumulation_chose(tmp_path):
     torch.manual_seed(0)
     module = GPTModule()
     accumulation = AutoAccumulation(max_memory=10**8, headroom=0.0)
-    cb = AutoCheckpoint(budget=10**6)
+    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
     trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module)
     assert len(accumulation.probes) >= 2 and {size for size, _ in accumulation.probes} != {4}
     assert accumulation.micro_batch_size == 4
-    measured = trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
+    measured = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
     assert measured == cb.plan.activation_bytes > 0
     assert not [w for w in caught if "held" in str(w.message)]
 
@@ -150,15 +150,12 @@ def test_capacity_known_plans_under_capacity(tmp_path, monkeypatch):
     assert cb.plan.predicted and cb.plan.budget == 40_000
     assert cb.plan.activation_bytes <= cb.plan.budget < cb.plan.baseline_bytes
     assert "keep" in cb.plan.choices.values() or "selective" in cb.plan.choices.values()
-    assert (
-        trainer.callback_metrics["auto_checkpoint/activation_bytes_measured"].item()
-        == cb.plan.activation_bytes
-    )
+    assert trainer.callback_metrics["checkpoint/activation_bytes_measured"].item() == cb.plan.activation_bytes
 
 
 def test_infeasible_budget_raises(tmp_path):
     with pytest.raises(MisconfigurationException, match="does not even hold the parameters"):
-        _trainer(tmp_path, [AutoCheckpoint(budget=1000)]).fit(GPTModule())
+        _trainer(tmp_path, [AutoCheckpoint(max_memory=1000, headroom=0.0)]).fit(GPTModule())
 
 
 def test_mismatch_warns(tmp_path):
@@ -168,7 +165,7 @@ def test_mismatch_warns(tmp_path):
                 batch = [torch.cat([batch[0], batch[0]], dim=1)]
             return super().training_step(batch, batch_idx)
 
-    cb = AutoCheckpoint(budget=10**6)
+    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
     with pytest.warns(UserWarning, match=r"the plan predicted .* \(more than 10% apart\)"):
         _trainer(tmp_path, [cb], steps=2).fit(Flaky())
 
@@ -183,7 +180,7 @@ def test_exception_in_first_step_leaves_nothing_behind(tmp_path):
 
     module = Failing()
     with pytest.raises(ValueError, match="user bug"):
-        _trainer(tmp_path, [AutoCheckpoint(budget=10**6)]).fit(module)
+        _trainer(tmp_path, [AutoCheckpoint(max_memory=10**6, headroom=0.0)]).fit(module)
     assert module.seen_choices == [{"model.h.0": "full", "model.h.1": "full", "model.h.2": "full"}]
     assert tracker._ACTIVE == []  # the step's ActivationMeter was exited
     assert checkpointed_blocks(module) == {} and "configure_model" not in module.__dict__
@@ -191,7 +188,7 @@ def test_exception_in_first_step_leaves_nothing_behind(tmp_path):
 
 def test_resume_reapplies_plan_without_profiling(tmp_path, monkeypatch):
     torch.manual_seed(0)
-    cb = AutoCheckpoint(budget=10**6)
+    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
     trainer = pl.Trainer(
         default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False
     )
@@ -205,7 +202,7 @@ def test_resume_reapplies_plan_without_profiling(tmp_path, monkeypatch):
         raise AssertionError("profiled again")
 
     monkeypatch.setattr(ac_module, "profile_blocks", boom)
-    module, cb2 = GPTModule(), AutoCheckpoint(budget=10**6)
+    module, cb2 = GPTModule(), AutoCheckpoint(max_memory=10**6, headroom=0.0)
     _trainer(tmp_path, [cb2], steps=3).fit(module, ckpt_path=ckpt)
     assert cb2.plan == cb.plan
     assert module.seen_choices[0] == cb.plan.choices
@@ -255,27 +252,48 @@ def test_fsdp_strategy_policy_is_not_doubled(tmp_path):
 
 def test_fraction_budget_needs_known_capacity(tmp_path):
     with pytest.raises(
-        MisconfigurationException, match=r"budget=0.5\) is a fraction of device capacity, but the capacity"
+        MisconfigurationException, match=r"max_memory=0.5 is a fraction of the device's capacity, but this"
     ):
-        _trainer(tmp_path, [AutoCheckpoint(budget=0.5)]).fit(GPTModule())
+        _trainer(tmp_path, [AutoCheckpoint(max_memory=0.5)]).fit(GPTModule())
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"budget": "-1GB"}, "budget must be a byte size, got '-1GB'"),
-        ({"budget": "banana"}, "budget must be a byte size, got 'banana'"),
-        ({"budget": 0}, "budget must be positive, got 0"),
-        ({"budget": 1.5}, r"must be in \(0, 1\], got 1.5"),
-        ({"budget": 0.0}, r"must be in \(0, 1\], got 0.0"),
+        ({"max_memory": "-1GB"}, "max_memory must be a byte size, got '-1GB'"),
+        ({"max_memory": "banana"}, "max_memory must be a byte size, got 'banana'"),
+        ({"max_memory": 0}, "max_memory must be positive, got 0"),
+        ({"max_memory": 1.5}, r"must be in \(0, 1\], got 1.5"),
+        ({"max_memory": 0.0}, r"must be in \(0, 1\], got 0.0"),
         ({"mode": "fast"}, "mode must be one of .* got 'fast'"),
-        ({"mode": "full", "budget": "1GB"}, "only used by mode='auto', got mode='full'"),
-        ({"every_n": 0}, "every_n must be an int >= 1, got 0"),
-        ({"headroom": 1.0}, r"headroom must be in \[0, 1\), got 1.0"),
+        ({"mode": "full", "max_memory": "1GB"}, "only used by mode='auto', got mode='full'"),
+        ({"every_n": 0}, "every_n must be a positive int, got 0"),
+        ({"headroom": 1.0}, r"headroom must be a number in \[0, 1\) .* got 1.0"),
+        ({"max_memory": "1e400GB"}, "max_memory must be a finite byte size, got '1e400GB'"),
+        ({"budget": "1e400GB"}, "budget must be a finite byte size, got '1e400GB'"),
+        (
+            {"max_memory": 1000, "budget": 1000},
+            "pass max_memory=1000 or the deprecated budget=1000, not both",
+        ),
+        ({"blocks": 5}, "blocks must be module classes, class names or name patterns, got 5"),
+        ({"blocks": ["h.*", 5]}, "blocks must be module classes, class names or name patterns, got 5"),
+        ({"cost_model": 5}, "cost_model must be a CostModel, got 5"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        AutoCheckpoint(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"allow_offload": "no"}, "allow_offload must be True or False or None, got 'no'"),
+        ({"log": "yes"}, "log must be True or False, got 'yes'"),
+    ],
+)
+def test_wrong_types(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         AutoCheckpoint(**kwargs)
 
 
@@ -293,9 +311,9 @@ def test_configurable_from_yaml_like_arguments():
     parser = ArgumentParser()
     parser.add_class_arguments(AutoCheckpoint, "cb")
     for args, budget in (
-        [["--cb.budget=6GiB"], "6GiB"],
-        [["--cb.budget=0.5"], 0.5],
-        [["--cb.budget=1000"], 1000],
+        [["--cb.max_memory=6GiB"], "6GiB"],
+        [["--cb.max_memory=0.5"], 0.5],
+        [["--cb.max_memory=1000"], 1000],
     ):
         cfg = parser.parse_args([*args, "--cb.blocks=[h.*]", "--cb.cost_model.pointwise_flops_per_byte=20"])
         cb = (
@@ -303,7 +321,7 @@ def test_configurable_from_yaml_like_arguments():
             if hasattr(parser, "instantiate")
             else parser.instantiate_classes(cfg).cb
         )
-        assert (cb.budget, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (budget, ["h.*"], 20.0)
+        assert (cb.max_memory, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (budget, ["h.*"], 20.0)
 
 
 @pytest.mark.parametrize("checkpoint_first", [True, False])
@@ -319,3 +337,103 @@ def test_with_batchnorm_swap_the_module_is_restored_whatever_the_order(tmp_path,
         trainer.fit(module)
     assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
     assert "configure_model" not in vars(module) and "on_load_checkpoint" not in vars(module)
+
+
+def test_budget_is_deprecated_and_means_max_memory_without_headroom():
+    with pytest.warns(DeprecationWarning, match=r"budget=\.\.\.\) is deprecated .* use max_memory"):
+        cb = AutoCheckpoint(budget="6GiB")
+    assert (cb.max_memory, cb.headroom) == ("6GiB", 0.0)
+
+
+def _static_and_outside():
+    """TinyGPT(3)'s parameters + SGD gradients, and what autograd holds outside its blocks (see
+    test_capacity_known_plans_under_capacity), for a batch of 4 x 8 tokens."""
+    param_bytes = sum(p.numel() * 4 for p in TinyGPT(3).parameters())
+    B, T, h, vocab = 4, 8, 16, 32
+    return 2 * param_bytes, B * T * 8 + 2 * B * T * h * 4 + 2 * B * T * 4 + B * T * vocab * 4 + 4
+
+
+def test_too_small_a_limit_is_reported_with_the_users_value_and_what_it_must_hold(tmp_path):
+    static, outside = _static_and_outside()
+    limit = static + outside + 100  # 100 bytes for the blocks: less than any plan needs
+    with pytest.raises(MisconfigurationException) as err:
+        _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0)]).fit(GPTModule())
+    message = str(err.value)
+    assert f"max_memory={limit} (usable with headroom=0.0: " in message
+    assert "is too small for any plan; it must hold the parameters, gradients and optimizer state" in message
+    assert "Pass max_memory >= " in message
+    # The deprecated name is the one the user wrote.
+    with pytest.warns(DeprecationWarning), pytest.raises(MisconfigurationException, match=r"budget='1000B'"):
+        _trainer(tmp_path, [AutoCheckpoint(budget="1000B")]).fit(GPTModule())
+
+
+def test_log_false_logs_nothing(tmp_path):
+    trainer = _trainer(tmp_path, [AutoCheckpoint(log=False)])
+    trainer.fit(GPTModule())
+    assert not [k for k in trainer.callback_metrics if k.startswith("checkpoint/")]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "profiled"),
+    [
+        ({"mode": "full"}, ["keep", "full"]),
+        ({"mode": "selective"}, ["keep", "selective"]),
+        ({}, ["keep", "full"]),  # CPU, no limit: full recompute where it helps, else keep
+        ({"max_memory": 10**6}, ["keep", "selective", "full"]),  # CPU: no offload
+        ({"max_memory": 10**6, "allow_offload": True}, ["keep", "selective", "full", "offload"]),
+    ],
+)
+def test_profiles_only_the_treatments_the_mode_can_choose(tmp_path, monkeypatch, kwargs, profiled):
+    seen = []
+
+    def spy(*args, choices, **kw):
+        seen.append(list(choices))
+        return ac_module.profile_blocks.__wrapped__(*args, choices=choices, **kw)
+
+    spy.__wrapped__ = ac_module.profile_blocks
+    monkeypatch.setattr(ac_module, "profile_blocks", spy)
+    _trainer(tmp_path, [AutoCheckpoint(**kwargs)], steps=1).fit(GPTModule())
+    assert seen == [profiled]
+
+
+def test_blocks_where_recompute_saves_nothing_are_kept(tmp_path):
+    class Linears(GPTModule):
+        """Blocks that are single Linear layers: each saves its input whether checkpointed or not."""
+
+        def configure_model(self):
+            self.model = torch.nn.Sequential(
+                torch.nn.Embedding(32, 16), *[torch.nn.Linear(16, 16) for _ in range(3)]
+            )
+
+        def training_step(self, batch, batch_idx):
+            self.seen_choices.append(checkpointed_blocks(self))
+            return self.model(batch[0]).square().mean()
+
+    module, cb = Linears(), AutoCheckpoint()
+    _trainer(tmp_path, [cb], steps=2).fit(module)
+    assert module.seen_choices[0] == dict.fromkeys(["model.1", "model.2", "model.3"], "full")
+    assert (
+        module.seen_choices[1] == cb.plan.choices == dict.fromkeys(["model.1", "model.2", "model.3"], "keep")
+    )
+    assert cb.plan.extra_flops == 0 and cb.plan.activation_bytes == cb.plan.baseline_bytes
+
+
+def test_a_model_that_checkpoints_itself_is_left_alone(tmp_path):
+    class TimmLike(GPTModule):
+        def configure_model(self):
+            super().configure_model()
+            self.model.grad_checkpointing = True  # what timm's set_grad_checkpointing() sets
+
+    module = TimmLike()
+    with pytest.warns(
+        UserWarning, match=r"model \(TinyGPT.grad_checkpointing\) already checkpoints"
+    ) as record:
+        _trainer(tmp_path, [AutoCheckpoint()], steps=1).fit(module)
+    assert sum("already checkpoints" in str(w.message) for w in record) == 1
+    assert module.seen_choices == [{}]
+
+
+def test_block_patterns_match_relative_to_the_module_holding_the_blocks(tmp_path):
+    module, cb = GPTModule(), AutoCheckpoint(blocks="h.?", mode="full")
+    _trainer(tmp_path, [cb], steps=1).fit(module)
+    assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")

@@ -2,8 +2,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_memopt import AutoAccumulation, OOMBackoff
-from lightning_memopt.batching.engine import MicroBatchOOMError
+from lightning_memopt import AutoAccumulation, MicroBatchOOMError, OOMBackoff
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import OOMInjector
 from tests.batching.helpers import Net, assert_params_close, fit, oom
@@ -28,9 +27,9 @@ def test_retry_equals_unsplit_sgd(tmp_path, phase):
     assert model.step_losses == pytest.approx(base.step_losses, rel=1e-6)
     assert model.events == ["before_backward", "after_backward"] * 4
     metrics = trainer.callback_metrics
-    assert float(metrics["memopt/micro_batch_size"]) == 3
-    assert float(metrics["memopt/num_micro_batches"]) == 4
-    assert float(metrics["memopt/oom_retries"]) == 2
+    assert float(metrics["batching/micro_batch_size"]) == 3
+    assert float(metrics["batching/num_micro_batches"]) == 4
+    assert float(metrics["batching/oom_retries"]) == 2
 
 
 @pytest.mark.parametrize("callback_class", [OOMBackoff, AutoAccumulation])
@@ -41,7 +40,7 @@ def test_log_false_logs_nothing(tmp_path, callback_class):
     callback = callback_class(log=False, **kwargs)
     trainer = fit(model, [callback], tmp_path=tmp_path)
     assert callback.log_metrics is False and callback.engine.log_metrics is False
-    assert not [key for key in trainer.callback_metrics if key.startswith("memopt/")]
+    assert not [key for key in trainer.callback_metrics if key.startswith("batching/")]
 
 
 def test_retry_equals_unsplit_adamw_bf16(tmp_path):
@@ -169,61 +168,66 @@ def test_one_sample_per_micro_batch_raises_with_checklist(tmp_path):
     assert oom_injector.raised == 5  # 10, 5, 3, 2, 1
 
 
-def test_grow_after(tmp_path):
-    model = Net()
-    callback = OOMBackoff(grow_after=2)
-    sizes = []
-
-    class Shrink(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            sizes.append(callback.micro_batch_size)
-
-    engine_setup = AutoAccumulation(micro_batch_size=2)
-    fit(model, [callback, engine_setup, Shrink()], steps=4, tmp_path=tmp_path)
-    # started at 2 (AutoAccumulation's size caps growth): no growth beyond it
-    assert sizes == [2, 2, 2, 2]
-
-
-def test_grow_back_after_clean_steps(tmp_path):
-    model = Net()
-    callback = OOMBackoff(grow_after=1)
-    with injector(model, max_size=4):
-        fit(model, [callback], steps=3, tmp_path=tmp_path)
-    # 10 -> 5 -> 3 fits; growing is capped below the smallest failed size (5): 4
-    assert callback.micro_batch_size == 4
-    assert callback.engine.oom_retries == 2
+def test_batchnorm_stops_at_two_samples_with_advice(tmp_path):
+    # Backing off to one sample would make torch raise "Expected more than 1 value per channel".
+    model = Net(batchnorm=True)
+    with (
+        injector(model, max_size=0) as oom_injector,
+        pytest.raises(
+            MicroBatchOOMError, match=r"(?s)with 2 samples per micro-batch, the fewest .*BatchNormToGroupNorm"
+        ),
+    ):
+        fit(model, [OOMBackoff()], tmp_path=tmp_path)
+    assert oom_injector.raised == 4  # 10, 5, 3, 2
+    # an odd batch at size 2 runs as [3, 2, 2]: never a micro-batch of one sample
+    model = Net(batchnorm=True)
+    with injector(model, max_size=3):
+        fit(model, [OOMBackoff()], steps=1, batch=7, tmp_path=tmp_path)
+    assert model.seen_sizes == [7, 4, 3, 2, 2]  # 7 and 4 ran out of memory
 
 
-def test_validation_oom_halves_eval_micro_batch(tmp_path):
-    class CapEval(Net):
-        def validation_step(self, batch, batch_idx):
-            if len(batch[0]) > 4:
-                raise oom("validation")
-            return super().validation_step(batch, batch_idx)
+def test_checklist_names_only_real_options():
+    import inspect
+    import re
 
-    model = CapEval()
-    callback = OOMBackoff()
-    from torch.utils.data import DataLoader
+    from lightning_memopt import AutoCheckpoint
+    from lightning_memopt.batching.errors import CHECKLIST
 
-    from tests.batching.helpers import dataset
+    params = inspect.signature(AutoCheckpoint).parameters
+    calls = re.findall(r"AutoCheckpoint\(([^)]*)\)", CHECKLIST)
+    assert calls.count("") == 1 and len(calls) == 3
+    for call in filter(None, calls):
+        name, value = call.split("=")
+        assert name in params, f"AutoCheckpoint has no option {name!r}"
+        AutoCheckpoint(**{name: eval(value)})  # accepted
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp_path,
-    )
-    trainer.validate(model, DataLoader(dataset(), batch_size=10))
-    assert callback.engine.eval_micro_batch_size == 3
-    # the logged validation loss is the whole set's mean
-    x, y = dataset().tensors
-    expected = torch.nn.functional.mse_loss(model(x), y)
-    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(float(expected), rel=1e-5)
+
+def test_resume_continues_exactly(tmp_path):
+    """grow_after counts clean steps across a checkpoint: resuming equals the uninterrupted run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(ckpt_path=None):
+        model = Net()
+        callback = OOMBackoff(grow_after=3)
+        sizes = []
+
+        class Sizes(pl.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                sizes.append(callback.micro_batch_size)
+
+        # one OOM, in step 2: the run backs off to 5, then grows after 3 clean steps (3, 4, 5)
+        oom_once = OOMInjector(model.net[-1], max_size=5, steps={2}, step_fn=lambda: model.global_step)
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)  # after step 3
+        with oom_once:
+            fit(model, [callback, Sizes(), saver], steps=8, ckpt_path=ckpt_path, enable_checkpointing=True)
+        return model, sizes, callback
+
+    full, full_sizes, full_callback = run()
+    assert full_sizes == [None, None, 5, 5, 5, 9, 9, 9]  # grows to 9: 10 failed
+    resumed, resumed_sizes, callback = run(ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt"))
+    assert resumed_sizes == full_sizes[4:]
+    assert callback.state_dict() == full_callback.state_dict()
+    assert_params_close(resumed, full, rel=0.0)
 
 
 def test_arguments_are_checked():
@@ -231,6 +235,49 @@ def test_arguments_are_checked():
         OOMBackoff(grow_after=0)
     with pytest.raises(ValueError, match="overlap_after must be an int >= 0"):
         OOMBackoff(overlap_after=-1)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_nothing_keeps_the_trainer_or_model_alive(tmp_path, fails):
+    import gc
+    import weakref
+
+    from torch.utils.data import DataLoader
+
+    from tests.batching.helpers import dataset, quiet_trainer
+
+    class Failing(Net):
+        def training_step(self, batch, batch_idx):
+            if fails and batch_idx == 1:
+                raise ValueError("the user's bug")
+            return super().training_step(batch, batch_idx)
+
+    model = Failing()
+    callbacks = [AutoAccumulation(micro_batch_size=5), OOMBackoff()]  # kept, as a user may keep them
+    trainer = quiet_trainer(callbacks, max_steps=2, default_root_dir=tmp_path)
+    with (
+        injector(model, max_size=3),
+        pytest.raises(ValueError, match="the user's bug") if fails else _none() as info,
+    ):
+        trainer.fit(model, DataLoader(dataset(), batch_size=10))
+    alive = weakref.ref(trainer), weakref.ref(model)
+    del trainer, model, info
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+    assert callbacks[1].engine.oom_retries == 1  # what happened stays readable
+
+
+def _none():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_logged_keys(tmp_path):
+    model = Net()
+    trainer = fit(model, [OOMBackoff()], steps=1, tmp_path=tmp_path)
+    keys = sorted(k for k in trainer.callback_metrics if "/" in k)
+    assert keys == ["batching/micro_batch_size", "batching/num_micro_batches", "batching/oom_retries"]
 
 
 def test_accumulate_grad_batches_is_refused(tmp_path):

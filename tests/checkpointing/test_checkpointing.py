@@ -47,8 +47,67 @@ def test_find_blocks_gpt_and_encoder_and_resnet_like():
     stage1 = nn.Sequential(*[Bottleneck(nn.Conv2d(4, 4, 1)) for _ in range(2)])
     stage2 = nn.Sequential(*[Bottleneck(nn.Conv2d(8, 8, 3)) for _ in range(2)])
     resnet = nn.Sequential(stage1, nn.Conv2d(4, 8, 1), stage2)
-    # Two runs of two blocks: the one with more parameters wins.
-    assert [n for n, _ in find_blocks(resnet)] == ["2.0", "2.1"]
+    # Every stack, not the longest one: both stages' blocks, in forward order.
+    assert [n for n, _ in find_blocks(resnet)] == ["0.0", "0.1", "2.0", "2.1"]
+
+
+class _Residual(nn.Module):
+    """A residual block: two conv units (conv + norm + activation) in a Sequential."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(
+            *[nn.Sequential(nn.Conv2d(c, c, 3), nn.BatchNorm2d(c), nn.ReLU()) for _ in range(2)]
+        )
+
+
+class _Stage(nn.Module):
+    def __init__(self, c: int, n: int, downsample: bool) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(c, c, 1) if downsample else nn.Identity()
+        self.layers = nn.Sequential(*[_Residual(c) for _ in range(n)])
+
+
+class _MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.router = nn.Linear(8, 3)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 8)) for _ in range(3))
+
+
+def test_find_blocks_takes_every_stack_and_the_finer_blocks_of_stages():
+    # Stages made of residual blocks are containers: their blocks are taken, a one-block stage's too; the
+    # conv units inside a residual block (one weight layer each) are not blocks.
+    model = nn.Sequential(_Stage(4, 2, False), _Stage(4, 1, True), _Stage(4, 2, True))
+    assert [n for n, _ in find_blocks(model)] == [
+        "0.layers.0",
+        "0.layers.1",
+        "1.layers.0",
+        "2.layers.0",
+        "2.layers.1",
+    ]
+    # Two towers: both.
+    towers = nn.ModuleDict(
+        {"enc": nn.ModuleList(Block() for _ in range(2)), "dec": nn.ModuleList(Block() for _ in range(3))}
+    )
+    assert [n for n, _ in find_blocks(towers)] == ["enc.0", "enc.1", "dec.0", "dec.1", "dec.2"]
+    # Experts picked by a router are parts of a block, not a stack.
+    assert [n for n, _ in find_blocks(nn.ModuleList(_MoE() for _ in range(2)))] == ["0", "1"]
+    # A run of parameterless modules is no stack.
+    assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.ReLU())) == []
+
+
+def test_find_blocks_patterns_match_relative_to_any_submodule():
+    holder = nn.Module()
+    holder.model = TinyGPT(2)
+    assert [n for n, _ in find_blocks(holder, "h.?")] == ["model.h.0", "model.h.1"]
+    assert [n for n, _ in find_blocks(holder, "model.h.1")] == ["model.h.1"]
+    with pytest.raises(
+        ValueError,
+        match=r"candidate block classes found: \['Block'\]; discovered blocks: \[model.h.0, model.h.1\]",
+    ):
+        find_blocks(holder, "layer?")
 
 
 def test_find_blocks_overrides():
@@ -143,14 +202,42 @@ def test_selective_skips_compute_after_the_last_saved_tensor():
         torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=0)
 
 
-def test_selective_caches_every_compute_op_when_the_analysis_cannot_run():
+def test_selective_caches_nothing_when_the_analysis_cannot_run():
     torch.manual_seed(0)
     x = torch.randn(4, 8, requires_grad=True)
-    cached, _ = _selective_cached_bytes(_MLPBlock(data_dependent=True), x)
-    assert cached == [4 * 32 * 4, 4 * 8 * 4]  # fake tensors cannot run nonzero: fc and proj cached
+    # Fake tensors cannot run nonzero: nothing is known about later in-place changes, so nothing is cached
+    # and fc is recomputed (its forward FLOPs, 2 * 4 * 8 * 32, join the backward's).
+    cached, backward = _selective_cached_bytes(_MLPBlock(data_dependent=True), x)
+    assert cached == []
+    assert backward == 2 * 2 * 4 * 8 * 32 * 2 + 2 * 4 * 8 * 32
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recomputation would reach proj
         cached, _ = _selective_cached_bytes(_MLPBlock(), x)
     assert cached == [4 * 32 * 4, 4 * 8 * 4]
+
+
+class _InPlaceBlock(nn.Module):
+    """conv -> in-place ReLU6 -> conv, as torchvision's and HF's MobileNet/EfficientNet blocks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.act = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(6, 3, 1), nn.ReLU6(inplace=True)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x))) + x
+
+
+def test_selective_recomputes_outputs_changed_in_place():
+    torch.manual_seed(0)
+    block, x = _InPlaceBlock(), torch.randn(2, 3, 8, 8, requires_grad=True)
+    block(x).sum().backward()
+    ref = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    # conv a's output is clamped in place: caching it would raise "Tensor cached during selective activation
+    # checkpoint has been mutated" in backward. It is recomputed; conv b runs after the last save: not cached.
+    cached, _ = _selective_cached_bytes(block, x)
+    assert cached == []
+    for p, r in zip(block.parameters(), ref):
+        torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=0)
 
 
 def test_apply_twice_does_not_double_wrap_and_remove_restores():
@@ -431,3 +518,62 @@ def test_profile_and_plan_input_errors():
         plan_checkpointing(profiles, 10**6)
     with pytest.raises(ValueError, match="allowed must name at least one treatment"):
         plan_checkpointing(profiles, 10**6, allowed=[])
+
+
+def test_keep_where_no_gain_keeps_blocks_whose_recompute_saves_nothing():
+    from lightning_memopt.checkpointing import BlockProfile, OptionCost, keep_where_no_gain
+
+    def block(name, keep_internal):
+        # Full recompute holds only the input; keeping holds the input and `keep_internal` more bytes.
+        options = {
+            "keep": OptionCost(keep_internal, saves_input=True, saves_output=False),
+            "full": OptionCost(0, saves_input=True, saves_output=False, recompute_flops=10),
+        }
+        return BlockProfile(name, 10, input_bytes=64, output_bytes=64, chained=True, options=options)
+
+    profiles = [block("a", 100), block("b", 0), block("c", 32)]
+    # b's own activations are only its input: recomputing it lowers nothing, so it keeps them.
+    assert keep_where_no_gain(profiles, ["full"] * 3) == ["full", "keep", "full"]
+    assert keep_where_no_gain(profiles, ["keep", "full", "keep"]) == ["keep", "keep", "keep"]
+
+
+class _CachingBlock(nn.Module):
+    """Attention-like block that appends its keys to a Hugging Face cache when one is passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k, self.q = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, past_key_values=None, use_cache=False):
+        k = self.k(x)  # (B, T, C)
+        if past_key_values is not None:
+            k, _ = past_key_values.update(k[:, None], k[:, None], 0)  # (B, 1, T_cache, C)
+            k = k[:, 0]
+        return (self.q(x) @ k.transpose(1, 2)).softmax(-1) @ k, use_cache
+
+
+@pytest.mark.parametrize("choice", ["selective", "full", "offload"])
+def test_checkpointed_blocks_run_without_the_key_value_cache(choice):
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    torch.manual_seed(0)
+    block, x = _CachingBlock(), torch.randn(2, 4, 8)
+    reference, _ = block(x)  # what training computes: no earlier keys in the cache
+    reference.sum().backward()
+    ref = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    apply_checkpointing(block, {"": choice})
+    cache = cache_utils.DynamicCache()
+    out, use_cache = block(x, past_key_values=cache, use_cache=True)
+    out.sum().backward()  # a recomputation appending to the cache again would see twice the keys
+    assert cache.get_seq_length() == 0 and use_cache is False
+    torch.testing.assert_close(out, reference)
+    for p, r in zip(block.parameters(), ref):
+        torch.testing.assert_close(p.grad, r)
+    # A block that only reads the cache says so, and keeps it.
+    type(block)._can_checkpoint_with_cache = True
+    try:
+        block(x, past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 4
+    finally:
+        del type(block)._can_checkpoint_with_cache
+    remove_checkpointing(block)

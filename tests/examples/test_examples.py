@@ -114,8 +114,9 @@ def test_gpt_memopt_config_instantiates_callbacks_with_yaml_values(gpt_train):
     (backoff,) = _callbacks(cli, OOMBackoff)
     (monitor,) = _callbacks(cli, MemoryMonitor)
     # Byte strings from the YAML arrive as bytes.
-    assert listed["lightning_memopt.AutoCheckpoint"]["budget"] == "40MiB"
-    assert parse_bytes(checkpoint.budget) == 40 * 2**20  # AutoCheckpoint parses it when it plans
+    assert listed["lightning_memopt.AutoCheckpoint"]["max_memory"] == "40MiB"
+    assert parse_bytes(checkpoint.max_memory) == 40 * 2**20  # AutoCheckpoint parses it when it plans
+    assert checkpoint.headroom == listed["lightning_memopt.AutoCheckpoint"]["headroom"] == 0.0
     assert (
         accumulation.micro_batch_size == listed["lightning_memopt.AutoAccumulation"]["micro_batch_size"] == 8
     )
@@ -146,11 +147,17 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
     """Every callback the package exports, from YAML: with zero arguments in a LightningCLI config, and
     with typical init_args (byte strings included) through jsonargparse, as LightningCLI parses them
     (the Trainer refuses two stateful callbacks of one type, so the variants are parsed on their own)."""
-    exported = {name for name in lightning_memopt.__all__ if name[0].isupper()}
+    exported = {
+        name
+        for name in lightning_memopt.__all__
+        if isinstance(getattr(lightning_memopt, name), type)
+        and issubclass(getattr(lightning_memopt, name), Callback)
+    }  # the callbacks (MicroBatchOOMError is exported too, for users to catch)
     assert exported == {
         "AutoAccumulation",
         "AutoCheckpoint",
         "BatchNormToGroupNorm",
+        "DataLoaderMonitor",
         "MemoryMonitor",
         "OOMBackoff",
     }
@@ -169,9 +176,9 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
     variants.write_text(
         """callbacks:
   - class_path: lightning_memopt.AutoCheckpoint
-    init_args: {budget: 6GiB, headroom: 0.2}
+    init_args: {max_memory: 6GiB, headroom: 0.2}
   - class_path: lightning_memopt.AutoCheckpoint
-    init_args: {budget: 0.5}
+    init_args: {max_memory: 0.5}
   - class_path: lightning_memopt.AutoCheckpoint
     init_args: {mode: every_n, every_n: 3}
   - class_path: lightning_memopt.AutoAccumulation
@@ -182,27 +189,30 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
     init_args: {group_size: 4, when: micro_batching, micro_batch_size_below: 16}
   - class_path: lightning_memopt.MemoryMonitor
     init_args: {breakdown: never, report: false, max_history: 64}
+  - class_path: lightning_memopt.DataLoaderMonitor
+    init_args: {threshold: 0.25, window: 8, tune: true, tune_batches: 4}
 """
     )
     parser = ArgumentParser()
     parser.add_argument("--config", action="config")
     parser.add_argument("--callbacks", type=list[Callback])
     callbacks = parser.instantiate_classes(parser.parse_args(["--config", str(variants)])).callbacks
-    ckpt_gib, ckpt_fraction, ckpt_every, accumulation, backoff, swap, monitor = callbacks
-    assert (parse_bytes(ckpt_gib.budget), ckpt_gib.headroom) == (6 * 2**30, 0.2)
-    assert ckpt_fraction.budget == 0.5
+    ckpt_gib, ckpt_fraction, ckpt_every, accumulation, backoff, swap, monitor, data = callbacks
+    assert (parse_bytes(ckpt_gib.max_memory), ckpt_gib.headroom) == (6 * 2**30, 0.2)
+    assert ckpt_fraction.max_memory == 0.5
     assert (ckpt_every.mode, ckpt_every.every_n) == ("every_n", 3)
     assert (accumulation.max_memory, accumulation.headroom) == (1_500_000_000, 0.05)
     assert accumulation._sizes["eval_micro_batch_size"] == 64
     assert backoff.grow_after == 100
     assert (swap.group_size, swap.when, swap.micro_batch_size_below) == (4, "micro_batching", 16)
     assert (monitor.breakdown, monitor.report, monitor.max_history) == ("never", False, 64)
+    assert (data.threshold, data.window, data.tune, data.tune_batches) == (0.25, 8, True, 4)
 
 
 def test_bad_yaml_value_is_reported_with_the_callbacks_message(tmp_path, gpt_train):
     config = tmp_path / "bad.yaml"
     config.write_text(
-        "trainer:\n  callbacks:\n    - class_path: lightning_memopt.AutoCheckpoint\n      init_args: {budget: banana}\n"
+        "trainer:\n  callbacks:\n    - class_path: lightning_memopt.AutoCheckpoint\n      init_args: {max_memory: banana}\n"
     )
     with pytest.raises(ValueError, match="banana"):
         gpt_train.main(["--config", str(config)], run=False)

@@ -277,11 +277,12 @@ def loader(name: str, batch_size: int, batches: int = 2, seed: int = 0, dtype: t
 
 
 def no_dropout(module: nn.Module) -> nn.Module:
-    """Set every dropout probability in ``module`` to 0 (modules and HF attention-dropout attributes)."""
+    """Set every dropout probability in ``module`` to 0 (modules, HF attention-dropout attributes, and
+    stochastic depth: HF's ``*DropPath`` modules keep theirs in ``drop_prob``, e.g. Swin's 0.1)."""
     for sub in module.modules():
         if isinstance(sub, nn.modules.dropout._DropoutNd):
             sub.p = 0.0
-        for attr in ("attention_dropout", "dropout", "dropout_prob"):
+        for attr in ("attention_dropout", "dropout", "dropout_prob", "drop_prob"):
             if isinstance(getattr(sub, attr, None), float):
                 setattr(sub, attr, 0.0)
     return module

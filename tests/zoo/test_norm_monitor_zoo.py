@@ -3,9 +3,8 @@
 BatchNormToGroupNorm, on every zoo model with BatchNorm: every BatchNorm becomes a GroupNorm sharing its
 Parameters, with the documented group count (the largest divisor of ``C`` not above 32, or 1 group for
 a layer that sees no spatial extent, such as the 1x1 maps at the end of a CNN on 32x32 images); a fit of
-2 SGD steps runs; the state_dict keeps every key except the swapped layers' running statistics
-(``running_mean``, ``running_var``, ``num_batches_tracked``), in the same order, and still loads a
-state_dict saved before the swap. Without an example input the swap cannot see the 1x1 maps: a layer
+2 SGD steps runs; the state_dict keeps every key (the swapped layers' running statistics stay as
+unused buffers), in the same order, and still loads a state_dict saved before the swap. Without an example input the swap cannot see the 1x1 maps: a layer
 left with one value per group refuses to run instead of outputting a constant.
 
 MemoryMonitor, on every zoo model: a fit of 2 SGD steps logs exactly its documented keys, ends with the
@@ -124,10 +123,9 @@ def test_batchnorm_to_groupnorm_converts_every_batchnorm(tmp_path, name):
     # Trained: the shared weights moved.
     assert any(not torch.equal(w, pre_swap[f"{n}.weight"]) for n, (w, _) in params.items())
 
-    # state_dict: the promise of convert_batchnorm, "keys for a swapped layer are exactly weight and bias".
-    dropped = {f"{n}.{stat}" for n in batchnorms for stat in RUNNING_STATS}
-    assert dropped <= set(keys_before)
-    assert list(module.state_dict()) == [k for k in keys_before if k not in dropped]
+    # state_dict: the swap changes no key (the statistics stay as unused buffers), in the same order.
+    assert {f"{n}.{stat}" for n in batchnorms for stat in RUNNING_STATS} <= set(keys_before)
+    assert list(module.state_dict()) == keys_before
     assert str(module.load_state_dict(pre_swap)) == "<All keys matched successfully>"  # a pre-swap checkpoint
     torch.save(module, io.BytesIO())  # nothing of the callback stays attached
     odd = sorted({(s[1], swapped[n].num_groups) for n, s in shapes.items() if s[1] % 32})
