@@ -42,6 +42,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
+from lightning_memopt.checkpointing.offload import overlapped_offload
+
 __all__ = [
     "CHOICES",
     "Choice",
@@ -292,7 +294,9 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
         return fn(*args, **kwargs)
     args, kwargs = _without_cache(block, args, kwargs)
     if choice == "offload":
-        with _OffloadHooks(block):
+        # offload.py: on CUDA, copies overlap compute on side streams; elsewhere the plain copy below.
+        hooks = overlapped_offload(block, (args, kwargs), functools.partial(_notify, "offloaded"))
+        with hooks or _OffloadHooks(block):
             return fn(*args, **kwargs)
     if choice == "selective":
         key = _signature((args, kwargs))

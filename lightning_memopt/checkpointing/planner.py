@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from lightning_memopt.checkpointing.apply import CHOICES
 from lightning_memopt.checkpointing.profile import BlockProfile, OptionCost
@@ -65,6 +65,18 @@ class CostModel:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+    def with_transfer_rate(self, bytes_per_second: float, *, flops_per_second: float) -> CostModel:
+        """This model with ``offload_flops_per_byte`` measured: the device's FLOP/s over the bytes per
+        second of a pinned host round trip (``checkpointing.offload.measured_cost_model`` times both).
+
+        Raises:
+            ValueError: a rate that is not positive.
+        """
+        for name, rate in (("bytes_per_second", bytes_per_second), ("flops_per_second", flops_per_second)):
+            if not rate > 0:
+                raise ValueError(f"{name} must be a positive measured rate, got {rate!r}")
+        return replace(self, offload_flops_per_byte=flops_per_second / bytes_per_second)
 
     def cost(self, option: OptionCost) -> float:
         return (

@@ -1,19 +1,38 @@
-"""Device memory queries: the only module of the package that calls ``torch.cuda`` memory APIs.
+"""Device queries: the only module of the package that calls ``torch.cuda``.
 
 Everything else asks :func:`device_memory` for a :class:`DeviceMemory` and reads the same five numbers,
-so the logic above it runs unchanged on CPU and is tested on CPU with a faked ``torch.cuda``.
+so the logic above it runs unchanged on CPU and is tested on CPU with a faked ``torch.cuda``. The
+overlapped activation offload (``checkpointing/offload.py``) gets its streams, events and pinned host
+memory from the small functions at the end of this module, for the same reason.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
 
-__all__ = ["DeviceMemory", "CudaMemory", "TrackedMemory", "device_memory"]
+__all__ = [
+    "DeviceMemory",
+    "CudaMemory",
+    "TrackedMemory",
+    "device_memory",
+    "cuda_available",
+    "indexed",
+    "new_stream",
+    "current_stream",
+    "use_stream",
+    "new_event",
+    "synchronize",
+    "pinned_empty",
+    "measure_transfer_rate",
+    "measure_matmul_rate",
+]
 
 
 class DeviceMemory(Protocol):
@@ -119,3 +138,125 @@ def device_memory(
     if tracker is None:
         raise ValueError(f"measuring memory on a {device.type!r} device needs a MemoryTracker; pass tracker=")
     return TrackedMemory(tracker, capacity)
+
+
+# Streams, events and pinned host memory, for the overlapped offload. Each is one torch call, kept here
+# so that tests replace ``torch.cuda`` (and ``pinned_empty``, which a CPU-only torch refuses) with fakes.
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device can be used."""
+    return bool(torch.cuda.is_available())
+
+
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device (``cuda:0`` unless ``set_device``
+    chose another), so that ``cuda`` and ``cuda:0`` name one device; other devices unchanged."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def new_stream(device: torch.device) -> Any:
+    """A new CUDA stream on ``device`` (a side stream for copies)."""
+    return torch.cuda.Stream(device)
+
+
+def current_stream(device: torch.device) -> Any:
+    """The stream that compute on ``device`` runs on now."""
+    return torch.cuda.current_stream(device)
+
+
+def use_stream(stream: Any) -> contextlib.AbstractContextManager:
+    """A context in which kernels and copies go to ``stream``."""
+    return torch.cuda.stream(stream)
+
+
+def new_event(*, timing: bool = False) -> Any:
+    """A CUDA event (with timing enabled when ``timing``, for :func:`measure_transfer_rate`)."""
+    return torch.cuda.Event(enable_timing=timing)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all work queued on ``device``."""
+    torch.cuda.synchronize(device)
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory (uint8), the target of asynchronous device-to-host copies.
+
+    Pinning is slow and synchronizes the device, so callers allocate once and reuse (a pool), never per
+    copy.
+    """
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+@contextlib.contextmanager
+def _timed(device: torch.device, elapsed: list[float]) -> Iterator[None]:
+    """Append the seconds the work queued inside the context took on ``device``'s current stream."""
+    start, end = new_event(timing=True), new_event(timing=True)
+    start.record(current_stream(device))
+    yield
+    end.record(current_stream(device))
+    end.synchronize()
+    elapsed.append(start.elapsed_time(end) / 1000.0)  # elapsed_time is in milliseconds
+
+
+def measure_transfer_rate(device: torch.device | str, *, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Bytes per second that cross between pinned host memory and ``device``, one way on average.
+
+    Times ``repeats`` round trips (host to device, device to host) of ``nbytes`` after one warm-up, and
+    returns ``2 * nbytes`` over the fastest round trip: the rate at which an offloaded byte goes out and
+    comes back, which is what the planner's cost charges.
+
+    Raises:
+        ValueError: a device that is not CUDA, or ``nbytes``/``repeats`` below 1.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"measure_transfer_rate times copies on a CUDA device, got {str(device)!r}")
+    if nbytes < 1 or repeats < 1:
+        raise ValueError(f"nbytes and repeats must be >= 1, got nbytes={nbytes!r}, repeats={repeats!r}")
+    return _round_trip_rate(
+        pinned_empty(nbytes), torch.empty(nbytes, dtype=torch.uint8, device=device), repeats
+    )
+
+
+def _round_trip_rate(host: torch.Tensor, on_device: torch.Tensor, repeats: int) -> float:
+    device = on_device.device
+    on_device.copy_(host, non_blocking=True)  # warm-up: first-use costs are not the link's
+    host.copy_(on_device, non_blocking=True)
+    synchronize(device)
+    elapsed: list[float] = []
+    for _ in range(repeats):
+        with _timed(device, elapsed):
+            on_device.copy_(host, non_blocking=True)
+            host.copy_(on_device, non_blocking=True)
+    return 2 * host.numel() * host.element_size() / min(elapsed)
+
+
+def measure_matmul_rate(
+    device: torch.device | str, *, size: int = 4096, dtype: torch.dtype = torch.bfloat16, repeats: int = 3
+) -> float:
+    """FLOPs per second of a ``size`` x ``size`` matmul in ``dtype`` on ``device`` (fastest of ``repeats``).
+
+    Raises:
+        ValueError: a device that is not CUDA, or ``size``/``repeats`` below 1.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"measure_matmul_rate times a matmul on a CUDA device, got {str(device)!r}")
+    if size < 1 or repeats < 1:
+        raise ValueError(f"size and repeats must be >= 1, got size={size!r}, repeats={repeats!r}")
+    return _matmul_rate(torch.randn(size, size, device=device).to(dtype), repeats)
+
+
+def _matmul_rate(a: torch.Tensor, repeats: int) -> float:
+    a @ a  # warm-up: kernel selection
+    synchronize(a.device)
+    elapsed: list[float] = []
+    for _ in range(repeats):
+        with _timed(a.device, elapsed):
+            a @ a
+    return 2 * a.shape[0] ** 3 / min(elapsed)
