@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool, check_positive_int
-from lightning_memopt.callbacks._hooks import wrap_instance_hook
+from lightning_memopt.callbacks._hooks import forget_module, wrap_instance_hook
 from lightning_memopt.callbacks._train_loaders import (
     dataloaders,
     expected_epochs,
@@ -78,10 +78,9 @@ class DataLoaderMonitor(Callback):
     Args:
         threshold: Wait fraction above which a window counts as data-bound (default 0.1), in (0, 1).
         window: Steps judged together (default 20).
-        tune: Before training, time the first ``tune_batches`` batches of the training DataLoader alone
-            at a few ``num_workers`` values (:func:`~lightning_memopt.data.tune_num_workers`), set the
-            fastest on it and print the table. Which samples are seen, and their order, do not change.
-            Default False.
+        tune: Before training (default False), time the first ``tune_batches`` batches of the training
+            DataLoader alone at a few ``num_workers`` values (:func:`~lightning_memopt.data.tune_num_workers`),
+            set the fastest on it and print the table. Which samples are seen, and their order, stay.
         tune_batches: Batches timed per candidate when tuning (default 16).
         log_every_n_steps: Log every this many training batches; default None: the Trainer's.
 
@@ -211,6 +210,7 @@ class DataLoaderMonitor(Callback):
         while self._removers:
             self._removers.pop()()
         self._meter = self._loader = None
+        forget_module(self)  # Lightning bound the model's log methods onto this callback
 
     # ------------------------------------------------------------------ the marks
     @override
