@@ -1,0 +1,64 @@
+"""The prediction on fake tensors equals a real CPU step measured by independent code, byte for byte."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_memopt.memory.report import PHASES
+from lightning_memopt.planning.build import build_fake, fake_batch, fake_mode
+from lightning_memopt.planning.predict import precision_plugin, predict_step
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "examples" / "gpt")]
+
+from baseline_step import measure_baseline_step  # noqa: E402
+from gpt import CharGPT  # noqa: E402
+
+
+def _measured(module, batch, precision):
+    """The real CPU step, measured by the examples' own code (two full steps, the second kept)."""
+    plugin = precision_plugin(precision)
+    if precision.endswith("-true") and precision != "32-true":
+        plugin.convert_module(module)
+    return measure_baseline_step(module, batch, forward_context=plugin.forward_context)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_gpt_example_prediction_equals_measured_step(precision):
+    x = torch.randint(0, 256, (4, 64))
+    torch.manual_seed(0)
+    measured = _measured(CharGPT(block_size=64, n_layer=2, n_embd=64), (x, x), precision)
+    mode = fake_mode()
+    model = build_fake(mode, lambda: CharGPT(block_size=64, n_layer=2, n_embd=64), what="CharGPT")
+    with mode:
+        predicted = predict_step(model, fake_batch(mode, (x, x)), precision=precision)
+    assert predicted.record == measured
+    assert predicted.record["optimizer_optimizer_state"] > 0  # AdamW: the state is part of the check
+    assert predicted.peak_bytes == max(measured[p] for p in PHASES)
+
+
+def _zoo_module(name):
+    from tests.zoo.models import ZooModule
+
+    class Adam(ZooModule):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Adam(name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "vit", "resnet", "t5"])
+def test_zoo_prediction_equals_measured_step(name):
+    from tests.zoo.models import ZOO
+
+    batch = ZOO[name].batch(4, 0)
+    measured = _measured(_zoo_module(name), batch, "32-true")
+    mode = fake_mode()
+    model = build_fake(mode, lambda: _zoo_module(name), what=name)
+    with mode:
+        predicted = predict_step(model, fake_batch(mode, batch))
+    assert predicted.record == measured
