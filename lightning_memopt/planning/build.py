@@ -181,12 +181,17 @@ def module_context(model: nn.Module, what: str) -> Iterator[None]:
     """Turn a fake-tensor failure inside ``model`` into a :class:`FakeBuildError` naming the innermost module."""
     stack: list[str] = []
     names = {id(m): n for n, m in model.named_modules()}
-    enter = nn.modules.module.register_module_forward_pre_hook(
-        lambda m, a: stack.append(names.get(id(m), type(m).__name__)) if id(m) in names else None
-    )
-    leave = nn.modules.module.register_module_forward_hook(
-        lambda m, a, o: stack.pop() if id(m) in names and stack else None
-    )
+
+    def push(module, args) -> None:
+        if id(module) in names:
+            stack.append(names[id(module)])
+
+    def pop(module, args, output) -> None:  # returns None: a forward hook's result would replace the output
+        if id(module) in names and stack:
+            stack.pop()
+
+    enter = nn.modules.module.register_module_forward_pre_hook(push)
+    leave = nn.modules.module.register_module_forward_hook(pop)
     try:
         yield
     except _FAKE_ERRORS as exc:

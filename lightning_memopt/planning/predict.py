@@ -37,7 +37,15 @@ from lightning_memopt.checkpointing import apply_checkpointing, observe_saved, r
 from lightning_memopt.memory import CATEGORIES, MemoryTracker
 from lightning_memopt.memory.report import PHASES, empty_record, fold_peak
 
-__all__ = ["PRECISIONS", "StepPrediction", "predict_step", "precision_plugin", "first_optimizer", "shard"]
+__all__ = [
+    "PRECISIONS",
+    "StepPrediction",
+    "predict_step",
+    "precision_plugin",
+    "precision_applied",
+    "first_optimizer",
+    "shard",
+]
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 Strategy = Literal["ddp", "fsdp"]
@@ -113,7 +121,7 @@ def _loss(output: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _converted(module: nn.Module, plugin) -> Any:
+def precision_applied(module: nn.Module, plugin) -> Any:
     """The module converted by the precision plugin (bf16-true), restored to its dtypes afterwards."""
     dtypes = [(t, t.dtype) for t in [*module.parameters(), *module.buffers()]]
     target = getattr(plugin, "_desired_input_dtype", None)
@@ -216,7 +224,7 @@ def predict_step(
     module.train()
     grads = [(p, p.grad) for p in module.parameters()]
     try:
-        with _converted(module, plugin), _checkpointed(module, checkpoint):
+        with precision_applied(module, plugin), _checkpointed(module, checkpoint):
             optimizer = first_optimizer((optimizer_fn or module.configure_optimizers)())
             tracker = MemoryTracker(module, optimizer)
             record = empty_record(1, PHASES)
