@@ -202,6 +202,10 @@ class Planner:
         return self._cache[key]
 
     def _evaluate_checkpointed(self, c: Config, base: StepPrediction, cost: float) -> Evaluated:
+        if base.record["optimizer"] > self.usable:
+            # The optimizer step holds no activations: no checkpointing plan can lower it (and no block
+            # need be profiled to know it).
+            return Evaluated(c, None, float("inf"), False, note="the optimizer step alone does not fit")
         profiles = self._profiles(c)
         keep = evaluate_plan(profiles, ["keep"] * len(profiles), self.cost_model)
         outside = base.peak_bytes - keep.peak_bytes  # what the step holds besides the blocks' activations
