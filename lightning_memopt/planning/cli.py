@@ -226,6 +226,7 @@ def plan(
         strategy=strategy,
         world_size=devices,
         allow_offload=allow_offload,
+        fresh=inp.rebuild,
     )
     with (
         mode,

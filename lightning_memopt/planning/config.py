@@ -5,7 +5,7 @@ the Trainer is never built."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,8 @@ class PlanInput:
     precision: str = "32-true"
     strategy: str = "ddp"
     devices: int = 1
+    rebuild: Callable[[], nn.Module] | None = None
+    """Builds the module again (fake), for a copy to shard."""
 
 
 def load_input(
@@ -74,7 +76,8 @@ def load_input(
             ) from None
         return holder["cli"].model
 
-    module = build_fake(mode, factory, what=model or "the config's model")
+    what = model or "the config's model"
+    module = build_fake(mode, factory, what=what)
     cli = holder["cli"]
     trainer = cli.config.get("trainer") or {}
     if batch:
@@ -85,7 +88,8 @@ def load_input(
         raise ValueError(
             "no DataModule in the config to take a batch from; give its shapes, e.g. --batch 8x512"
         )
-    return PlanInput(module, fake, *_trainer_settings(trainer))
+    rebuild = lambda: build_fake(mode, factory, what=what)  # noqa: E731
+    return PlanInput(module, fake, *_trainer_settings(trainer), rebuild=rebuild)
 
 
 def _first_batch(datamodule) -> Any:

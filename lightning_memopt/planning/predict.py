@@ -10,22 +10,19 @@ the next forward) and the optimizer state exists; it is made by an optimizer ste
 not by a whole training step (half the time on a 7B model; a parameter that gets no gradient in a real
 step would be counted with gradient and state here).
 
-What is modeled rather than run (the docs give each formula):
-
-- sharding over ``world_size`` ranks (FSDP2 ``fully_shard`` per block): every parameter is split along
-  dim 0 into ``ceil(d0 / N)`` rows per rank (padded), gradients and optimizer state follow their
-  parameter; during forward and backward the two largest blocks are held unsharded (the current one and
-  the prefetched next); buffers are replicated.
-- DDP: the reducer's gradient buckets, one flat copy of all gradients (``gradient_as_bucket_view=False``,
-  Lightning's default), alive for the whole run, booked as ``other``.
+Sharding (``strategy="fsdp"``, Lightning's ``ModelParallelStrategy``) is run, not modeled: a copy of the
+module gets ``fully_shard`` on each block and on the root, as a user's ``configure_model`` does, over a
+process group of torch's ``fake`` backend (collectives move nothing), and the step of rank 0 is tracked;
+it equals a real 2-process gloo run per rank, byte for byte (the tests check it). Modeled: DDP's gradient
+buckets, one flat copy of all gradients (``gradient_as_bucket_view=False``, Lightning's default) alive
+for the whole run, booked as ``other``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,7 +41,7 @@ __all__ = [
     "precision_plugin",
     "precision_applied",
     "first_optimizer",
-    "shard",
+    "fake_process_group",
 ]
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -179,6 +176,7 @@ def predict_step(
     strategy: Strategy = "ddp",
     blocks: list[tuple[str, nn.Module]] | None = None,
     optimizer_fn: Callable[[], Any] | None = None,
+    fresh: Callable[[], nn.Module] | None = None,
 ) -> StepPrediction:
     """Peak memory of one training step of ``module`` on ``batch``, per phase and category, per rank.
 
@@ -190,11 +188,14 @@ def predict_step(
         micro_batch_size: Run the step as ``AutoAccumulation(micro_batch_size=...)`` does: the largest
             micro-batch (a view of the batch) with the previous micro-batch's gradients alive.
         checkpoint: Block name to treatment (``keep``/``selective``/``full``), applied for the step.
-        world_size: Ranks the run uses; with ``strategy="fsdp"`` parameters, gradients and optimizer
-            state are sharded over them (modeled, see the module docstring).
+        world_size: Ranks the run uses; with ``strategy="fsdp"`` the module is sharded over them.
         strategy: ``"ddp"`` (replicated) or ``"fsdp"`` (``ModelParallelStrategy`` with ``fully_shard``).
-        blocks: The blocks FSDP wraps one by one (default: none, only the root; ``find_blocks`` gives them).
+        blocks: The blocks ``fully_shard`` wraps one by one before the root (``find_blocks`` gives them;
+            default: only the root).
         optimizer_fn: Makes the optimizer (default: ``module.configure_optimizers``).
+        fresh: Builds a new copy of ``module`` (on fake tensors), to be sharded: ``fully_shard`` changes a
+            module for good. Required with ``strategy="fsdp"`` and ``world_size > 1``. (Not
+            ``copy.deepcopy``: deep-copying a fake module that has run a step can crash the interpreter.)
 
     Returns:
         A :class:`StepPrediction`.
@@ -212,6 +213,10 @@ def predict_step(
         raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if strategy == "fsdp" and world_size > 1 and fresh is None:
+        raise ValueError(
+            "strategy='fsdp' needs fresh=: a callable that builds the module again, to be sharded"
+        )
     plugin = precision_plugin(precision)
     if micro_batch_size is not None:
         total = batch_size(batch)
@@ -220,11 +225,34 @@ def predict_step(
                 f"micro_batch_size must be in [1, {total}] (the batch size), got {micro_batch_size!r}"
             )
         batch = split_batch(batch, micro_batch_sizes(total, micro_batch_size))[0]
+    if strategy == "fsdp" and world_size > 1:
+        with fake_process_group(world_size) as mesh:
+            # fully_shard changes the module for good: shard a copy (the copy costs nothing on fake tensors).
+            # Precision first, as Lightning converts the module before the strategy wraps it.
+            sharded = fresh()
+            with precision_applied(sharded, plugin):
+                from torch.distributed.fsdp import fully_shard
+
+                for _, block in _same_blocks(sharded, module, blocks or []):
+                    fully_shard(block, mesh=mesh)
+                fully_shard(sharded, mesh=mesh)
+                record = _measure(sharded, batch, plugin, checkpoint, optimizer_fn)
+        return StepPrediction(record)
+    with precision_applied(module, plugin):
+        record = _measure(module, batch, plugin, checkpoint, optimizer_fn)
+    prediction = StepPrediction(record)
+    if world_size > 1:
+        _add_ddp_buckets(prediction, module)
+    return prediction
+
+
+def _measure(module, batch, plugin, checkpoint, optimizer_fn) -> dict[str, int]:
+    """One tracked step of ``module`` (already in its precision), leaving its gradients and mode as they were."""
     was_training = module.training
     module.train()
     grads = [(p, p.grad) for p in module.parameters()]
     try:
-        with precision_applied(module, plugin), _checkpointed(module, checkpoint):
+        with _checkpointed(module, checkpoint):
             optimizer = first_optimizer((optimizer_fn or module.configure_optimizers)())
             tracker = MemoryTracker(module, optimizer)
             record = empty_record(1, PHASES)
@@ -238,10 +266,42 @@ def predict_step(
         for p, g in grads:
             p.grad = g
         module.train(was_training)
-    prediction = StepPrediction(record)
-    if world_size > 1:
-        _distribute(prediction, module, world_size, strategy, blocks or [])
-    return prediction
+    return record
+
+
+def _same_blocks(copy_: nn.Module, original: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``copy_`` with the names of ``blocks`` (found on ``original``)."""
+    modules = dict(copy_.named_modules())
+    return [(name, modules[name]) for name, _ in blocks]
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[Any]:
+    """A ``world_size``-rank process group whose collectives move nothing (torch's ``fake`` backend), and
+    its 1-D device mesh; this process is rank 0. What FSDP2 allocates per rank is then exactly what a real
+    run allocates (the tests compare with a 2-process gloo run).
+
+    Raises:
+        RuntimeError: If a process group already exists (plan in a fresh process).
+    """
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's own tool for this
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized; predict FSDP sharding in a fresh process")
+    with unset_fake_temporarily():  # the mesh reads real tensors
+        dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (world_size,))
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+    try:
+        yield mesh
+    finally:
+        dist.destroy_process_group()
 
 
 def _mark_cached(tracker: MemoryTracker) -> Callable[[str, torch.Tensor], None]:
@@ -265,56 +325,11 @@ def _checkpointed(module: nn.Module, checkpoint: dict[str, str] | None):
         remove_checkpointing(module)
 
 
-def shard(numel_rows: int, row_bytes: int, world_size: int) -> int:
-    """Bytes one rank holds of a parameter of ``numel_rows`` dim-0 rows: ``ceil(rows / N)`` rows (padded)."""
-    return math.ceil(numel_rows / world_size) * row_bytes
-
-
-def _param_shard_bytes(params: list[nn.Parameter], world_size: int) -> tuple[int, int]:
-    full = sharded = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        rows = p.shape[0] if p.dim() else 1
-        full += nbytes
-        sharded += shard(rows, nbytes // max(rows, 1), world_size)
-    return full, sharded
-
-
-def _distribute(prediction: StepPrediction, module, world_size: int, strategy: Strategy, blocks) -> None:
-    """Turn a single-device prediction into a per-rank one (see the module docstring)."""
-    rec = prediction.record
-    params = list(dict.fromkeys(module.parameters()))
-    trainable = [p for p in params if p.requires_grad]
-    if strategy == "ddp":
-        buckets = sum(p.numel() * p.element_size() for p in trainable)
-        for phase in PHASES:
-            rec[phase] += buckets
-            rec[f"{phase}_other"] += buckets
-        prediction.modeled.append(f"DDP gradient buckets: {buckets} bytes (other), every phase")
-        return
-    full, sharded = _param_shard_bytes(params, world_size)
-    full_t, sharded_t = _param_shard_bytes(trainable, world_size)
-    ratio = sharded_t / full_t if full_t else 1.0
-    unsharded = sorted(
-        (sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in blocks), reverse=True
-    )
-    # Blocks are gathered one at a time with the next one prefetched; without blocks the root holds all.
-    gathered = sum(unsharded[:2]) if unsharded else full
+def _add_ddp_buckets(prediction: StepPrediction, module: nn.Module) -> None:
+    """DDP's reducer holds one flat copy of every gradient for the whole run (``gradient_as_bucket_view``
+    is off in Lightning's DDPStrategy): modeled, booked as ``other`` in every phase."""
+    buckets = sum(p.numel() * p.element_size() for p in dict.fromkeys(module.parameters()) if p.requires_grad)
     for phase in PHASES:
-        saved_params = full - sharded
-        extra = gathered if phase in ("forward", "backward") else 0
-        new_params = rec[f"{phase}_parameters"] - saved_params + extra
-        new_grads = round(rec[f"{phase}_gradients"] * ratio)
-        new_state = round(rec[f"{phase}_optimizer_state"] * ratio)
-        delta = (
-            (new_params - rec[f"{phase}_parameters"])
-            + (new_grads - rec[f"{phase}_gradients"])
-            + (new_state - rec[f"{phase}_optimizer_state"])
-        )
-        rec[f"{phase}_parameters"], rec[f"{phase}_gradients"] = new_params, new_grads
-        rec[f"{phase}_optimizer_state"] = new_state
-        rec[phase] += delta
-    prediction.modeled.append(
-        f"FSDP sharding over {world_size} ranks: parameters {full} -> {sharded} bytes per rank, "
-        f"{gathered} bytes gathered unsharded in forward/backward"
-    )
+        prediction.record[phase] += buckets
+        prediction.record[f"{phase}_other"] += buckets
+    prediction.modeled.append("DDP gradient buckets: one flat copy of the gradients, as other, every phase")

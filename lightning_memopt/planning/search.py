@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -105,6 +106,7 @@ class Planner:
         world_size: Devices the run uses.
         prices: :class:`Prices`.
         allow_offload: Whether offloading to the host is an option (GPU targets).
+        fresh: Builds a new copy of the module (fake), to be sharded; needed where ``fsdp`` is an option.
     """
 
     module: nn.Module
@@ -116,6 +118,7 @@ class Planner:
     prices: Prices = field(default_factory=Prices)
     allow_offload: bool = False
     cost_model: CostModel = field(default_factory=CostModel)
+    fresh: Callable[[], nn.Module] | None = None
     _cache: dict = field(default_factory=dict)
     _blocks: list | None = None
 
@@ -173,6 +176,7 @@ class Planner:
                 world_size=self.world_size,
                 strategy=c.strategy,
                 blocks=self.blocks(),
+                fresh=self.fresh,
             )
         return self._cache[key]
 

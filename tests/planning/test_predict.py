@@ -62,3 +62,33 @@ def test_zoo_prediction_equals_measured_step(name):
     with mode:
         predicted = predict_step(model, fake_batch(mode, batch))
     assert predicted.record == measured
+
+
+def test_fsdp_prediction_equals_two_process_run_per_rank(tmp_path):
+    """FSDP2 (fully_shard per block, then the root) over 2 gloo ranks, measured on each rank, equals the
+    prediction made in this process on fake tensors over a fake process group."""
+    import json
+
+    from lightning_memopt.checkpointing import find_blocks
+    from lightning_memopt.planning.build import parse_batch_spec
+    from tests.distributed import run_ranks
+    from tests.planning.modules import TinyLM
+
+    run_ranks("tests.planning.fsdp_worker:measure", str(tmp_path))
+    measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    mode = fake_mode()
+
+    def build():
+        return build_fake(mode, lambda: TinyLM(width=32, layers=3), what="TinyLM")
+
+    model = build()
+    with mode:
+        batch = parse_batch_spec(["4x16"], mode)
+        with pytest.raises(ValueError, match="strategy='fsdp' needs fresh="):
+            predict_step(model, batch, world_size=2, strategy="fsdp")
+        predicted = predict_step(
+            model, batch, world_size=2, strategy="fsdp", blocks=find_blocks(model), fresh=build
+        )
+        single = predict_step(model, batch)
+    assert predicted.record == measured[0] == measured[1]
+    assert predicted.record["optimizer_optimizer_state"] < single.record["optimizer_optimizer_state"]

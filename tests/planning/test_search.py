@@ -12,11 +12,20 @@ from tests.planning.modules import TinyLM
 @pytest.fixture(scope="module")
 def planner():
     mode = fake_mode()
-    module = build_fake(mode, lambda: TinyLM(width=32, layers=3), what="TinyLM")
-    batch = parse_batch_spec(["4x16"], mode)
+
+    def build():
+        return build_fake(mode, lambda: TinyLM(width=32, layers=3), what="TinyLM")
+
+    module, batch = build(), parse_batch_spec(["4x16"], mode)
     # Micro-batches priced high, so that checkpointing plans are chosen at some budgets.
     p = Planner(
-        module, batch, usable=1, world_size=2, prices=Prices(per_micro_batch=0.5), allow_offload=False
+        module,
+        batch,
+        usable=1,
+        world_size=2,
+        prices=Prices(per_micro_batch=0.5),
+        allow_offload=False,
+        fresh=build,
     )
     with mode:
         yield mode, p
