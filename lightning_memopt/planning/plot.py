@@ -25,7 +25,10 @@ def plot_options(result: dict[str, Any], path: str) -> None:
     rows = [o for o in result["options"] if o["categories"] is not None]
     if result["cheapest"] is not None:
         rows.append(result["cheapest"])
-    gib = 2**30
+    top = max([result["usable_bytes"], *(sum(o["categories"].values()) for o in rows)])
+    unit, gib = next(
+        (u, b) for u, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= b
+    )
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4.5))
     bottoms = [0.0] * len(rows)
     for category in CATEGORIES:
@@ -34,7 +37,7 @@ def plot_options(result: dict[str, Any], path: str) -> None:
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.axhline(result["usable_bytes"] / gib, color="black", linestyle="--", label="usable")
     ax.set_xticks(range(len(rows)), [o["name"] for o in rows], rotation=30, ha="right")
-    ax.set_ylabel("GiB per rank at the step's peak")
+    ax.set_ylabel(f"{unit} per rank at the step's peak")
     ax.set_title(f"{result['model']}: predicted peak memory per option")
     ax.legend(fontsize="small")
     fig.tight_layout()

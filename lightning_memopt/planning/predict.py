@@ -11,7 +11,7 @@ not by a whole training step (half the time on a 7B model; a parameter that gets
 step would be counted with gradient and state here).
 
 Sharding (``strategy="fsdp"``, Lightning's ``ModelParallelStrategy``) is run, not modeled: a copy of the
-module gets ``fully_shard`` on each block and on the root, as a user's ``configure_model`` does, over a
+module is sharded by :func:`shard_module` (each block, then the top-level children), over a
 process group of torch's ``fake`` backend (collectives move nothing), and the step of rank 0 is tracked;
 it equals a real 2-process gloo run per rank, byte for byte (the tests check it). Modeled: DDP's gradient
 buckets, one flat copy of all gradients (``gradient_as_bucket_view=False``, Lightning's default) alive
@@ -42,6 +42,7 @@ __all__ = [
     "precision_applied",
     "first_optimizer",
     "fake_process_group",
+    "shard_module",
 ]
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -231,11 +232,7 @@ def predict_step(
             # Precision first, as Lightning converts the module before the strategy wraps it.
             sharded = fresh()
             with precision_applied(sharded, plugin):
-                from torch.distributed.fsdp import fully_shard
-
-                for _, block in _same_blocks(sharded, module, blocks or []):
-                    fully_shard(block, mesh=mesh)
-                fully_shard(sharded, mesh=mesh)
+                shard_module(sharded, [b for _, b in _same_blocks(sharded, module, blocks or [])], mesh)
                 record = _measure(sharded, batch, plugin, checkpoint, optimizer_fn)
         return StepPrediction(record)
     with precision_applied(module, plugin):
@@ -273,6 +270,34 @@ def _same_blocks(copy_: nn.Module, original: nn.Module, blocks) -> list[tuple[st
     """The blocks of ``copy_`` with the names of ``blocks`` (found on ``original``)."""
     modules = dict(copy_.named_modules())
     return [(name, modules[name]) for name, _ in blocks]
+
+
+def shard_module(module: nn.Module, blocks: list[nn.Module], mesh) -> None:
+    """FSDP2 the way the planner assumes a user's ``configure_model`` does it.
+
+    ``fully_shard`` on each block, then on each direct child of ``module`` that holds parameters outside
+    the blocks (a Hugging Face model inside a LightningModule, an embedding, a head), then on ``module``
+    itself only if it holds parameters directly. Children, not the LightningModule: ``training_step``
+    calls the children, so their forward hooks (which gather the parameters) run; the LightningModule's
+    own ``forward`` may never be called.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    # By module, not parameter: fully_shard replaces a block's parameters with new (DTensor) ones.
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+
+    def holds_own(child: nn.Module) -> bool:
+        return any(
+            p is not None for m in child.modules() if id(m) not in in_blocks for p in m._parameters.values()
+        )
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    for child in module.children():
+        if holds_own(child):
+            fully_shard(child, mesh=mesh)
+    if any(p is not None for p in module._parameters.values()):
+        fully_shard(module, mesh=mesh)
 
 
 @contextlib.contextmanager

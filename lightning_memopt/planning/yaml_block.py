@@ -22,7 +22,7 @@ def trainer_yaml(evaluated, devices: int, capacity: int, headroom: float, batch_
     lines = ["trainer:", f"  precision: {c.precision}", f"  devices: {devices}"]
     if c.strategy == "fsdp":
         lines += [
-            "  # FSDP2: call torch.distributed.fsdp.fully_shard on each block, then the root, in configure_model",
+            "  # FSDP2: in configure_model, fully_shard each block, then each top-level child holding other parameters",
             "  strategy:",
             "    class_path: lightning.pytorch.strategies.ModelParallelStrategy",
             "    init_args:",
