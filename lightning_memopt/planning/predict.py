@@ -236,10 +236,9 @@ def predict_step(
                 record = _measure(sharded, batch, plugin, checkpoint, optimizer_fn)
         return StepPrediction(record)
     with precision_applied(module, plugin):
-        record = _measure(module, batch, plugin, checkpoint, optimizer_fn)
-    prediction = StepPrediction(record)
-    if world_size > 1:
-        _add_ddp_buckets(prediction, module)
+        prediction = StepPrediction(_measure(module, batch, plugin, checkpoint, optimizer_fn))
+        if world_size > 1:
+            _add_ddp_buckets(prediction, module)  # in the run's precision: the buckets are gradient-typed
     return prediction
 
 

@@ -92,3 +92,21 @@ def test_fsdp_prediction_equals_two_process_run_per_rank(tmp_path):
         single = predict_step(model, batch)
     assert predicted.record == measured[0] == measured[1]
     assert predicted.record["optimizer_optimizer_state"] < single.record["optimizer_optimizer_state"]
+
+
+@pytest.mark.parametrize("precision, itemsize", [("32-true", 4), ("bf16-mixed", 4), ("bf16-true", 2)])
+def test_ddp_adds_one_gradient_copy_in_the_runs_precision(precision, itemsize):
+    from lightning_memopt.planning.build import parse_batch_spec
+    from tests.planning.modules import TinyLM
+
+    mode = fake_mode()
+    model = build_fake(mode, lambda: TinyLM(width=16, layers=2), what="TinyLM")
+    numel = sum(p.numel() for p in model.parameters())
+    with mode:
+        batch = parse_batch_spec(["2x8"], mode)
+        one = predict_step(model, batch, precision=precision)
+        two = predict_step(model, batch, precision=precision, world_size=2, strategy="ddp")
+    for phase in PHASES:
+        assert two.record[phase] - one.record[phase] == numel * itemsize
+        assert two.record[f"{phase}_other"] - one.record[f"{phase}_other"] == numel * itemsize
+    assert two.modeled and not one.modeled
