@@ -194,12 +194,20 @@ def module_context(model: nn.Module, what: str) -> Iterator[None]:
     leave = nn.modules.module.register_module_forward_hook(pop)
     try:
         yield
-    except _FAKE_ERRORS as exc:
+    except (*_FAKE_ERRORS, RuntimeError) as exc:
+        if isinstance(exc, FakeBuildError):
+            raise
         where = stack[-1] if stack else "(outside any submodule)"
         kind = type(dict(model.named_modules()).get(where, model)).__name__
+        why = (
+            "Its Python control flow reads tensor values (or it calls an op without a fake kernel)."
+            if isinstance(exc, _FAKE_ERRORS)
+            else "If the same step runs on real tensors, an op's fake (meta) implementation differs from its "
+            "real kernel."
+        )
         raise FakeBuildError(
             f"{what} cannot run on fake tensors: module {where!r} ({kind}) raised {type(exc).__name__}: {exc}. "
-            f"Its Python control flow reads tensor values (or it calls an op without a fake kernel). {_FIX}"
+            f"{why} {_FIX}"
         ) from exc
     finally:
         enter.remove()

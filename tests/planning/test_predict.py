@@ -110,3 +110,36 @@ def test_ddp_adds_one_gradient_copy_in_the_runs_precision(precision, itemsize):
         assert two.record[phase] - one.record[phase] == numel * itemsize
         assert two.record[f"{phase}_other"] - one.record[f"{phase}_other"] == numel * itemsize
     assert two.modeled and not one.modeled
+
+
+@pytest.mark.parametrize("name", ["gpt2", "convnext"])
+def test_zoo_bf16_mixed_within_one_percent(name):
+    """Under CPU autocast some real kernels save a few more bytes than their meta versions (ConvNeXt: 0.1%)."""
+    from tests.zoo.models import ZOO
+
+    batch = ZOO[name].batch(4, 0)
+    measured = _measured(_zoo_module(name), batch, "bf16-mixed")
+    mode = fake_mode()
+    model = build_fake(mode, lambda: _zoo_module(name), what=name)
+    with mode:
+        predicted = predict_step(model, fake_batch(mode, batch), precision="bf16-mixed")
+    peak = max(measured[p] for p in PHASES)
+    assert predicted.peak_bytes == pytest.approx(peak, rel=0.01)
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert predicted.record[f"optimizer_{category}"] == measured[f"optimizer_{category}"]
+
+
+def test_op_without_a_matching_fake_kernel_names_the_module():
+    from lightning_memopt.planning.build import FakeBuildError, module_context
+    from tests.zoo.models import ZOO
+
+    mode = fake_mode()
+    model = build_fake(mode, lambda: _zoo_module("mixtral"), what="mixtral")
+    with (
+        mode,
+        pytest.raises(
+            FakeBuildError, match=r"module 'model\.model\.layers\.0\.mlp\.experts' \(MixtralExperts\)"
+        ),
+    ):
+        with module_context(model, "mixtral's step"):
+            predict_step(model, fake_batch(mode, ZOO["mixtral"].batch(2, 0)))
