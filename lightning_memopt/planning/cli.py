@@ -100,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
             "model, and the cheapest change that fits the device. Unknown options are LightningCLI overrides, "
             "e.g. --model.n_layer=32 --data.batch_size=8 --trainer.precision=bf16-mixed."
         ),
+        epilog=(
+            "examples:\n"
+            "  lightning-memopt plan --config fit.yaml --device-memory H100 --devices 8\n"
+            "  lightning-memopt plan --model my_pkg.lit:LitLlama --model.n_layer=32 --batch 1x4096 --json\n"
+            "  lightning-memopt plan --config fit.yaml --batch input_ids=8x512 --plot options.png"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", action="append", default=[], help="a LightningCLI YAML config (repeatable)")
     p.add_argument(
@@ -132,7 +139,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-offload", action="store_true", help="do not propose offloading activations to the host"
     )
-    p.add_argument("--json", action="store_true", help="print JSON (keys in the module docs) instead of text")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON instead of text; keys: peak_bytes, peak_phase, phases, categories, fits, usable_bytes, "
+        "options, cheapest (with yaml), modeled; bytes per rank",
+    )
     p.add_argument("--plot", metavar="PNG", help="write a stacked bar per option (needs matplotlib)")
     return parser
 

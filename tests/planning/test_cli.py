@@ -73,6 +73,22 @@ def test_config_with_datamodule_and_yaml_block(tmp_path):
     names = [o["name"] for o in result["options"]]
     assert names[0] == "as configured" and "fsdp over 2" in names and "AutoCheckpoint" in names
 
+    # The same step measured for real on the DataModule's first batch (one rank), plus DDP's buckets.
+    sys.path[:0] = [str(ROOT / "examples")]
+    from baseline_step import measure_baseline_step
+
+    from examples.gpt.gpt import CharGPT, StdlibText
+
+    dm = StdlibText(block_size=32, batch_size=8, max_bytes=20000, samples_per_epoch=16)
+    dm.setup("fit")
+    model = CharGPT(block_size=32, n_layer=2, n_embd=32, n_head=2)
+    measured = measure_baseline_step(model, next(iter(dm.train_dataloader())))
+    buckets = 4 * sum(p.numel() for p in model.parameters())
+    for phase, row in result["phases"].items():
+        assert row["peak"] == measured[phase] + buckets
+        assert row["parameters"] == measured[f"{phase}_parameters"]
+        assert row["activations"] == measured[f"{phase}_activations"]
+
 
 def test_errors_name_the_value_and_the_fix(capsys):
     with pytest.raises(ValueError, match=r"--device-memory.*or a GPU name: T4"):
