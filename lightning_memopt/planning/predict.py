@@ -149,13 +149,17 @@ def _warm_up(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def _run_step(module, optimizer, batch, plugin, record, tracker) -> None:
+    """One step in Lightning's order; ``batch`` is a list of micro-batches when micro-batching."""
     with tracker:
         tracker.reset_peak()
-        with plugin.forward_context():
-            loss = _loss(module.training_step(batch, 0))
-        # Lightning's order: zero_grad after training_step, so the last step's gradients are alive
-        # during this forward.
-        optimizer.zero_grad(set_to_none=True)
+        if isinstance(batch, _MicroBatches):
+            loss = _micro_batched_forward(module, optimizer, batch, plugin)
+        else:
+            with plugin.forward_context():
+                loss = _loss(module.training_step(batch, 0))
+            # Lightning's order: zero_grad after training_step, so the last step's gradients are alive
+            # during this forward.
+            optimizer.zero_grad(set_to_none=True)
         fold_peak(record, "forward", tracker.peak, tracker.peak_breakdown)
         tracker.reset_peak()
         loss.backward()
@@ -164,6 +168,28 @@ def _run_step(module, optimizer, batch, plugin, record, tracker) -> None:
         tracker.reset_peak()
         optimizer.step()
         fold_peak(record, "optimizer", tracker.peak, tracker.peak_breakdown)
+
+
+class _MicroBatches(list):
+    """The micro-batches of one step (a list that is never itself a batch)."""
+
+
+def _micro_batched_forward(module, optimizer, micro_batches: _MicroBatches, plugin) -> torch.Tensor:
+    """What ``AutoAccumulation``'s engine does inside ``training_step``: gradients zeroed first, then each
+    micro-batch forward and backward (loss weighted by its share of the samples), gradients accumulating;
+    it returns the batch's loss, detached, as a fresh tensor that requires grad (Lightning's backward of
+    it is a no-op). Only the first two micro-batches run: every later one repeats the second's memory (the
+    same size or smaller, with the gradients alive)."""
+    optimizer.zero_grad(set_to_none=True)
+    sizes = [batch_size(mb) for mb in micro_batches]
+    total = torch.zeros(())
+    for mb, size in zip(micro_batches[:2], sizes):
+        with plugin.forward_context():
+            loss = _loss(module.training_step(mb, 0))
+        (loss * (size / sum(sizes))).backward()
+        total = total + loss.detach() * (size / sum(sizes))
+        del loss
+    return total.requires_grad_(True)
 
 
 def predict_step(
@@ -186,8 +212,8 @@ def predict_step(
             fake tensors for a prediction or real ones for a measurement. Left as it was.
         batch: One full training batch (what the DataLoader yields on one rank).
         precision: Lightning's precision flag (``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-true``).
-        micro_batch_size: Run the step as ``AutoAccumulation(micro_batch_size=...)`` does: the largest
-            micro-batch (a view of the batch) with the previous micro-batch's gradients alive.
+        micro_batch_size: Run the step as ``AutoAccumulation(micro_batch_size=...)`` does: micro-batches
+            (views of the batch) forward and backward inside ``training_step``, gradients accumulating.
         checkpoint: Block name to treatment (``keep``/``selective``/``full``), applied for the step.
         world_size: Ranks the run uses; with ``strategy="fsdp"`` the module is sharded over them.
         strategy: ``"ddp"`` (replicated) or ``"fsdp"`` (``ModelParallelStrategy`` with ``fully_shard``).
@@ -225,7 +251,8 @@ def predict_step(
             raise ValueError(
                 f"micro_batch_size must be in [1, {total}] (the batch size), got {micro_batch_size!r}"
             )
-        batch = split_batch(batch, micro_batch_sizes(total, micro_batch_size))[0]
+        if micro_batch_size < total:
+            batch = _MicroBatches(split_batch(batch, micro_batch_sizes(total, micro_batch_size)))
     if strategy == "fsdp" and world_size > 1:
         with fake_process_group(world_size) as mesh:
             # fully_shard changes the module for good: shard a copy (the copy costs nothing on fake tensors).

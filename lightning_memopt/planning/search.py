@@ -3,8 +3,8 @@
 A *configuration* is one choice per knob: precision, micro-batch size (the effective batch unchanged:
 ``AutoAccumulation``), sharding (``fsdp`` over the devices instead of ``ddp``) and activation
 checkpointing (``AutoCheckpoint``'s plan, with or without CPU offload). Its price is a fraction of the
-step's time, from :class:`Prices` (each field says where its number comes from); checkpointing is priced
-by the planner's recompute FLOP-equivalents over the step's FLOPs (3x the forward's).
+step's time, from :class:`Prices` (each field says what it prices; the defaults are rough judgments: pass your own); checkpointing is priced
+by the planner's recompute FLOP-equivalents over the step's FLOPs (taken as 3x the blocks' forward FLOPs).
 
 The search is best-first: configurations are taken in order of price (a checkpointing configuration at
 its lower bound, the price without recompute, until its plan is made), and the first one whose predicted
