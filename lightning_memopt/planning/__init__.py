@@ -15,6 +15,8 @@ bf16-mixed (CPU autocast), zoo         within 0.8% (0 for the transformers; conv
                                        bytes more for real than their meta kernels say)
 bf16-true, GPT example                 0 bytes
 FSDP2 over 2 ranks (fully_shard)       0 bytes per rank against a 2-process gloo run
+micro-batching (AutoAccumulation)      within 128 bytes per phase of a real Trainer run (Lightning's
+                                       own loss scalars), measured by MemoryMonitor
 parameters, gradients, optimizer       exact always (they are counted, not estimated)
 state
 DDP gradient buckets                   modeled: one flat copy of the gradients (``other``)

@@ -144,3 +144,28 @@ def test_console_help_in_a_subprocess():
         "--plot",
     ):
         assert flag in out
+
+
+def test_yaml_block_builds_the_callbacks_it_names():
+    import yaml
+
+    import lightning_memopt
+    from lightning_memopt.planning.search import Config, Evaluated
+    from lightning_memopt.planning.yaml_block import trainer_yaml
+
+    text = trainer_yaml(
+        Evaluated(Config("bf16-true", 2, "fsdp", "offload"), None, 0.3, True), 4, 80 * 2**30, 0.1, 8
+    )
+    trainer = yaml.safe_load(text)["trainer"]
+    assert trainer["precision"] == "bf16-true" and trainer["devices"] == 4
+    assert trainer["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert trainer["strategy"]["init_args"]["data_parallel_size"] == 4
+    built = [
+        getattr(lightning_memopt, c["class_path"].split(".")[-1])(**c["init_args"])
+        for c in trainer["callbacks"]
+    ]
+    assert [type(c).__name__ for c in built] == ["AutoAccumulation", "AutoCheckpoint"]
+    plain = yaml.safe_load(
+        trainer_yaml(Evaluated(Config("32-true", 8, "ddp"), None, 0.0, True), 1, 2**30, 0.1, 8)
+    )
+    assert plain == {"trainer": {"precision": "32-true", "devices": 1}}
