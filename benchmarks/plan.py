@@ -76,14 +76,19 @@ def main() -> None:
         seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     with torch.device("meta"):
-        numel = sum(p.numel() for p in Llama7B(args.layers).parameters())
+        meta = Llama7B(args.layers)
+    numel = sum(p.numel() for p in meta.parameters())
+    buffers = sum(
+        b.numel() * b.element_size() for b in meta.buffers()
+    )  # rotary inv_freq: counted with parameters
+    tensors = len(list(meta.parameters()))
     opt = result["phases"]["optimizer"]
     print(f"plan: {seconds:.1f} s, max RSS {rss / 2**30:.2f} GiB (the whole process)")
     print(
-        f"parameters: {numel:,} exact; predicted parameters bytes {opt['parameters']:,} (fp32: {4 * numel:,})"
+        f"parameters: {numel:,}; predicted parameter bytes {opt['parameters']:,}, exact {4 * numel + buffers:,}"
     )
-    print(f"predicted gradients {opt['gradients']:,} (fp32: {4 * numel:,})")
-    print(f"predicted optimizer state {opt['optimizer_state']:,} (AdamW: 8 bytes/param + 4 per tensor)")
+    print(f"predicted gradients {opt['gradients']:,}, exact {4 * numel:,}")
+    print(f"predicted optimizer state {opt['optimizer_state']:,}, exact (AdamW) {8 * numel + 4 * tensors:,}")
     print(json.dumps({k: result[k] for k in ("peak_bytes", "fits", "categories")}, indent=1))
     for o in result["options"]:
         print(f"  {o['name']:<26} peak {o['peak_bytes']} cost {o['cost']} fits {o['fits']}")
