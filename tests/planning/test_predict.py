@@ -146,7 +146,7 @@ def test_op_without_a_matching_fake_kernel_names_the_module():
 
 
 @pytest.mark.parametrize("micro_batch_size", [None, 4])
-def test_micro_batching_matches_a_real_autoaccumulation_run(micro_batch_size):
+def test_micro_batching_matches_a_real_autoaccumulation_run(micro_batch_size, tmp_path):
     """Against a real Trainer run with AutoAccumulation, measured by MemoryMonitor. Lightning keeps a few
     scalars of its own (the loss it reports) that a bare step does not: within 128 bytes per phase."""
     import lightning.pytorch as pl
@@ -162,6 +162,7 @@ def test_micro_batching_matches_a_real_autoaccumulation_run(micro_batch_size):
     )
     trainer = pl.Trainer(
         accelerator="cpu",
+        default_root_dir=tmp_path,  # MemoryMonitor writes its report there
         max_steps=2,
         callbacks=callbacks,
         logger=False,
