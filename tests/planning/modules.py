@@ -1,0 +1,52 @@
+"""Tiny LightningModules for the planner's tests (importable by class path: tests.planning.modules:Name)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class TinyLM(pl.LightningModule):
+    """Embedding, ``layers`` MLP blocks, a head; AdamW (so optimizer state is counted)."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch)  # through forward: FSDP2's root hooks gather the root's parameters there
+
+    def forward(self, batch):
+        x = self.embed(batch)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class DataDependent(TinyLM):
+    """Python control flow on a tensor's value inside a block: cannot run on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[1].forward = self._branchy
+
+    def _branchy(self, x):
+        if x.sum() > 0:  # reads a value
+            return x * 2
+        return x

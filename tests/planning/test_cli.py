@@ -1,0 +1,171 @@
+"""``lightning-memopt plan``: JSON keys, exact parameter/gradient/optimizer bytes, errors, --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_memopt.planning.build import FakeBuildError, fake_mode, parse_batch_spec
+from lightning_memopt.planning.cli import device_memory_bytes, main, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tests.planning.modules:TinyLM"
+
+
+def _adamw_bytes(shapes):
+    # AdamW on CPU: exp_avg and exp_avg_sq like the parameter, plus a float32 scalar ``step``
+    return sum(2 * n * 4 + 4 for n in shapes)
+
+
+def test_json_has_exact_model_state_bytes(capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                MODEL,
+                "--model.width=16",
+                "--batch",
+                "4x8",
+                "--device-memory",
+                "1GiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    for key in ("peak_bytes", "phases", "categories", "fits", "options", "cheapest", "usable_bytes"):
+        assert key in out
+    numels = [64 * 16, *[n for _ in range(3) for n in (16 * 64, 64, 64 * 16, 16)], 16 * 64, 64]
+    assert out["parameters"] == sum(numels)
+    opt = out["phases"]["optimizer"]
+    assert opt["parameters"] == 4 * sum(numels)
+    assert opt["gradients"] == 4 * sum(numels)
+    assert opt["optimizer_state"] == _adamw_bytes(numels)
+    assert out["fits"] is True and out["cheapest"]["config"]["precision"] == "32-true"
+    assert out["peak_bytes"] == max(p["peak"] for p in out["phases"].values())
+    assert out["usable_bytes"] == int(2**30 * 0.9)
+
+
+def test_config_with_datamodule_and_yaml_block(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "trainer:\n  precision: 32-true\n  devices: 2\nmodel:\n  n_layer: 2\n  n_embd: 32\n  n_head: 2\n"
+        "data:\n  block_size: 32\n  batch_size: 8\n  max_bytes: 20000\n  samples_per_epoch: 16\n"
+    )
+    gpt = "examples.gpt.gpt"
+    result = plan(
+        configs=[str(cfg)],
+        model=f"{gpt}:CharGPT",
+        data=f"{gpt}:StdlibText",
+        device_memory="1MiB",
+        overrides=["--model.block_size=32"],
+    )
+    assert result["devices"] == 2 and result["fits"] is False
+    best = result["cheapest"]
+    assert best is not None and best["peak_bytes"] <= result["usable_bytes"]
+    assert best["yaml"].startswith("trainer:\n")
+    names = [o["name"] for o in result["options"]]
+    assert names[0] == "as configured" and "fsdp over 2" in names and "AutoCheckpoint" in names
+
+    # The same step measured for real on the DataModule's first batch (one rank), plus DDP's buckets.
+    sys.path[:0] = [str(ROOT / "examples")]
+    from baseline_step import measure_baseline_step
+
+    from examples.gpt.gpt import CharGPT, StdlibText
+
+    dm = StdlibText(block_size=32, batch_size=8, max_bytes=20000, samples_per_epoch=16)
+    dm.setup("fit")
+    model = CharGPT(block_size=32, n_layer=2, n_embd=32, n_head=2)
+    measured = measure_baseline_step(model, next(iter(dm.train_dataloader())))
+    buckets = 4 * sum(p.numel() for p in model.parameters())
+    for phase, row in result["phases"].items():
+        assert row["peak"] == measured[phase] + buckets
+        assert row["parameters"] == measured[f"{phase}_parameters"]
+        assert row["activations"] == measured[f"{phase}_activations"]
+
+
+def test_errors_name_the_value_and_the_fix(capsys):
+    with pytest.raises(ValueError, match=r"--device-memory.*or a GPU name: T4"):
+        device_memory_bytes("eighty")
+    assert device_memory_bytes("h100") == 80 * 2**30
+    with pytest.raises(ValueError, match="give --config .* or --model"):
+        plan()
+    with pytest.raises(ValueError, match="no DataModule in the config .* --batch 8x512"):
+        plan(model=MODEL)
+    with pytest.raises(ValueError, match=r"batch spec '8y4' is not"):
+        parse_batch_spec(["8y4"], fake_mode())
+    with pytest.raises(ValueError, match="unknown dtype 'int7'"):
+        parse_batch_spec(["8x4:int7"], fake_mode())
+    with pytest.raises(ValueError, match="mix named and unnamed"):
+        parse_batch_spec(["x=8x4", "8x4"], fake_mode())
+    with pytest.raises(ValueError, match="cannot import 'nowhere:Nothing'"):
+        plan(model="nowhere:Nothing", batch=["2x2"])
+    assert main(["plan", "--model", MODEL, "--batch", "2x4", "--headroom", "1.5"]) == 1
+    assert "--headroom must be a number in [0, 1)" in capsys.readouterr().err
+
+
+def test_data_dependent_control_flow_names_the_module():
+    with pytest.raises(FakeBuildError, match=r"module 'blocks.1' \(Block\).*--batch"):
+        plan(model="tests.planning.modules:DataDependent", batch=["2x4"])
+
+
+def test_batch_spec_forms():
+    mode = fake_mode()
+    named = parse_batch_spec(["input_ids=2x5", "pixels=2x3x4x4:float32"], mode)
+    assert named["input_ids"].shape == (2, 5) and named["pixels"].dtype.is_floating_point
+    assert parse_batch_spec(["3x2"], mode).shape == (3, 2)
+    assert len(parse_batch_spec(["3x2", "3x2:int32"], mode)) == 2
+
+
+def test_console_help_in_a_subprocess():
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_memopt.planning", "plan", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        check=True,
+    ).stdout
+    for flag in (
+        "--config",
+        "--model",
+        "--batch",
+        "--device-memory",
+        "--devices",
+        "--precision",
+        "--strategy",
+        "--json",
+        "--plot",
+    ):
+        assert flag in out
+
+
+def test_yaml_block_builds_the_callbacks_it_names():
+    import yaml
+
+    import lightning_memopt
+    from lightning_memopt.planning.search import Config, Evaluated
+    from lightning_memopt.planning.yaml_block import trainer_yaml
+
+    text = trainer_yaml(
+        Evaluated(Config("bf16-true", 2, "fsdp", "offload"), None, 0.3, True), 4, 80 * 2**30, 0.1, 8
+    )
+    trainer = yaml.safe_load(text)["trainer"]
+    assert trainer["precision"] == "bf16-true" and trainer["devices"] == 4
+    assert trainer["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert trainer["strategy"]["init_args"]["data_parallel_size"] == 4
+    built = [
+        getattr(lightning_memopt, c["class_path"].split(".")[-1])(**c["init_args"])
+        for c in trainer["callbacks"]
+    ]
+    assert [type(c).__name__ for c in built] == ["AutoAccumulation", "AutoCheckpoint"]
+    plain = yaml.safe_load(
+        trainer_yaml(Evaluated(Config("32-true", 8, "ddp"), None, 0.0, True), 1, 2**30, 0.1, 8)
+    )
+    assert plain == {"trainer": {"precision": "32-true", "devices": 1}}

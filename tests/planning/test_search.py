@@ -1,0 +1,69 @@
+"""The best-first search finds the cheapest configuration that fits, as brute force over the grid does."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_memopt.planning.build import build_fake, fake_mode, parse_batch_spec
+from lightning_memopt.planning.search import Config, Planner, Prices
+from tests.planning.modules import TinyLM
+
+
+@pytest.fixture(scope="module")
+def planner():
+    mode = fake_mode()
+
+    def build():
+        return build_fake(mode, lambda: TinyLM(width=32, layers=3), what="TinyLM")
+
+    module, batch = build(), parse_batch_spec(["4x16"], mode)
+    # Micro-batches priced high, so that checkpointing plans are chosen at some budgets.
+    p = Planner(
+        module,
+        batch,
+        usable=1,
+        world_size=2,
+        prices=Prices(per_micro_batch=0.5),
+        allow_offload=False,
+        fresh=build,
+    )
+    with mode:
+        yield mode, p
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.35, 0.05])
+def test_cheapest_equals_brute_force(planner, fraction):
+    mode, p = planner
+    base = p.predict(Config("32-true", 4, "ddp")).peak_bytes
+    p.usable = int(base * fraction)
+    best, reference = p.cheapest(), p.brute_force()
+    if reference is None:
+        assert best is None
+        return
+    assert best.config == reference.config
+    assert best.cost == reference.cost
+    assert best.peak_bytes <= p.usable
+    assert all(e.cost >= best.cost for e in map(p.evaluate, p.grid()) if e.fits)
+
+
+def test_checkpointing_is_chosen_and_its_peak_is_a_fake_run(planner):
+    mode, p = planner
+    base = p.predict(Config("32-true", 4, "ddp")).peak_bytes
+    p.usable = base - 1  # any plan that recomputes anything fits
+    e = p.evaluate(Config("32-true", 4, "ddp", "recompute"))
+    assert e.fits and e.plan is not None
+    assert e.cost > p.base_cost(e.config)  # priced by its recompute (here pointwise bytes)
+    assert set(e.plan.choices.values()) - {"keep"}
+    # The prediction is the fake step with the plan applied, not the planner's estimate.
+    assert e.prediction is p.predict(e.config, e.plan.choices)
+    assert e.peak_bytes < base
+
+
+def test_grid_and_prices():
+    mode = fake_mode()
+    module = build_fake(mode, lambda: TinyLM(), what="TinyLM")
+    p = Planner(module, parse_batch_spec(["6x4"], mode), usable=10, precision="bf16-mixed", world_size=1)
+    assert p.micro_batch_grid() == [6, 3, 2, 1]
+    assert p.precisions() == ["bf16-mixed", "bf16-true"]
+    assert p.strategies() == ["ddp"]
+    assert p.base_cost(Config("bf16-true", 2, "ddp")) == pytest.approx(0.05 + 2 * 0.05)
