@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
-
 from lightning_memopt.memory import format_bytes
 
 __all__ = ["trainer_yaml"]
-
-
-def _limit_name() -> str:
-    """AutoCheckpoint's memory-limit option: ``max_memory`` where it has one, else ``budget``."""
-    from lightning_memopt import AutoCheckpoint
-
-    return "max_memory" if "max_memory" in inspect.signature(AutoCheckpoint.__init__).parameters else "budget"
 
 
 def trainer_yaml(evaluated, devices: int, capacity: int, headroom: float, batch_size: int) -> str:
@@ -42,7 +33,7 @@ def trainer_yaml(evaluated, devices: int, capacity: int, headroom: float, batch_
         callbacks += [
             "    - class_path: lightning_memopt.AutoCheckpoint",
             "      init_args:",
-            f"        {_limit_name()}: {capacity}  # {format_bytes(capacity)}",
+            f"        max_memory: {capacity}  # {format_bytes(capacity)}",
             f"        headroom: {headroom}",
             f"        allow_offload: {'true' if c.checkpoint == 'offload' else 'false'}",
         ]
