@@ -91,8 +91,20 @@ def _stem(model: nn.Module, first: str) -> tuple[str, nn.Module] | None:
         if holding:  # the nearest module with parameters registered before the stacks decides
             name, child = holding[-1]
             composite = any(True for _ in child.children()) and not isinstance(child, nn.ModuleList)
-            return (name, child) if composite and _weight_layers(child) >= 1 else None
+            unit = composite and _weight_layers(child) >= 1 and not _sharded_by_ancestor(child)
+            return (name, child) if unit else None
     return None
+
+
+def _sharded_by_ancestor(module: nn.Module) -> bool:
+    """Whether an enclosing ``fully_shard`` (FSDP2) owns ``module``'s parameters: outside that module's
+    forward they are shards, so ``module`` cannot be profiled alone (a block is its own FSDP unit)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without FSDP2
+        return False
+    return not isinstance(module, FSDPModule) and any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def find_blocks(
@@ -121,7 +133,8 @@ def find_blocks(
        patch embedding, BERT's embeddings; not a bare ``Embedding`` or ``Linear``). It runs at the
        highest resolution, where a CNN holds most of its activations, and no stack contains it. Like a
        block, it is profiled under every treatment and planned; where checkpointing it saves nothing,
-       ``keep`` is chosen (``keep`` is always allowed).
+       ``keep`` is chosen (``keep`` is always allowed). A stem whose parameters an enclosing
+       ``fully_shard`` (FSDP2) owns is left out: it cannot run alone to be profiled.
 
     Args:
         model: The model (a LightningModule or any ``nn.Module``).

@@ -130,6 +130,31 @@ def test_find_blocks_takes_the_stem_before_the_first_stack():
     assert [n for n, _ in find_blocks(_net(conv_bn_relu), [_Residual])] == blocks
 
 
+def stem_under_fully_shard_worker() -> None:
+    """One gloo rank: blocks and the root fully_shard-ed (torchtitan's recipe); the root owns the stem."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    try:
+        model = _net(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+        mesh = init_device_mesh("cpu", (1,))
+        for _, block in find_blocks(model)[1:]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        blocks = ["body.stages.0.layers.0", "body.stages.0.layers.1", "body.stages.1.layers.0"]
+        assert [n for n, _ in find_blocks(model)] == blocks
+    finally:
+        dist.destroy_process_group()
+
+
+def test_find_blocks_leaves_out_a_stem_an_enclosing_fully_shard_owns():
+    from tests.distributed import run_ranks
+
+    run_ranks("tests.checkpointing.test_checkpointing:stem_under_fully_shard_worker", world_size=1)
+
+
 def test_find_blocks_patterns_match_relative_to_any_submodule():
     holder = nn.Module()
     holder.model = TinyGPT(2)
