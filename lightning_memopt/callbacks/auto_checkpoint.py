@@ -10,58 +10,54 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_warn
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_memopt._checks import check_bool, check_positive_int
+from lightning_memopt._checks import check_bool
 from lightning_memopt.callbacks._hooks import wrap_instance_hook
 from lightning_memopt.checkpointing import (
     ActivationMeter,
     CostModel,
     InfeasibleBudgetError,
     Plan,
+    PlanPolicy,
+    StepLimit,
     apply_checkpointing,
     check_blocks,
-    evaluate_plan,
+    check_mode,
     find_blocks,
     framework_checkpointing,
-    keep_where_no_gain,
-    plan_within,
+    initial_choices,
+    prediction_gap,
     profile_blocks,
     remove_checkpointing,
     state_bytes,
-    treatments,
 )
 from lightning_memopt.checkpointing.profile import ForwardProbe
-from lightning_memopt.memory import MemoryTracker, format_bytes
-from lightning_memopt.memory.budget import check_headroom, check_max_memory, usable_bytes
+from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.memory.budget import check_headroom, check_max_memory
 from lightning_memopt.memory.device import device_memory
 
 __all__ = ["AutoCheckpoint"]
-
-_MODES = ("auto", "full", "selective", "offload", "every_n")
-_TOLERANCE = 0.10  # measured vs predicted activation bytes
 
 
 class AutoCheckpoint(Callback):
     """Checkpoint the model's repeated blocks: the least recompute whose activations fit in memory.
 
     With no arguments it finds every stack of repeated blocks (GPT-2's ``h``, T5's encoder and decoder
-    blocks, all stages of a ResNet; the rule: :func:`~lightning_memopt.checkpointing.find_blocks`) and,
-    where a memory limit is known (``max_memory``, or the capacity of a CUDA device), plans per block
-    among keep / op-level selective / full recompute / CPU offload so that parameters, gradients,
-    optimizer state and activations fit in ``max_memory * (1 - headroom)``. Where no limit is known
-    (CPU), every block is fully checkpointed, except blocks where checkpointing lowers neither the bytes
-    held nor the peak: those keep their activations, so the peak never rises.
+    blocks, all stages of a ResNet) and the stem before them (a CNN's first convolution, norm and pooling,
+    a patch embedding), each a unit (the rule: :func:`~lightning_memopt.checkpointing.find_blocks`). Where
+    a memory limit is known (``max_memory``, or a CUDA device's capacity), it plans per unit among keep /
+    op-level selective / full recompute / CPU offload so that parameters, gradients, optimizer state and
+    activations fit in ``max_memory * (1 - headroom)``. Where none is known (CPU), every unit is fully
+    checkpointed, except units where that lowers neither the bytes held nor the peak: those keep their
+    activations, so the peak never rises.
 
-    When things happen (order of transformations, see DESIGN.md): checkpointing is installed right after
-    the module's ``configure_model`` and before the strategy wraps the model. The first training batch
-    records each block's inputs and measures its activation bytes; after it the blocks are profiled (only
-    the treatments the mode can choose), the plan is chosen, logged once as a table and applied. The first
-    batch that runs the final plan is measured and compared with the prediction (a warning past 10%). A
-    resumed run gets the plan from the checkpoint and neither profiles nor plans again. Where the model
-    already checkpoints itself (transformers' ``gradient_checkpointing_enable()``, timm's
-    ``set_grad_checkpointing()``, FSDPStrategy's ``activation_checkpointing_policy``), AutoCheckpoint
-    warns once and steps aside: blocks are never checkpointed twice.
+    When (details on the docs page): installed after ``configure_model``, before the strategy wraps the
+    model; profiled and planned after the first batch, whose successor is measured against the plan (a
+    warning past 10%); a resumed run takes the plan from the checkpoint. Where the model checkpoints itself
+    (transformers' ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``, FSDPStrategy's
+    ``activation_checkpointing_policy``) it warns once and steps aside.
 
     Args:
         blocks: Which modules are blocks: classes, class names or module-name patterns (``"layers.*"``),
@@ -128,17 +124,7 @@ class AutoCheckpoint(Callback):
             )
             max_memory, headroom = budget, 0.0
         check_max_memory(max_memory, name=self._limit_name)
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        if max_memory is not None and mode != "auto":
-            raise ValueError(
-                f"{self._limit_name}={max_memory!r} is only used by mode='auto', got mode={mode!r}"
-            )
-        check_positive_int("every_n", every_n)
-        if cost_model is not None and not isinstance(cost_model, CostModel):
-            raise ValueError(
-                f"cost_model must be a CostModel, got {cost_model!r}; e.g. CostModel(offload_flops_per_byte=1e4)"
-            )
+        check_mode(mode, every_n, max_memory, cost_model, name=self._limit_name)
         check_bool("allow_offload", allow_offload, none_ok=True)
         check_bool("log", log)
         check_blocks(blocks)
@@ -155,8 +141,7 @@ class AutoCheckpoint(Callback):
         self._loaded_plan: Plan | None = None
         self._blocks: list[tuple[str, torch.nn.Module]] = []
         self._module: pl.LightningModule | None = None
-        self._usable: int | None = None  # max_memory * (1 - headroom) in bytes, where known
-        self._treatments: list[str] = []  # what profiling measures: keep, and what the mode may choose
+        self._policy: PlanPolicy | None = None  # mode, limit, treatments: resolved in setup
         self._needs_check = False  # the next batch measures the plan and compares
         self._probe: ForwardProbe | None = None  # measures a batch's forward (and records block inputs)
         self._unwrap: Callable[[], None] | None = None  # undoes the configure_model wrapper
@@ -165,7 +150,6 @@ class AutoCheckpoint(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(mode=self.mode, blocks=repr(self.blocks))
 
-    # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -175,12 +159,12 @@ class AutoCheckpoint(Callback):
         if getattr(strategy, "_activation_checkpointing_kwargs", None):
             return self._step_aside("the strategy (FSDPStrategy's activation_checkpointing_policy)")
         capacity = device_memory(strategy.root_device, tracker=MemoryTracker()).capacity()
+        offload = self.allow_offload if self.allow_offload is not None else strategy.root_device.type != "cpu"
         try:
-            self._usable = usable_bytes(self.max_memory, self.headroom, capacity, name=self._limit_name)
+            limit = StepLimit.resolve(self.max_memory, self.headroom, capacity, name=self._limit_name)
         except ValueError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
-        offload = self.allow_offload if self.allow_offload is not None else strategy.root_device.type != "cpu"
-        self._treatments = treatments(self.mode, planned=self._usable is not None, offload=offload)
+        self._policy = PlanPolicy.for_mode(self.mode, limit, offload=offload, cost_model=self.cost_model)
         self._module = pl_module
         # An instance attribute, removed in teardown; Lightning calls it since it differs from the base hook.
         self._unwrap = wrap_instance_hook(
@@ -194,11 +178,9 @@ class AutoCheckpoint(Callback):
         )
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Order of transformations (DESIGN.md): 1. BatchNorm swap (callback setup), 2. activation
-        # checkpointing HERE, after configure_model and before the strategy converts precision and wraps
-        # the model (DDP/FSDP), 3. strategy.setup, 4. micro-batching engine at fit start. Only the blocks'
-        # instance `forward` changes, so wrapping, sharding (FSDP2 hooks run around the checkpointed
-        # region) and state_dict keys are unaffected whichever order a user's configure_model used.
+        # Order (DESIGN.md): BatchNorm swap, activation checkpointing HERE (after configure_model, before
+        # precision and DDP/FSDP wrapping), strategy.setup, micro-batching. Only the blocks' instance
+        # `forward` changes: wrapping, sharding and state_dict keys are unaffected, in whichever order.
         own = framework_checkpointing(pl_module)
         if own is not None:
             return self._step_aside(own)
@@ -210,19 +192,12 @@ class AutoCheckpoint(Callback):
             )
             return
         self._blocks = blocks
-        names = [n for n, _ in blocks]
-        if self._loaded_plan is not None:
-            choices = dict(self._loaded_plan.choices)
-        elif self.mode == "every_n":
-            choices = {n: "full" if i % self.every_n == 0 else "keep" for i, n in enumerate(names)}
-        else:
-            # Auto runs the first batch with every block fully checkpointed (the least memory), then plans.
-            choices = dict.fromkeys(names, "full" if self.mode == "auto" else self.mode)
+        loaded, names = self._loaded_plan, [n for n, _ in blocks]
+        choices = dict(loaded.choices) if loaded else initial_choices(names, self.mode, self.every_n)
         apply_checkpointing(pl_module, choices)
         self.plan = self._loaded_plan or Plan.unprofiled(choices)
         self._needs_check = self._loaded_plan is None
 
-    # ------------------------------------------------------------------ first batches
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -231,9 +206,7 @@ class AutoCheckpoint(Callback):
             self._probe = ForwardProbe(pl_module, self._blocks, record=not self.plan.predicted)
 
     @override
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
-    ) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._probe is not None:
             self._probe.forward_done()  # measure the forward only: backward runs untracked
 
@@ -249,7 +222,7 @@ class AutoCheckpoint(Callback):
         if not self.plan.predicted:
             context = trainer.precision_plugin.forward_context
             profiles = profile_blocks(
-                pl_module, self._blocks, inputs=probe.inputs, context=context, choices=self._treatments
+                pl_module, self._blocks, inputs=probe.inputs, context=context, choices=self._policy.treatments
             )
             ran = self.plan.choices
             self.plan = self._choose(trainer, pl_module, profiles, probe.outside_bytes)
@@ -262,52 +235,31 @@ class AutoCheckpoint(Callback):
 
     def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, profiles, outside: int) -> Plan:
         """The plan to run from now on, given the blocks' profiles."""
-        assert self.plan is not None
-        ran = list(self.plan.choices.values())
-        if self.mode != "auto" or self._usable is None:  # no limit: recompute wherever it lowers the bytes
-            chosen = ran if self.mode != "auto" else keep_where_no_gain(profiles, ran)
-            return evaluate_plan(profiles, chosen, self.cost_model)
-        # The largest over ranks (FSDP shards can differ by a few bytes), so that every rank plans the same.
-        held = torch.tensor(
-            [state_bytes(pl_module, trainer.optimizers), outside], device=trainer.strategy.root_device
-        )
-        states, outside = trainer.strategy.reduce(held, reduce_op="max").tolist()
+        assert self.plan is not None and self._policy is not None
+
+        def held() -> tuple[int, int]:  # the largest over ranks (FSDP shards differ): all ranks plan the same
+            ours = torch.tensor(
+                [state_bytes(pl_module, trainer.optimizers), outside], device=trainer.strategy.root_device
+            )
+            states, most_outside = trainer.strategy.reduce(ours, reduce_op="max").tolist()
+            return int(states), int(most_outside)
+
         try:
-            allowed, costs = self._treatments, self.cost_model
-            return plan_within(
-                profiles, self._usable, states=states, outside=outside, allowed=allowed, cost_model=costs
-            )
+            return self._policy.choose(profiles, list(self.plan.choices.values()), held)
         except InfeasibleBudgetError as err:
-            limit = (
-                f"{self._limit_name}={self.max_memory!r}" if self.max_memory is not None else "the capacity"
-            )
-            raise MisconfigurationException(
-                f"AutoCheckpoint: {limit} (usable with headroom={self.headroom}: {format_bytes(self._usable)}) "
-                f"{err}. Pass {self._limit_name} >= {format_bytes(int(err.minimum / (1 - self.headroom)) + 1)}, "
-                "use a smaller micro-batch (AutoAccumulation) or shard the model (FSDP)."
-            ) from err
+            raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
 
     def _compare(self, pl_module: pl.LightningModule, meter: ActivationMeter) -> None:
         assert self.plan is not None
-        measured, predicted = meter.total, self.plan.activation_bytes
         if self.log_metrics:
+            metrics = self.plan.metrics(meter.total)
             pl_module.log_dict(
-                {
-                    "checkpoint/activation_bytes_predicted": float(predicted),
-                    "checkpoint/activation_bytes_measured": float(measured),
-                    "checkpoint/recompute_gflops": self.plan.extra_flops / 1e9,
-                },
-                on_step=True,
-                on_epoch=False,
+                {f"checkpoint/{k}": v for k, v in metrics.items()}, on_step=True, on_epoch=False
             )
-        if abs(measured - predicted) > _TOLERANCE * max(predicted, 1):
-            rank_zero_warn(
-                f"AutoCheckpoint: the blocks held {format_bytes(measured)} for backward, the plan predicted "
-                f"{format_bytes(predicted)} (more than {_TOLERANCE:.0%} apart). The blocks' inputs or behaviour "
-                "may change between batches (variable sequence length?); leave more headroom."
-            )
+        gap = prediction_gap(self.plan.activation_bytes, meter.total)
+        if gap is not None:
+            rank_zero_warn(f"AutoCheckpoint: {gap}")
 
-    # ------------------------------------------------------------------ state, teardown
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_dict() if self.plan is not None else None}

@@ -1,7 +1,8 @@
 """Activation checkpointing under a memory budget (plain torch; no Lightning import).
 
-Find the repeated blocks, profile each treatment (bytes held for backward, recompute cost), choose the
-cheapest plan that fits a budget (exactly), apply it without changing the model's module tree.
+Find the repeated blocks (and the stem before them), profile each treatment (bytes held for backward,
+recompute cost), choose the cheapest plan that fits a budget (exactly; a training step's limit becomes
+the blocks' budget in ``budget.py``), apply it without changing the model's module tree.
 """
 
 from lightning_memopt.checkpointing.apply import (
@@ -14,16 +15,19 @@ from lightning_memopt.checkpointing.apply import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing.blocks import candidate_classes, check_blocks, find_blocks
+from lightning_memopt.checkpointing.budget import PlanPolicy, StepLimit, plan_step, plan_within, state_bytes
 from lightning_memopt.checkpointing.planner import (
+    MODES,
     CostModel,
     InfeasibleBudgetError,
     Plan,
     brute_force_plan,
+    check_mode,
     evaluate_plan,
+    initial_choices,
     keep_where_no_gain,
     plan_checkpointing,
-    plan_within,
-    state_bytes,
+    prediction_gap,
     treatments,
 )
 from lightning_memopt.checkpointing.profile import (
@@ -43,21 +47,28 @@ __all__ = [
     "Choice",
     "CostModel",
     "InfeasibleBudgetError",
+    "MODES",
     "OptionCost",
     "Plan",
+    "PlanPolicy",
+    "StepLimit",
     "apply_checkpointing",
     "brute_force_plan",
     "candidate_classes",
     "capture_block_inputs",
     "check_blocks",
+    "check_mode",
     "checkpointed_blocks",
     "evaluate_plan",
     "find_blocks",
+    "initial_choices",
     "framework_checkpointing",
     "keep_where_no_gain",
     "observe_saved",
     "plan_checkpointing",
+    "plan_step",
     "plan_within",
+    "prediction_gap",
     "profile_blocks",
     "remove_checkpointing",
     "state_bytes",

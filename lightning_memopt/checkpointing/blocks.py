@@ -76,11 +76,42 @@ def _discover(
     return found
 
 
+def _stem(model: nn.Module, first: str) -> tuple[str, nn.Module] | None:
+    """The stem before the block named ``first`` (see :func:`find_blocks`, rule 5), or None."""
+    modules = dict(model.named_modules())
+    parts = first.split(".")
+    for depth in range(len(parts) - 1, -1, -1):  # from the block's container up to the model
+        parent = ".".join(parts[:depth])
+        before = []
+        for name, child in modules[parent].named_children():
+            if name == parts[depth]:
+                break
+            before.append((f"{parent}.{name}" if parent else name, child))
+        holding = [(n, c) for n, c in before if any(True for _ in c.parameters())]
+        if holding:  # the nearest module with parameters registered before the stacks decides
+            name, child = holding[-1]
+            composite = any(True for _ in child.children()) and not isinstance(child, nn.ModuleList)
+            unit = composite and _weight_layers(child) >= 1 and not _sharded_by_ancestor(child)
+            return (name, child) if unit else None
+    return None
+
+
+def _sharded_by_ancestor(module: nn.Module) -> bool:
+    """Whether an enclosing ``fully_shard`` (FSDP2) owns ``module``'s parameters: outside that module's
+    forward they are shards, so ``module`` cannot be profiled alone (a block is its own FSDP unit)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without FSDP2
+        return False
+    return not isinstance(module, FSDPModule) and any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def find_blocks(
     model: nn.Module, blocks: Sequence[type[nn.Module] | str] | type[nn.Module] | str | None = None
 ) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``model``, every stack of them, as ``(qualified name, module)`` in
-    registration (forward) order.
+    """The repeated blocks of ``model``, every stack of them, and the stem before them, as
+    ``(qualified name, module)`` in registration (forward) order.
 
     The discovery rule, without ``blocks``:
 
@@ -95,6 +126,15 @@ def find_blocks(
        or more weight layers (Linear, convolution, attention projections) count as blocks, so a ResNet's
        conv + norm + activation units are not mistaken for its residual blocks.
     4. Blocks are never nested.
+    5. The *stem*: the module with parameters registered nearest before the first block, looking in the
+       first block's container, then in its parent, and so on up to ``model`` (the first level that has
+       one decides), is a unit too, listed first, if it holds a weight layer and submodules of its own
+       (a ResNet's or EfficientNet's convolution + norm + activation (+ pooling), a ViT's or Swin's
+       patch embedding, BERT's embeddings; not a bare ``Embedding`` or ``Linear``). It runs at the
+       highest resolution, where a CNN holds most of its activations, and no stack contains it. Like a
+       block, it is profiled under every treatment and planned; where checkpointing it saves nothing,
+       ``keep`` is chosen (``keep`` is always allowed). A stem whose parameters an enclosing
+       ``fully_shard`` (FSDP2) owns is left out: it cannot run alone to be profiled.
 
     Args:
         model: The model (a LightningModule or any ``nn.Module``).
@@ -105,7 +145,8 @@ def find_blocks(
             wins).
 
     Returns:
-        The blocks; an empty list when ``blocks`` is None and no repeated block exists.
+        The units (the stem, if any, then the blocks); an empty list when ``blocks`` is None and no
+        repeated block exists (then no stem is looked for either).
 
     Raises:
         ValueError: If ``blocks`` is not classes, class names or patterns, or matches no module; the
@@ -119,7 +160,9 @@ def find_blocks(
     """
     if blocks is None:
         repeated = {type(run[0][1]) for _, run in _runs(model)}
-        return _discover(model, "", repeated, nested=False) if repeated else []
+        found = _discover(model, "", repeated, nested=False) if repeated else []
+        stem = _stem(model, found[0][0]) if found else None
+        return [stem, *found] if stem is not None else found
     specs = check_blocks(blocks)
     chosen: list[tuple[str, nn.Module]] = []
     inside: set[int] = set()

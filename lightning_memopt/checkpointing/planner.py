@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.checkpointing.apply import CHOICES
 from lightning_memopt.checkpointing.profile import BlockProfile, OptionCost
 from lightning_memopt.memory import format_bytes, parse_bytes
@@ -35,8 +36,10 @@ __all__ = [
     "brute_force_plan",
     "InfeasibleBudgetError",
     "keep_where_no_gain",
-    "plan_within",
-    "state_bytes",
+    "MODES",
+    "check_mode",
+    "initial_choices",
+    "prediction_gap",
     "treatments",
 ]
 
@@ -142,6 +145,14 @@ class Plan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+    def metrics(self, measured: int) -> dict[str, float]:
+        """The plan's figures to log, with ``measured`` activation bytes: bytes, and GFLOP per step."""
+        return {
+            "activation_bytes_predicted": float(self.activation_bytes),
+            "activation_bytes_measured": float(measured),
+            "recompute_gflops": self.extra_flops / 1e9,
+        }
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -299,6 +310,59 @@ def plan_checkpointing(
     return evaluate_plan(profiles, best, cost_model, budget)
 
 
+MODES: tuple[str, ...] = ("auto", "full", "selective", "offload", "every_n")
+"""How blocks are treated: ``auto`` plans (under a limit where one is known), ``full``, ``selective`` and
+``offload`` force that treatment on every block, ``every_n`` fully checkpoints every n-th block."""
+
+
+def check_mode(
+    mode: str, every_n: int, max_memory=None, cost_model=None, *, name: str = "max_memory"
+) -> None:
+    """Raise ``ValueError`` for an unknown ``mode``, ``every_n < 1``, a limit with a forced mode, or a
+    ``cost_model`` that is not a :class:`CostModel` (None is)."""
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(
+            f"cost_model must be a CostModel, got {cost_model!r}; e.g. CostModel(offload_flops_per_byte=1e4)"
+        )
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if max_memory is not None and mode != "auto":
+        raise ValueError(f"{name}={max_memory!r} is only used by mode='auto', got mode={mode!r}")
+    check_positive_int("every_n", every_n)
+
+
+def initial_choices(names: Sequence[str], mode: str, every_n: int = 2) -> dict[str, str]:
+    """What each block runs before any profile: ``every_n`` fully checkpoints blocks 0, n, 2n, ...; a
+    forced mode its treatment everywhere; ``auto`` ``full`` everywhere (the least memory, for the first
+    batch, which is measured and after which the blocks are planned).
+
+    Example::
+
+        >>> initial_choices(["a", "b", "c"], "every_n", 2)
+        {'a': 'full', 'b': 'keep', 'c': 'full'}
+    """
+    if mode == "every_n":
+        return {n: "full" if i % every_n == 0 else "keep" for i, n in enumerate(names)}
+    return dict.fromkeys(names, "full" if mode == "auto" else mode)
+
+
+def prediction_gap(predicted: int, measured: int, tolerance: float = 0.10) -> str | None:
+    """Why ``measured`` activation bytes are more than ``tolerance`` away from ``predicted``, or None.
+
+    Example::
+
+        >>> prediction_gap(1000, 1050) is None, prediction_gap(1000, 2000)[:25]
+        (True, 'the blocks held 1.95 KiB ')
+    """
+    if abs(measured - predicted) <= tolerance * max(predicted, 1):
+        return None
+    return (
+        f"the blocks held {format_bytes(measured)} for backward, the plan predicted {format_bytes(predicted)} "
+        f"(more than {tolerance:.0%} apart). The blocks' inputs or behaviour may change between batches "
+        "(variable sequence length?); leave more headroom."
+    )
+
+
 def treatments(mode: str, *, planned: bool, offload: bool) -> list[str]:
     """What to profile for ``mode``: ``keep`` (recompute is measured against it) and what the mode can
     choose. A forced mode profiles its treatment only; ``auto`` all of them when it plans under a limit
@@ -312,50 +376,6 @@ def treatments(mode: str, *, planned: bool, offload: bool) -> list[str]:
     if mode == "auto" and planned:
         return ["keep", "selective", "full"] + (["offload"] if offload else [])
     return ["keep", "full" if mode in ("auto", "every_n") else mode]
-
-
-def state_bytes(model, optimizers=()) -> int:
-    """Bytes of ``model``'s parameters, their gradients (counted before the first backward allocates
-    them) and the optimizers' state: what a training step holds besides activations."""
-    from lightning_memopt.memory import MemoryTracker
-
-    with MemoryTracker(model, list(optimizers)) as tracker:
-        held = tracker.current_breakdown
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return held["parameters"] + max(held["gradients"], trainable) + held["optimizer_state"]
-
-
-def plan_within(
-    profiles: Sequence[BlockProfile],
-    usable: int,
-    *,
-    states: int,
-    outside: int,
-    allowed: Sequence[str] = CHOICES,
-    cost_model: CostModel | None = None,
-) -> Plan:
-    """:func:`plan_checkpointing` for a whole training step: the blocks get ``usable`` minus ``states``
-    (parameters, gradients, optimizer state: :func:`state_bytes`) minus the ``outside`` activations.
-
-    Raises:
-        InfeasibleBudgetError: If no plan fits. Its message names each part and the total the step needs;
-            its ``minimum`` is that total (bytes).
-    """
-    try:  # with nothing left for the blocks, plan for 1 byte: the error says what the blocks need
-        return plan_checkpointing(
-            profiles, max(usable - states - outside, 1), allowed=allowed, cost_model=cost_model
-        )
-    except InfeasibleBudgetError as err:
-        need = states + outside + err.minimum
-        what = (
-            "does not even hold" if usable < states + outside else "is too small for any plan; it must hold"
-        )
-        raise InfeasibleBudgetError(
-            f"{what} the parameters, gradients and optimizer state ({format_bytes(states)}), the activations "
-            f"outside the blocks ({format_bytes(outside)}) and the blocks' smallest peak "
-            f"({format_bytes(err.minimum)}): {format_bytes(need)} in all",
-            need,
-        ) from err
 
 
 def _smallest_feasible(profiles, allowed, cost_model) -> int:

@@ -127,6 +127,10 @@ class BlockInputs:
     """Positions (in ``_tensors((args, kwargs))`` order, the primary input excluded) of inputs that an
     earlier block also took, or that autograd already holds (an attention mask, T5's position bias, an
     encoder's output fed to every decoder block): held once, they are counted in the first block only."""
+    grad_inputs: tuple[int, ...] | None = None
+    """Positions (in ``_tensors((args, kwargs))`` order) of inputs that required grad in the model's
+    forward; None where unknown (captured without gradients): then every floating-point input does. A
+    stem's input (the batch) needs none, and autograd saves less when it does not."""
 
 
 class _OpCounter(TorchDispatchMode):
@@ -200,7 +204,10 @@ def record_block_inputs(
                     i for i, t in others if _storage_key(t) in taken or (is_held is not None and is_held(t))
                 )
                 taken.update(_storage_key(t) for _, t in others)
-                captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held, shared)
+                grads = None  # under no_grad nothing requires grad: profile as if every input did
+                if torch.is_grad_enabled():
+                    grads = tuple(i for i, t in enumerate(_tensors((a, kw))) if t.requires_grad)
+                captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held, shared, grads)
 
         return hook
 
@@ -299,6 +306,7 @@ def profile_blocks(
 
     Example::
 
+        >>> from lightning_memopt.checkpointing import find_blocks
         >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)])
         >>> profiles = profile_blocks(model, find_blocks(model), torch.randn(4, 8))
         >>> profiles[0].options["full"].internal_bytes, profiles[0].options["full"].saves_input
@@ -330,7 +338,7 @@ def profile_blocks(
 def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
     inputs = _signature_of((captured.args, captured.kwargs))
-    return (type(block), repr(block), block.training, params, inputs, captured.shared)
+    return (type(block), repr(block), block.training, params, inputs, captured.shared, captured.grad_inputs)
 
 
 @contextlib.contextmanager
@@ -391,14 +399,14 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context) -
 
 
 def _run(block, call, captured: BlockInputs, context):
-    def fresh(t):
-        if isinstance(t, torch.Tensor):
-            t = t.detach().clone()
-            if t.is_floating_point():
-                t.requires_grad_(True)
-        return t
-
-    args, kwargs = tree_map(fresh, (captured.args, captured.kwargs))
+    args, kwargs = tree_map(
+        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (captured.args, captured.kwargs)
+    )
+    for i, t in enumerate(
+        _tensors((args, kwargs))
+    ):  # as in the model's forward: what autograd saves depends on it
+        if t.is_floating_point() and (captured.grad_inputs is None or i in captured.grad_inputs):
+            t.requires_grad_(True)
     leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
     primary_in = next(iter(_tensors((args, kwargs))), None)
     tracker = MemoryTracker(block)
@@ -438,6 +446,8 @@ def _run(block, call, captured: BlockInputs, context):
     bwd_counter = _OpCounter()
     if outs:
         loss = sum(o.float().sum() for o in outs)
+        # Not held through backward, as in the model's backward: the profile's peak stays below the step's.
+        del out, outs, primary_out
         with bwd_counter:
             torch.autograd.grad(loss, leaves + params, allow_unused=True)
     return cost, counter.flops, (bwd_counter.flops, bwd_counter.bytes), (in_bytes, out_bytes)
@@ -459,6 +469,7 @@ class ActivationMeter:
 
     Example::
 
+        >>> from lightning_memopt.checkpointing import find_blocks
         >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)])
         >>> with ActivationMeter(model, find_blocks(model)) as meter:
         ...     loss = model(torch.randn(4, 8)).sum()

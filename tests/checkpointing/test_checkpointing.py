@@ -16,6 +16,7 @@ from lightning_memopt.checkpointing import (
     OptionCost,
     apply_checkpointing,
     brute_force_plan,
+    capture_block_inputs,
     checkpointed_blocks,
     evaluate_plan,
     find_blocks,
@@ -96,6 +97,62 @@ def test_find_blocks_takes_every_stack_and_the_finer_blocks_of_stages():
     assert [n for n, _ in find_blocks(nn.ModuleList(_MoE() for _ in range(2)))] == ["0", "1"]
     # A run of parameterless modules is no stack.
     assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.ReLU())) == []
+
+
+def _net(stem: nn.Module, *between: nn.Module) -> nn.Module:
+    """A CNN: ``stem``, then ``between`` modules, then two stages of residual blocks under ``body``."""
+    model = nn.Module()
+    model.stem = stem
+    for i, module in enumerate(between):
+        model.add_module(f"between{i}", module)
+    model.body = nn.Module()
+    model.body.stages = nn.Sequential(_Stage(4, 2, False), _Stage(4, 1, True))
+    return model
+
+
+def test_find_blocks_takes_the_stem_before_the_first_stack():
+    blocks = ["body.stages.0.layers.0", "body.stages.0.layers.1", "body.stages.1.layers.0"]
+    conv_bn_relu = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2))
+    # A sibling of the stacks' ancestor, registered before it, with a weight layer and submodules: a unit.
+    assert [n for n, _ in find_blocks(_net(conv_bn_relu))] == ["stem", *blocks]
+    # Parameterless modules in between do not hide it; the nearest module with parameters decides.
+    assert [n for n, _ in find_blocks(_net(conv_bn_relu, nn.ReLU(), nn.Identity()))] == ["stem", *blocks]
+    # Not a stem: a bare layer (checkpointing it keeps the input it saves anyway), a unit without a weight
+    # layer, a composite stem hidden behind a nearer module with parameters, a ModuleList (no forward).
+    assert [n for n, _ in find_blocks(_net(nn.Conv2d(3, 4, 3)))] == blocks
+    assert [n for n, _ in find_blocks(_net(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU())))] == blocks
+    assert [n for n, _ in find_blocks(_net(conv_bn_relu, nn.BatchNorm2d(4)))] == blocks
+    assert [n for n, _ in find_blocks(_net(nn.ModuleList([nn.Conv2d(3, 4, 3), nn.ReLU()])))] == blocks
+    # Inside the first stack's container, the module before the first block is looked at first.
+    seq = nn.Sequential(nn.Sequential(nn.Linear(2, 8), nn.ReLU()), *[Block(8) for _ in range(2)])
+    assert [n for n, _ in find_blocks(seq)] == ["0", "1", "2"]
+    # Blocks given by the user: exactly those, no stem.
+    assert [n for n, _ in find_blocks(_net(conv_bn_relu), [_Residual])] == blocks
+
+
+def stem_under_fully_shard_worker() -> None:
+    """One gloo rank: blocks and the root fully_shard-ed (torchtitan's recipe); the root owns the stem."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    try:
+        model = _net(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+        mesh = init_device_mesh("cpu", (1,))
+        for _, block in find_blocks(model)[1:]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        blocks = ["body.stages.0.layers.0", "body.stages.0.layers.1", "body.stages.1.layers.0"]
+        assert [n for n, _ in find_blocks(model)] == blocks
+    finally:
+        dist.destroy_process_group()
+
+
+def test_find_blocks_leaves_out_a_stem_an_enclosing_fully_shard_owns():
+    from tests.distributed import run_ranks
+
+    run_ranks("tests.checkpointing.test_checkpointing:stem_under_fully_shard_worker", world_size=1)
 
 
 def test_find_blocks_patterns_match_relative_to_any_submodule():
@@ -490,6 +547,41 @@ def test_input_held_by_op_outside_blocks_counted_once():
     with ActivationMeter(model, blocks) as meter:
         model(x).sum().backward()
     assert meter.block_bytes == plan.block_bytes
+
+
+def test_profile_of_a_stem_whose_input_needs_no_grad_matches_measurement():
+    torch.manual_seed(0)
+
+    class Stem(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            # sin(x) saves x only where x requires grad: the batch does not, so nothing of it is held.
+            return torch.relu(self.norm(self.conv(x.sin())))
+
+    model = nn.Sequential(Stem(), *[Bottleneck() for _ in range(2)])
+    x = torch.randn(2, 3, 8, 8)  # (B, C, H, W), as a batch: no grad
+    blocks = find_blocks(model)
+    assert [n for n, _ in blocks] == ["0", "1", "2"]
+    inputs = capture_block_inputs(model, blocks, x)
+    assert [inputs[n].grad_inputs for n, _ in blocks] == [(), (0,), (0,)]
+    profiles = profile_blocks(model, blocks, inputs=inputs)
+    # keep: conv saves sin(x) (2, 3, 8, 8), norm its input (2, 4, 6, 6) and its batch mean and inverse
+    # std (4,) each, relu its output (the stem's output); x itself is not saved. full: only x is kept.
+    stem = profiles[0]
+    assert not stem.options["keep"].saves_input and stem.options["keep"].saves_output
+    assert stem.options["keep"].internal_bytes == (2 * 3 * 8 * 8 + 2 * 4 * 6 * 6 + 2 * 4) * 4
+    assert (stem.options["full"].internal_bytes, stem.options["full"].saves_input) == (0, True)
+    for choices in [("keep", "keep", "keep"), ("full", "full", "full"), ("full", "keep", "full")]:
+        plan = evaluate_plan(profiles, choices)
+        apply_checkpointing(model, plan)
+        with ActivationMeter(model, blocks) as meter:
+            loss = model(x).sum()
+        loss.backward()
+        assert meter.block_bytes == plan.block_bytes, choices
+    remove_checkpointing(model)
 
 
 def test_profile_on_fake_tensors_gives_the_same_profile():

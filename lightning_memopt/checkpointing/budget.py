@@ -1,0 +1,221 @@
+"""A training step's memory limit, turned into the bytes the blocks may hold (plain torch; no Lightning).
+
+A step holds the parameters, their gradients and the optimizer state (:func:`state_bytes`), the
+activations outside the blocks (embeddings, head, loss: measured around a real step) and the blocks'
+activations. The blocks get what the limit leaves::
+
+    blocks' budget = max_memory * (1 - headroom) - states - outside
+
+``max_memory * (1 - headroom)`` is resolved by :func:`lightning_memopt.memory.budget.usable_bytes`, the
+one place where a limit becomes bytes. :func:`plan_step` plans under that budget and, when no plan fits,
+says so in the user's terms: the option as passed, what the step must hold, and the limit that would do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_memopt.checkpointing.apply import CHOICES
+from lightning_memopt.checkpointing.planner import (
+    CostModel,
+    InfeasibleBudgetError,
+    Plan,
+    evaluate_plan,
+    keep_where_no_gain,
+    plan_checkpointing,
+    treatments,
+)
+from lightning_memopt.checkpointing.profile import BlockProfile
+from lightning_memopt.memory import format_bytes
+from lightning_memopt.memory.budget import MemoryLimit, check_headroom, usable_bytes
+
+__all__ = ["PlanPolicy", "StepLimit", "plan_step", "plan_within", "state_bytes"]
+
+
+@dataclass(frozen=True)
+class StepLimit:
+    """A training step's memory limit as the user gave it, and the bytes it leaves usable.
+
+    Example::
+
+        >>> limit = StepLimit.resolve("1MiB", 0.25, capacity=None)
+        >>> limit.usable, limit.describe()
+        (786432, "max_memory='1MiB'")
+    """
+
+    max_memory: MemoryLimit
+    """The limit as passed: bytes, a string such as ``"6GiB"``, a fraction of capacity, or None (capacity)."""
+    headroom: float
+    """Fraction of the limit kept free."""
+    usable: int | None
+    """``limit * (1 - headroom)`` in bytes; None where no limit is known (no ``max_memory``, CPU)."""
+    name: str = "max_memory"
+    """The option's name in messages (a deprecated alias keeps its own name)."""
+
+    @classmethod
+    def resolve(
+        cls, max_memory: MemoryLimit, headroom: float, capacity: int | None, *, name: str = "max_memory"
+    ) -> StepLimit:
+        """The limit on a device of ``capacity`` bytes (None: unknown).
+
+        Raises:
+            ValueError: For a bad limit or headroom, or a fraction of an unknown capacity (the message
+                names ``name`` and the fix).
+        """
+        usable = usable_bytes(max_memory, headroom, capacity, name=name)
+        return cls(max_memory, check_headroom(headroom), usable, name)
+
+    def describe(self) -> str:
+        """The limit in the user's terms: ``"max_memory='6GiB'"``, or ``"the capacity"``."""
+        return f"{self.name}={self.max_memory!r}" if self.max_memory is not None else "the capacity"
+
+    def needed(self, usable: int) -> int:
+        """The smallest limit (bytes) that leaves ``usable`` bytes after the headroom."""
+        return int(usable / (1 - self.headroom)) + 1
+
+
+def state_bytes(model, optimizers=()) -> int:
+    """Bytes of ``model``'s parameters, their gradients (counted before the first backward allocates
+    them) and the optimizers' state: what a training step holds besides activations."""
+    from lightning_memopt.memory import MemoryTracker
+
+    with MemoryTracker(model, list(optimizers)) as tracker:
+        held = tracker.current_breakdown
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return held["parameters"] + max(held["gradients"], trainable) + held["optimizer_state"]
+
+
+def plan_within(
+    profiles: Sequence[BlockProfile],
+    usable: int,
+    *,
+    states: int,
+    outside: int,
+    allowed: Sequence[str] = CHOICES,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """:func:`~lightning_memopt.checkpointing.plan_checkpointing` for a whole training step: the blocks get
+    ``usable`` minus ``states`` (parameters, gradients, optimizer state: :func:`state_bytes`) minus the
+    ``outside`` activations.
+
+    Raises:
+        InfeasibleBudgetError: If no plan fits. Its message names each part and the total the step needs;
+            its ``minimum`` is that total (bytes).
+    """
+    try:  # with nothing left for the blocks, plan for 1 byte: the error says what the blocks need
+        return plan_checkpointing(
+            profiles, max(usable - states - outside, 1), allowed=allowed, cost_model=cost_model
+        )
+    except InfeasibleBudgetError as err:
+        need = states + outside + err.minimum
+        what = (
+            "does not even hold" if usable < states + outside else "is too small for any plan; it must hold"
+        )
+        raise InfeasibleBudgetError(
+            f"{what} the parameters, gradients and optimizer state ({format_bytes(states)}), the activations "
+            f"outside the blocks ({format_bytes(outside)}) and the blocks' smallest peak "
+            f"({format_bytes(err.minimum)}): {format_bytes(need)} in all",
+            need,
+        ) from err
+
+
+def plan_step(
+    profiles: Sequence[BlockProfile],
+    limit: StepLimit,
+    *,
+    states: int,
+    outside: int,
+    allowed: Sequence[str] = CHOICES,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """The plan of least recompute cost whose step fits in ``limit``: :func:`plan_within` its usable bytes.
+
+    Args:
+        profiles: One profile per block, in forward order.
+        limit: The step's limit (:meth:`StepLimit.resolve`); it must be known (``usable`` not None).
+        states: Bytes of parameters, gradients and optimizer state (:func:`state_bytes`).
+        outside: Activations held outside the blocks at the end of the forward, in bytes.
+        allowed: Treatments to choose from; ``keep`` among them, so that planning never raises the peak.
+        cost_model: Prices of pointwise recompute and offload.
+
+    Raises:
+        ValueError: If ``limit.usable`` is None (nothing to plan under).
+        InfeasibleBudgetError: If no plan fits. The message starts with the limit as the user passed it,
+            names what the step must hold and the smallest ``max_memory`` that fits; ``minimum`` is that
+            limit in bytes.
+
+    Example::
+
+        >>> plan = plan_step(profiles, StepLimit.resolve("6GiB", 0.1, None), states=2**30, outside=0)  # doctest: +SKIP
+    """
+    if limit.usable is None:
+        raise ValueError(f"{limit.describe()} leaves no known usable bytes; pass {limit.name} in bytes")
+    try:
+        return plan_within(
+            profiles, limit.usable, states=states, outside=outside, allowed=allowed, cost_model=cost_model
+        )
+    except InfeasibleBudgetError as err:
+        needed = limit.needed(err.minimum)
+        raise InfeasibleBudgetError(
+            f"{limit.describe()} (usable with headroom={limit.headroom}: {format_bytes(limit.usable)}) {err}. "
+            f"Pass {limit.name} >= {format_bytes(needed)}, use a smaller micro-batch (AutoAccumulation) or "
+            "shard the model (FSDP).",
+            needed,
+        ) from err
+
+
+@dataclass(frozen=True)
+class PlanPolicy:
+    """How the blocks are planned once profiled: the mode, the step's limit, the treatments, the prices.
+    Chosen once (:meth:`for_mode`, in ``setup``), so that no step re-derives them.
+
+    Example::
+
+        >>> policy = PlanPolicy.for_mode("auto", StepLimit.resolve("6GiB", 0.1, None), offload=False)
+        >>> policy.treatments, policy.limit.usable
+        (('keep', 'selective', 'full'), 5798205849)
+    """
+
+    mode: str
+    """One of :data:`~lightning_memopt.checkpointing.MODES`."""
+    limit: StepLimit
+    """The step's limit; ``auto`` plans under it where ``limit.usable`` is known."""
+    treatments: tuple[str, ...]
+    """What profiling measures: ``keep`` and what the mode may choose (:func:`treatments`)."""
+    cost_model: CostModel = CostModel()
+    """Prices of pointwise recompute and offload."""
+
+    @classmethod
+    def for_mode(
+        cls, mode: str, limit: StepLimit, *, offload: bool, cost_model: CostModel | None = None
+    ) -> PlanPolicy:
+        """The policy of ``mode`` under ``limit``; ``offload``: whether ``auto`` may offload to CPU."""
+        chosen = treatments(mode, planned=limit.usable is not None, offload=offload)
+        return cls(mode, limit, tuple(chosen), cost_model or CostModel())
+
+    def choose(
+        self, profiles: Sequence[BlockProfile], ran: Sequence[str], held: Callable[[], tuple[int, int]]
+    ) -> Plan:
+        """The plan to run once the blocks are profiled, ``ran`` being what the first batch ran.
+
+        A forced mode keeps ``ran``. ``auto`` without a known limit keeps ``ran`` (every block ``full``)
+        except where that lowers neither the bytes held nor the peak (:func:`keep_where_no_gain`); under
+        a limit it is :func:`plan_step` with ``held()`` = (states, outside), called only then (it may be a
+        collective: the largest over ranks).
+
+        Raises:
+            InfeasibleBudgetError: Under a limit, if no plan fits (:func:`plan_step`).
+        """
+        if self.mode != "auto" or self.limit.usable is None:
+            chosen = list(ran) if self.mode != "auto" else keep_where_no_gain(profiles, ran)
+            return evaluate_plan(profiles, chosen, self.cost_model)
+        states, outside = held()
+        return plan_step(
+            profiles,
+            self.limit,
+            states=states,
+            outside=outside,
+            allowed=self.treatments,
+            cost_model=self.cost_model,
+        )
