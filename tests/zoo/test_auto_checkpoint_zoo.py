@@ -154,19 +154,20 @@ def test_forced_modes_train_exactly(name, mode):
     _assert_nothing_left(module)
 
 
-# The peak a training step may reach with AutoCheckpoint(), as a fraction of the step without it. The basic
-# ResNet's floor is the backward of its stem (checkpointed or not): the parameters and all gradients
-# (2.13 + 2.10 MB, 44% of the plain step's 9.74 MB peak; SGD, float64) plus the batch (0.59 MB) and one
-# 64x16x16 conv-output-sized tensor per sample (3.15 MB) live at its ReLU's backward: 7.97 MB = 0.82x,
-# measured. 0.75x needs a batch where activations dominate more (at 96 samples that floor is ~0.73x).
-MAX_PEAK = dict.fromkeys(ZOO, 0.75) | {"resnet": 0.83}
+# The bound: AutoCheckpoint() takes the step peak to at most 0.75x *where activations dominate*.
+# The basic ResNet's floor is the backward of its stem (checkpointed or not): parameters and all
+# gradients (2.13 + 2.10 MB, float64, SGD) plus the batch and one conv-output-sized tensor per sample are
+# live at its ReLU's backward: at 24 samples that is 0.82x of the plain step (activations do not
+# dominate there); at 96 samples the same floor is ~0.73x. So it is measured at 96.
+MAX_PEAK = 0.75
+PEAK_BATCH = dict.fromkeys(ZOO, LARGE) | {"resnet": 96}
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zero_arguments_cuts_the_peak_and_trains_exactly(name):
     callback = AutoCheckpoint()
-    module, trainer, seen, peaks = _fit(name, [callback], LARGE, measure=True)
-    reference, plain_peak = _plain(name, LARGE, True)
+    module, trainer, seen, peaks = _fit(name, [callback], PEAK_BATCH[name], measure=True)
+    reference, plain_peak = _plain(name, PEAK_BATCH[name], True)
     _assert_same_parameters(name, module, reference)
     assert seen[0] == dict.fromkeys(EXPECTED_BLOCKS[name], "full")
     assert seen[1] == callback.plan.choices and list(seen[1]) == EXPECTED_BLOCKS[name]
@@ -176,7 +177,7 @@ def test_zero_arguments_cuts_the_peak_and_trains_exactly(name):
         f"{peaks[0] / plain_peak:.2f}x) | {len(seen[1])} | {dict(Counter(seen[1].values()))} | "
         f"measured/predicted {measured / callback.plan.activation_bytes:.3f} |"
     )
-    assert peaks[1] <= MAX_PEAK[name] * plain_peak  # the training step, with the final plan
+    assert peaks[1] <= MAX_PEAK * plain_peak  # the training step, with the final plan
     assert peaks[0] <= plain_peak  # the first step, blocks profiled after it: never above the plain step
     assert measured == pytest.approx(callback.plan.activation_bytes, rel=0.1)
     _assert_nothing_left(module)
