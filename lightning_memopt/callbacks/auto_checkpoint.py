@@ -14,7 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
-from lightning_memopt.callbacks._hooks import wrap_instance_hook
+from lightning_memopt.callbacks._hooks import forget_module, wrap_instance_hook
 from lightning_memopt.checkpointing import (
     ActivationMeter,
     CostModel,
@@ -70,7 +70,8 @@ class AutoCheckpoint(Callback):
         every_n: The stride of ``mode="every_n"`` (default 2: blocks 0, 2, 4, ...).
         headroom: Fraction of ``max_memory`` kept free (default 0.1), for the allocator's fragmentation
             and recomputation's transient memory in backward. Usable bytes: ``max_memory * (1 - headroom)``.
-        cost_model: Prices of pointwise recompute and offload bytes in FLOPs (:class:`CostModel`).
+        cost_model: Prices of pointwise recompute and offload bytes in FLOPs (:class:`CostModel`); default:
+            its defaults, with offload priced by a copy timed once on the device where offload is allowed.
         allow_offload: Whether ``auto`` may offload to CPU. Default: only when the device is not the CPU.
         log: Whether to log the keys below.
         budget: Deprecated, use ``max_memory``. ``budget=X`` means ``max_memory=X, headroom=0`` (the old
@@ -133,7 +134,7 @@ class AutoCheckpoint(Callback):
         self.mode = mode
         self.every_n = every_n
         self.headroom = check_headroom(headroom)
-        self.cost_model = cost_model or CostModel()
+        self.cost_model = cost_model
         self.allow_offload = allow_offload
         # Not `self.log`: Lightning sets `callback.log = pl_module.log` on every callback at fit start.
         self.log_metrics = log
@@ -164,7 +165,9 @@ class AutoCheckpoint(Callback):
             limit = StepLimit.resolve(self.max_memory, self.headroom, capacity, name=self._limit_name)
         except ValueError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
-        self._policy = PlanPolicy.for_mode(self.mode, limit, offload=offload, cost_model=self.cost_model)
+        self._policy = PlanPolicy.for_mode(
+            self.mode, limit, offload=offload, cost_model=self.cost_model, device=strategy.root_device
+        )
         self._module = pl_module
         # An instance attribute, removed in teardown; Lightning calls it since it differs from the base hook.
         self._unwrap = wrap_instance_hook(
@@ -294,7 +297,4 @@ class AutoCheckpoint(Callback):
             remove_checkpointing(pl_module)
         self._blocks = []
         self._module = None
-        # Lightning binds the module's log methods onto every callback; a callback kept by the user would
-        # keep the module alive through them.
-        for name in ("log", "log_dict"):
-            self.__dict__.pop(name, None)
+        forget_module(self)  # Lightning bound the module's log methods onto this callback

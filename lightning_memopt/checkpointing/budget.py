@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from lightning_memopt.checkpointing.apply import CHOICES
 from lightning_memopt.checkpointing.planner import (
     CostModel,
@@ -188,10 +190,24 @@ class PlanPolicy:
 
     @classmethod
     def for_mode(
-        cls, mode: str, limit: StepLimit, *, offload: bool, cost_model: CostModel | None = None
+        cls,
+        mode: str,
+        limit: StepLimit,
+        *,
+        offload: bool,
+        cost_model: CostModel | None = None,
+        device: torch.device | str = "cpu",
     ) -> PlanPolicy:
-        """The policy of ``mode`` under ``limit``; ``offload``: whether ``auto`` may offload to CPU."""
+        """The policy of ``mode`` under ``limit``; ``offload``: whether ``auto`` may offload to CPU.
+
+        Without a ``cost_model``, offload is priced from a copy timed once on ``device`` where offload
+        may be chosen (CUDA); elsewhere the :class:`CostModel` defaults hold.
+        """
         chosen = treatments(mode, planned=limit.usable is not None, offload=offload)
+        if cost_model is None and "offload" in chosen:
+            from lightning_memopt.checkpointing.offload import measured_cost_model
+
+            cost_model = measured_cost_model(device)
         return cls(mode, limit, tuple(chosen), cost_model or CostModel())
 
     def choose(

@@ -143,3 +143,23 @@ def test_mode_policy():
         check_mode("every_n", 0)
     with pytest.raises(ValueError, match=r"budget='1GB' is only used by mode='auto', got mode='full'"):
         check_mode("full", 2, "1GB", name="budget")
+
+
+def test_plan_policy_prices_offload_by_a_copy_timed_on_the_device(monkeypatch):
+    from lightning_memopt.checkpointing import CostModel, offload
+
+    timed = CostModel(offload_flops_per_byte=123.0)
+    calls = []
+    monkeypatch.setattr(offload, "measured_cost_model", lambda device: calls.append(device) or timed)
+    limit = StepLimit(None, 0.1, 10**6)
+    # auto may offload (a CUDA device): the price comes from the timed copy
+    assert PlanPolicy.for_mode("auto", limit, offload=True, device="cuda:0").cost_model is timed
+    assert calls == ["cuda:0"]
+    # offload not allowed: nothing is timed, the defaults hold
+    assert PlanPolicy.for_mode("auto", limit, offload=False, device="cuda:0").cost_model == CostModel()
+    # the user's own prices win
+    mine = CostModel(offload_flops_per_byte=7.0)
+    assert (
+        PlanPolicy.for_mode("auto", limit, offload=True, cost_model=mine, device="cuda:0").cost_model is mine
+    )
+    assert calls == ["cuda:0"]
