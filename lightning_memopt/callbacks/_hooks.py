@@ -9,7 +9,8 @@ After ``fit`` (Lightning calls ``teardown`` when it ends normally and only ``on_
 raises) nothing of a callback may stay on the model: a wrapper is a local function, so a model that keeps
 one cannot be pickled by ``torch.save(model)``, and a callback that keeps a reference keeps the model
 (and, through ``model.trainer``, the Trainer) alive. :class:`Attachments` collects what a callback
-attached and :meth:`Attachments.detach` removes all of it, from either hook.
+attached and :meth:`Attachments.detach` removes all of it; :class:`ReleasingCallback` is the one place
+that calls a callback's clean-up from both hooks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks.callback import Callback
+from typing_extensions import override
 
 _MISSING = object()
 # Lightning binds the module's ``log``/``log_dict`` onto every callback at the start of each run
@@ -103,3 +108,30 @@ def forget_module(callback: Any) -> None:
     for name in _LIGHTNING_BOUND:
         if inspect.ismethod(callback.__dict__.get(name)):
             del callback.__dict__[name]
+
+
+class ReleasingCallback(Callback):
+    """A callback that lets go of the model when a run ends, however it ends.
+
+    Lightning calls ``teardown`` when a run ends normally and only ``on_exception`` when it raises; both
+    call :meth:`_release` (what the subclass attached for the run: wrappers, hooks, references), then
+    drop the module's methods Lightning bound onto the callback. Subclasses override :meth:`_release`
+    only; it must be safe to call twice and for runs that never set anything up.
+    """
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._end_run()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._end_run()
+
+    def _end_run(self) -> None:
+        self._release()
+        forget_module(self)
+
+    def _release(self) -> None:
+        """Undo what this callback attached for the run (override)."""

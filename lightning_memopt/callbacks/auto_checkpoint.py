@@ -7,14 +7,13 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
-from lightning_memopt.callbacks._hooks import forget_module, wrap_instance_hook
+from lightning_memopt.callbacks._hooks import ReleasingCallback, wrap_instance_hook
 from lightning_memopt.checkpointing import (
     ActivationMeter,
     CostModel,
@@ -41,7 +40,7 @@ from lightning_memopt.memory.device import device_memory
 __all__ = ["AutoCheckpoint"]
 
 
-class AutoCheckpoint(Callback):
+class AutoCheckpoint(ReleasingCallback):
     """Checkpoint the model's repeated blocks: the least recompute whose activations fit in memory.
 
     With no arguments it finds every stack of repeated blocks (GPT-2's ``h``, T5's encoder and decoder
@@ -278,23 +277,15 @@ class AutoCheckpoint(Callback):
             apply_checkpointing(self._module, self._loaded_plan)
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        # Lightning calls no teardown after an exception: take off the measuring hooks (a MemoryTracker
-        # left entered would track every later op of the process) and the checkpointing here instead.
-        self.teardown(trainer, pl_module, "fit")
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def _release(self) -> None:
+        # Also after an exception: a MemoryTracker left entered would track every later op of the process.
         if self._probe is not None:
             self._probe.close()
             self._probe = None
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
-        if self._blocks:
-            remove_checkpointing(pl_module)
+        if self._blocks and self._module is not None:
+            remove_checkpointing(self._module)
         self._blocks = []
         self._module = None
-        forget_module(self)  # Lightning bound the module's log methods onto this callback

@@ -7,14 +7,13 @@ import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool, check_positive_int
-from lightning_memopt.callbacks._hooks import Attachments
+from lightning_memopt.callbacks._hooks import Attachments, ReleasingCallback
 from lightning_memopt.norm import ConversionReport, SwappedGroupNorm, convert_batchnorm, revert_groupnorm
 
 __all__ = ["BatchNormToGroupNorm"]
@@ -22,7 +21,7 @@ __all__ = ["BatchNormToGroupNorm"]
 _WHEN = ("always", "micro_batching")
 
 
-class BatchNormToGroupNorm(Callback):
+class BatchNormToGroupNorm(ReleasingCallback):
     """Replace the model's BatchNorm layers by GroupNorm layers that share their Parameters.
 
     BatchNorm normalizes with statistics of the batch, so once a batch is split into micro-batches
@@ -134,20 +133,10 @@ class BatchNormToGroupNorm(Callback):
             self._swap(trainer, pl_module)
 
     @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._detach()
-
-    @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        # Lightning calls on_exception, not teardown, when fit raises: the wrappers must come off here too,
-        # or the model keeps local functions (torch.save(model) fails) that reference the Trainer.
-        self._detach()
-
-    def _detach(self) -> None:
-        # The swap itself stays (it is the model now); the wrappers and every reference to the model go.
-        self._attached.detach(self)
+    def _release(self) -> None:
+        # Also after an exception, or the model keeps local functions (torch.save(model) fails) that
+        # reference the Trainer. The swap itself stays (it is the model now); wrappers and references go.
+        self._attached.detach()
         if self.report is not None:
             self.report = dataclasses.replace(self.report, module=None)
 

@@ -7,13 +7,12 @@ from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool, check_positive_int
-from lightning_memopt.callbacks._hooks import forget_module, wrap_instance_hook
+from lightning_memopt.callbacks._hooks import ReleasingCallback, wrap_instance_hook
 from lightning_memopt.callbacks._train_loaders import (
     dataloaders,
     expected_epochs,
@@ -37,7 +36,7 @@ from lightning_memopt.data import (
 __all__ = ["DataLoaderMonitor"]
 
 
-class DataLoaderMonitor(Callback):
+class DataLoaderMonitor(ReleasingCallback):
     r"""Measure how long each training step waits for its batch, and say which DataLoader setting fixes it.
 
     A loop whose data loading is slower than its forward-backward is *data-bound*: a faster accelerator,
@@ -197,20 +196,10 @@ class DataLoaderMonitor(Callback):
         self._machine["epochs"] = expected_epochs(trainer)
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        self._stop()  # Lightning does not call callbacks' teardown after an exception
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
+    def _release(self) -> None:
         while self._removers:
             self._removers.pop()()
         self._meter = self._loader = None
-        forget_module(self)  # Lightning bound the model's log methods onto this callback
 
     # ------------------------------------------------------------------ the marks
     @override

@@ -8,13 +8,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool, check_positive_int
-from lightning_memopt.callbacks._hooks import forget_module
+from lightning_memopt.callbacks._hooks import ReleasingCallback
 from lightning_memopt.callbacks.dataloader_monitor import DataLoaderMonitor
 from lightning_memopt.memory.phases import Breakdown, StepPeaks, merge_across_ranks, record_metrics
 from lightning_memopt.memory.report import (
@@ -29,7 +28,7 @@ from lightning_memopt.memory.tracker import MemoryTracker
 __all__ = ["MemoryMonitor"]
 
 
-class MemoryMonitor(Callback):
+class MemoryMonitor(ReleasingCallback):
     r"""Record the peak memory of every training step by phase and category, log it, and write a report.
 
     Each training step is cut at public Lightning hooks into three phases: ``forward``
@@ -178,18 +177,8 @@ class MemoryMonitor(Callback):
         return self._peaks.recorder.tracker if self._peaks.recorder is not None else None
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        self._stop()  # Lightning does not call callbacks' teardown after an exception
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
+    def _release(self) -> None:
         self._peaks.end()  # drops the references to the model and optimizers; the history stays
-        forget_module(self)
 
     # ------------------------------------------------------------------ training phases
     @override
