@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_memopt._checks import check_positive_int
+from lightning_memopt._compat import BatchNormBase
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.memory.budget import check_headroom, usable_bytes
 from lightning_memopt.memory.units import parse_bytes
@@ -69,7 +69,7 @@ def smallest_micro_batch(module: nn.Module, *, training: bool = True) -> int:
     BatchNorm normalizes over the micro-batch: with one sample its statistics are those of one sample
     (and torch refuses outright when there is one value per channel). Evaluation uses running statistics.
     """
-    if training and any(isinstance(m, _BatchNorm) and m.training for m in module.modules()):
+    if training and any(isinstance(m, BatchNormBase) and m.training for m in module.modules()):
         return 2
     return 1
 
