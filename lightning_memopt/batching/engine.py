@@ -1,22 +1,8 @@
 """The micro-batch engine: one optimizer batch run as k micro-batches, with OOM retry on every rank.
 
-This is the one module of the package that touches Lightning's internals. It relies on exactly the
-names listed in :data:`LIGHTNING_SURFACE` (``tests/batching/test_engine.py`` checks them, so a Lightning
-upgrade that changes them fails loudly instead of training wrongly):
-
-- ``Strategy.training_step`` / ``backward`` / ``optimizer_step`` / ``validation_step`` / ``test_step`` /
-  ``predict_step`` are called by the loops through ``getattr(trainer.strategy, name)``, so the engine
-  installs instance attributes of the same names at fit start and deletes them at teardown.
-- Automatic optimization calls ``training_step`` → ``optimizer_zero_grad`` (first batch of an
-  accumulation window only) → ``backward`` → ``optimizer.step``, all inside the closure that
-  ``optimizer.step(closure)`` runs. Zero-grad comes AFTER training_step, so the engine zeroes gradients
-  itself before the micro-batches and turns the LightningModule's ``optimizer_zero_grad`` into a no-op
-  for the call that follows.
-- ``Precision.pre_backward`` / ``post_backward`` fire ``on_before_backward`` / ``on_after_backward``;
-  the engine calls only those for its step, once, with the full gradient in place. The strategy's own
-  ``pre_backward`` is skipped (DDP's reducer is not prepared a second time).
-- ``ParallelStrategy.block_backward_sync`` gives DDP's ``no_sync``; ``precision_plugin.scaler`` is the
-  GradScaler of ``16-mixed``.
+The Lightning-facing wrappers (installed on the strategy at fit start) and the one retry loop that
+training, the optimizer step and evaluation share (:meth:`MicroBatchEngine.run_with_retry`). The
+Lightning names it relies on, and why, are in :mod:`lightning_memopt.batching.surface`.
 
 What one training step does (``_training_step``), top to bottom (each attempt through
 :meth:`MicroBatchEngine.run_with_retry`, the one retry loop of training, optimizer step and evaluation):
@@ -46,63 +32,36 @@ of :mod:`lightning_memopt.batching.regime`. The size policy (halve, grow back, t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
-from lightning.pytorch.trainer.connectors.logger_connector import _LoggerConnector
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from lightning_memopt.batching import regime as regimes
-from lightning_memopt.batching.counting import causal_shift, choose_count
 from lightning_memopt.batching.errors import MicroBatchOOMError
 from lightning_memopt.batching.oom import is_out_of_memory
-from lightning_memopt.batching.outputs import LogRecorder, combine, detach, loss_of
+from lightning_memopt.batching.outputs import LogRecorder, StepOutputs, combine, loss_of
 from lightning_memopt.batching.policy import SizePolicy, halve_eval
-from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime, drop_attempt, no_sync
+from lightning_memopt.batching.probe import measure_peak
+from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime, drop_attempt
 from lightning_memopt.batching.report import memory_report
 from lightning_memopt.batching.sizing import smallest_micro_batch
-from lightning_memopt.batching.split import batch_size, micro_batch_sizes, micro_batch_weights, split_batch
+from lightning_memopt.batching.split import micro_batch_sizes
+from lightning_memopt.batching.splitter import Splitter
 from lightning_memopt.batching.state import OptimizerSnapshot, StepState
+from lightning_memopt.batching.surface import (
+    LIGHTNING_SURFACE,
+    SkipNextZeroGrad,
+    StrategyWrappers,
+    check_accumulation,
+    check_setup,
+)
 from lightning_memopt.memory.device import device_memory
 
 __all__ = ["LIGHTNING_SURFACE", "MicroBatchEngine", "MicroBatchOOMError"]
-
-#: The Lightning names the engine relies on: (object, attribute). Checked by a test.
-LIGHTNING_SURFACE = (
-    (Strategy, "training_step"),
-    (Strategy, "backward"),
-    (Strategy, "optimizer_step"),
-    (Strategy, "validation_step"),
-    (Strategy, "test_step"),
-    (Strategy, "predict_step"),
-    (Strategy, "precision_plugin"),
-    (Strategy, "lightning_module"),
-    (Strategy, "model"),
-    (Strategy, "root_device"),
-    (ParallelStrategy, "block_backward_sync"),
-    (Precision, "pre_backward"),
-    (Precision, "post_backward"),
-    (MixedPrecision, "scaler"),
-    (LightningModule, "optimizer_zero_grad"),
-    (LightningModule, "log"),
-    (LightningModule, "automatic_optimization"),
-    (Trainer, "strategy"),
-    (Trainer, "lightning_module"),
-    (Trainer, "optimizers"),
-    (Trainer, "accumulate_grad_batches"),
-    (Trainer, "current_epoch"),
-    (Trainer, "global_step"),
-    (_LoggerConnector, "on_trainer_init"),  # sets trainer.log_every_n_steps (an instance attribute)
-    (FSDPStrategy, "_activation_checkpointing_kwargs"),  # an instance attribute; read by AutoCheckpoint
-)
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 # One engine per Trainer. An engine refers to its Trainer only weakly (MicroBatchEngine._trainer): a value
@@ -112,20 +71,23 @@ _UNKNOWN = object()  # not looked at yet (the model's loss convention; its FSDP2
 T = TypeVar("T")
 
 
-class _PolicyField:
-    """An engine attribute kept on its :class:`SizePolicy` (the callbacks and checkpoints set it)."""
+class _Kept:
+    """An engine attribute kept on one of its parts (``policy``, ``splitter``), which the callbacks set."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, engine: Any, owner: type | None = None) -> Any:
-        return self if engine is None else getattr(engine.policy, self.name)
+        return self if engine is None else getattr(getattr(engine, self.part), self.name)
 
     def __set__(self, engine: Any, value: Any) -> None:
-        setattr(engine.policy, self.name, value)
+        setattr(getattr(engine, self.part), self.name, value)
 
 
-class MicroBatchEngine:
+class MicroBatchEngine(StrategyWrappers):
     """Runs each optimizer batch as micro-batches; shared by ``AutoAccumulation`` and ``OOMBackoff``.
 
     One engine per Trainer (:meth:`for_trainer`); each callback sets the options it owns and calls
@@ -147,21 +109,23 @@ class MicroBatchEngine:
         last_regime: The name of the last training attempt's regime (``Regime.name``; None before one).
     """
 
-    micro_batch_size = _PolicyField()
-    grow_after = _PolicyField()
-    max_micro_batch_size = _PolicyField()
-    smallest_failed_size = _PolicyField()
-    oom_retries = _PolicyField()
-    clean_steps = _PolicyField()
-    stable_steps = _PolicyField()
+    micro_batch_size = _Kept("policy")
+    grow_after = _Kept("policy")
+    max_micro_batch_size = _Kept("policy")
+    smallest_failed_size = _Kept("policy")
+    oom_retries = _Kept("policy")
+    clean_steps = _Kept("policy")
+    stable_steps = _Kept("policy")
+    count_fn = _Kept("splitter")
+    split_fn = _Kept("splitter")
 
     def __init__(self) -> None:
+        super().__init__()
         self.policy = SizePolicy()
         self.eval_micro_batch_size: int | None = None
         self.retry_on_oom = False
         self.overlap_after: int | None = None
-        self.count_fn: Callable[[Any], float] | None = None
-        self.split_fn: Callable[[Any, list[int]], list[Any]] | None = None
+        self.splitter = Splitter()
         self.log_metrics = False
         # what happened (read by the callbacks and tests)
         self.num_micro_batches = 1
@@ -169,28 +133,13 @@ class MicroBatchEngine:
         self.last_failure: str | None = None
         self.last_regime: str | None = None
         # machinery
-        self._trainer_ref: weakref.ref | None = None
-        self._shift: Any = _UNKNOWN  # counting.causal_shift of the module, found on the first split step
         self._sharding: Any = _UNKNOWN  # regime.find_sharding of the model, found once per fit
-        self._warned = False
-        self._installs = 0
-        self._originals: dict[str, Any] = {}
-        self._zero_grad_patched = False
-        self._skip_zero_grad = False
+        self._zero_grad = SkipNextZeroGrad()
         self._pending_backward = False
         self._state: StepState | None = None
         self._logged: tuple = ()
 
     # ------------------------------------------------------------------ lifecycle
-    @property
-    def _trainer(self) -> Any:
-        """The Trainer served, held weakly: the registry's value must not keep its own key alive."""
-        return None if self._trainer_ref is None else self._trainer_ref()
-
-    @_trainer.setter
-    def _trainer(self, trainer: Any) -> None:
-        self._trainer_ref = None if trainer is None else weakref.ref(trainer)
-
     @classmethod
     def for_trainer(cls, trainer: Any) -> MicroBatchEngine:
         """The engine of ``trainer``, created on first use (both callbacks share it)."""
@@ -200,76 +149,21 @@ class MicroBatchEngine:
         return engine
 
     def check(self, trainer: Any, pl_module: Any) -> None:
-        """Refuse set-ups the engine cannot run exactly.
+        """Refuse set-ups the engine cannot run exactly (:func:`~.surface.check_setup`)."""
+        check_setup(trainer, pl_module)
 
-        Raises:
-            MisconfigurationException: Manual optimization, DeepSpeed, or ``accumulate_grad_batches > 1``.
-        """
-        if not pl_module.automatic_optimization:
-            raise MisconfigurationException(
-                "micro-batching needs automatic optimization, but the LightningModule sets "
-                "`automatic_optimization = False`; split the batch inside your own training_step "
-                "(lightning_memopt.batching.split_batch) or remove AutoAccumulation/OOMBackoff"
-            )
-        if "deepspeed" in type(trainer.strategy).__name__.lower():
-            raise MisconfigurationException(
-                f"micro-batching does not work with {type(trainer.strategy).__name__}: DeepSpeed owns gradient "
-                "accumulation; use its `train_micro_batch_size_per_gpu` config instead of AutoAccumulation/OOMBackoff"
-            )
-        self._check_accumulation(trainer)
+    @override
+    def _wrappers(self) -> dict[str, Callable[..., Any]]:
+        steps = {"training_step": self._training_step, "backward": self._backward}
+        steps["optimizer_step"] = self._optimizer_step
+        return steps | {name: functools.partial(self._eval_step, name) for name in _EVAL_HOOKS}
 
-    def _check_accumulation(self, trainer: Any) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise MisconfigurationException(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} with micro-batching: the engine "
-                "already accumulates within each batch. Make the DataLoader batch the optimizer batch "
-                f"(batch_size * {trainer.accumulate_grad_batches}) and set accumulate_grad_batches=1 "
-                "(and no GradientAccumulationScheduler); the effective batch stays the same and the "
-                "engine picks how many micro-batches to run"
-            )
-
-    def install(self, trainer: Any) -> None:
-        """Wrap the strategy's step methods (counted: the second install of a trainer is a no-op)."""
-        if self._installs and self._trainer is not trainer:
-            raise RuntimeError("a MicroBatchEngine serves one Trainer; use MicroBatchEngine.for_trainer")
-        self._installs += 1
-        if self._installs > 1:
-            return
-        self._trainer = trainer
-        strategy = trainer.strategy
-        wrappers = {"training_step": self._training_step, "backward": self._backward}
-        wrappers["optimizer_step"] = self._optimizer_step
-        for hook in _EVAL_HOOKS:
-            wrappers[hook] = functools.partial(self._eval_step, hook)
-        for name, wrapper in wrappers.items():
-            if name in vars(strategy):
-                raise RuntimeError(
-                    f"strategy.{name} is already replaced on the instance; cannot wrap it twice"
-                )
-            self._originals[name] = getattr(strategy, name)
-            setattr(strategy, name, wrapper)
-
-    def uninstall(self) -> None:
-        """Undo :meth:`install` when the last user calls it."""
-        if self._installs == 0:
-            return
-        self._installs -= 1
-        if self._installs:
-            return
-        strategy = self._trainer.strategy
-        for name in self._originals:
-            vars(strategy).pop(name, None)
-        self._originals.clear()
-        module = self._trainer.lightning_module
-        if module is not None and self._zero_grad_patched:
-            vars(module).pop("optimizer_zero_grad", None)
-        self._zero_grad_patched = False
+    @override
+    def _uninstalled(self) -> None:
+        self._zero_grad.remove()
         self._state = None
-        self._shift = self._sharding = _UNKNOWN  # the next fit may train another model
-
-    @property
-    def installed(self) -> bool:
-        return self._installs > 0
+        self._sharding = _UNKNOWN  # the next fit may train another model
+        self.splitter.forget_model()
 
     # ------------------------------------------------------------------ the retry loop
     def run_with_retry(
@@ -333,7 +227,7 @@ class MicroBatchEngine:
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self._trainer
         module = trainer.lightning_module
-        self._check_accumulation(trainer)  # a GradientAccumulationScheduler may change it mid-fit
+        check_accumulation(trainer)  # a GradientAccumulationScheduler may change it mid-fit
         batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         total = self.batch_size(batch, module)
         own_state = self.retry_on_oom and self._state is None  # not inside our optimizer_step wrapper
@@ -342,7 +236,7 @@ class MicroBatchEngine:
         sizes: list[int] = []
 
         def choose() -> Regime:
-            self._zero_grad(module, batch_idx)
+            self._zero_grad.zero_now(self._trainer, batch_idx)
             size = self.policy.size_for(total)
             sizes[:] = micro_batch_sizes(total, size, smallest=smallest_micro_batch(module))
             regime = self._choose("training", len(sizes), size)
@@ -372,12 +266,11 @@ class MicroBatchEngine:
     ) -> tuple[torch.Tensor, dict | None, LogRecorder]:
         strategy = self._trainer.strategy
         module = strategy.lightning_module
-        parts = split_batch(batch, sizes, split_fn=self._split_fn(module))
-        weights = self._weights(batch, parts, sizes)
+        parts = self.splitter.split(batch, sizes, module)
+        weights = self.splitter.weights(batch, parts, sizes, module)
         scaler = getattr(strategy.precision_plugin, "scaler", None)
         self.num_micro_batches = len(parts)
-        full_loss: torch.Tensor | None = None
-        extras: list[dict] = []  # the other keys of each micro-batch's output, detached
+        outputs = StepOutputs(len(parts))
         with LogRecorder(module) as recorder, regime.armed():
             for i, (part, weight) in enumerate(zip(parts, weights)):
                 recorder.weight = weight
@@ -391,18 +284,9 @@ class MicroBatchEngine:
                     # no items (all labels -100) has a mean over nothing, NaN, as its loss and weighs 0: its
                     # gradients are zeros (cross-entropy's backward writes only at counted positions).
                     regime.wrap_loss(scaled).backward()
-                if weight > 0 or len(parts) == 1:  # NaN * 0 is NaN: leave it out of the batch's loss
-                    part_loss = loss.detach().float()
-                    part_loss = part_loss * weight if len(parts) > 1 else part_loss
-                    full_loss = part_loss if full_loss is None else full_loss + part_loss
-                if isinstance(out, Mapping):
-                    extras.append({k: detach(v) for k, v in out.items() if k != "loss"})
+                outputs.add(out, loss, weight)
                 del out, loss, scaled
-        assert full_loss is not None
-        if not extras:
-            return full_loss, None, recorder
-        # As for the loss: the full batch's output (scalars weighted by share, per-sample tensors joined).
-        return full_loss, extras[0] if len(extras) == 1 else combine(extras, sizes, weights), recorder
+        return outputs.loss, outputs.output(sizes, weights), recorder
 
     def _backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
@@ -477,24 +361,6 @@ class MicroBatchEngine:
         scaler = getattr(self._trainer.strategy.precision_plugin, "scaler", None)
         return StepState.capture([module], scaler)
 
-    def _zero_grad(self, module: Any, batch_idx: int) -> None:
-        """Zero gradients through the module's own hook, and skip the zero-grad Lightning calls next."""
-        trainer = self._trainer
-        if not self._zero_grad_patched:
-            engine = self
-
-            def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
-                if engine._skip_zero_grad:
-                    engine._skip_zero_grad = False
-                    return None
-                return type(module).optimizer_zero_grad(module, *args, **kwargs)
-
-            module.optimizer_zero_grad = optimizer_zero_grad
-            self._zero_grad_patched = True
-        for optimizer in trainer.optimizers:
-            type(module).optimizer_zero_grad(module, trainer.current_epoch, batch_idx, optimizer)
-        self._skip_zero_grad = True
-
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         original = self._originals[hook]
@@ -522,8 +388,8 @@ class MicroBatchEngine:
         sizes = micro_batch_sizes(total, min(self.eval_micro_batch_size or total, total))
         if len(sizes) == 1:
             return original(batch, *rest, **kwargs)
-        parts = split_batch(batch, sizes, split_fn=self._split_fn(module))
-        weights = self._weights(batch, parts, sizes)
+        parts = self.splitter.split(batch, sizes, module)
+        weights = self.splitter.weights(batch, parts, sizes, module)
         outputs = []
         with LogRecorder(module) as recorder:
             for part, weight in zip(parts, weights):
@@ -549,91 +415,27 @@ class MicroBatchEngine:
         Returns:
             The peak bytes of the probe, or None if it ran out of memory.
         """
-        trainer = self._trainer
-        strategy = trainer.strategy
-        module = trainer.lightning_module
+        module = self._trainer.lightning_module
         total = self.batch_size(batch, module)
-        part = (
-            split_batch(batch, [size, total - size], split_fn=self._split_fn(module))[0]
-            if size < total
-            else batch
+        part = self.splitter.split(batch, [size, total - size], module)[0] if size < total else batch
+        step = functools.partial(
+            self._originals["validation_step" if evaluation else "training_step"], part, 0
         )
-        memory = self._device_memory(tracker)
-        state = self._capture(module)
-        grads = [(p, p.grad) for p in strategy.model.parameters()]
-        for p, _ in grads:
-            p.grad = None
-        was_training = module.training
-        peak: int | None = None
-        with contextlib.ExitStack() as stack:
-            if tracker is not None:
-                stack.enter_context(tracker)
-            memory.reset_peak()
-            failed = False
-            try:
-                with LogRecorder(module), no_sync(strategy):
-                    if evaluation:
-                        module.eval()
-                        with torch.no_grad():
-                            self._originals["validation_step"](part, 0)
-                    else:
-                        out = self._originals["training_step"](part, 0)
-                        loss_of(out).backward()
-                        del out
-            except BaseException as error:
-                if not is_out_of_memory(error):
-                    raise
-                failed = True
-            if not failed:
-                peak = memory.peak()
-        module.train(was_training)
-        for p, grad in grads:  # gradients as they were (None at fit start)
-            p.grad = grad
-        state.restore()
-        memory.empty_cache()
-        return peak
+        memory, state = self._device_memory(tracker), self._capture(module)
+        return measure_peak(
+            self._trainer.strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
+        )
 
     # ------------------------------------------------------------------ helpers
-    def _weights(self, batch: Any, parts: list[Any], sizes: list[int]) -> list[float]:
-        """Each micro-batch's share of the items its loss averages over (:mod:`~.counting` says which)."""
-        if len(parts) == 1:
-            return [1.0]
-        if self.count_fn is not None:
-            return micro_batch_weights(parts, sizes, self.count_fn)
-        if self._shift is _UNKNOWN:
-            self._shift = causal_shift(self._trainer.lightning_module)
-        count_fn, warning = choose_count(batch, self._shift, check_ignored=not self._warned)
-        if warning is not None and not self._warned:
-            self._warned = True
-            rank_zero_warn(warning)
-        if count_fn is not None and count_fn(batch) == 0:
-            count_fn = None  # nothing counted in the whole batch: its loss is NaN either way
-        return micro_batch_weights(parts, sizes, count_fn)
-
     def batch_size(self, batch: Any, module: Any) -> int:
         """Samples in ``batch``; ``len(batch)`` for batches only the user's ``split_fn`` can cut."""
-        try:
-            return batch_size(batch)
-        except (TypeError, ValueError):
-            if self._split_fn(module) is None:
-                raise
-            return len(batch)
-
-    def _split_fn(self, module: Any) -> Callable | None:
-        if self.split_fn is not None:
-            return self.split_fn
-        hook = getattr(module, "split_batch", None)
-        return hook if callable(hook) else None
-
-    def _device(self) -> torch.device:
-        return self._trainer.strategy.root_device
+        return self.splitter.batch_size(batch, module)
 
     def _device_memory(self, tracker: Any = None) -> Any:
-        device = self._device()
-        if device.type == "cuda":
-            return device_memory(device)
-        if tracker is not None:
-            return device_memory(device, tracker=tracker)
+        """The device's allocator (CUDA), else ``tracker`` (a MemoryTracker), else None (nothing to measure)."""
+        device = self._trainer.strategy.root_device
+        if device.type == "cuda" or tracker is not None:
+            return device_memory(device) if device.type == "cuda" else device_memory(device, tracker=tracker)
         return None
 
     def _memory_report(self) -> str:
@@ -651,11 +453,10 @@ class MicroBatchEngine:
         )
         trainer = self._trainer
         every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
-        if values == self._logged and trainer.global_step % every != 0:
-            return
-        self._logged = values
-        for name, value in values:
-            log(name, value, on_step=True, on_epoch=False, batch_size=1)
+        if values != self._logged or trainer.global_step % every == 0:
+            self._logged = values
+            for name, value in values:
+                log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
 
 def _return(value: Any) -> Any:

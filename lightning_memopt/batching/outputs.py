@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-__all__ = ["LogRecorder", "combine", "detach", "loss_of"]
+__all__ = ["LogRecorder", "StepOutputs", "combine", "detach", "loss_of"]
 
 
 class LogRecorder:
@@ -54,6 +54,35 @@ class LogRecorder:
             # one micro-batch, or values that cannot be averaged: log exactly what the user logged (the last)
             self.original_log(name, value, *args, **kwargs)
         self._records.clear()
+
+
+class StepOutputs:
+    """The full batch's loss and output, built from its micro-batches' as they run.
+
+    Args:
+        micro_batches: How many micro-batches the step runs as.
+    """
+
+    def __init__(self, micro_batches: int) -> None:
+        self.k = micro_batches
+        self.loss: Any = None  # the full batch's loss: the micro-batches' weighted by share, detached
+        self._extras: list[dict] = []  # the other keys of each micro-batch's output, detached
+
+    def add(self, output: Any, loss: torch.Tensor, weight: float) -> None:
+        """One micro-batch's ``training_step`` output, its loss, and its share of the batch."""
+        if weight > 0 or self.k == 1:  # NaN * 0 is NaN: leave a micro-batch that counts nothing out
+            part = loss.detach().float()
+            part = part * weight if self.k > 1 else part
+            self.loss = part if self.loss is None else self.loss + part
+        if isinstance(output, Mapping):
+            self._extras.append({k: detach(v) for k, v in output.items() if k != "loss"})
+
+    def output(self, sizes: list[int], weights: list[float]) -> dict | None:
+        """The other keys of the full batch's output (scalars weighted by share, per-sample tensors
+        joined), or None when ``training_step`` returned the loss alone."""
+        if not self._extras:
+            return None
+        return self._extras[0] if len(self._extras) == 1 else combine(self._extras, sizes, weights)
 
 
 def _is_number(value: Any) -> bool:
