@@ -1,33 +1,23 @@
 """The micro-batch engine: one optimizer batch run as k micro-batches, with OOM retry on every rank.
 
-The Lightning-facing wrappers (installed on the strategy at fit start) and the one retry loop that
-training, the optimizer step and evaluation share (:meth:`MicroBatchEngine.run_with_retry`). The
-Lightning names it relies on, and why, are in :mod:`lightning_memopt.batching.surface`.
-
-What one training step does (``_training_step``), top to bottom (each attempt through
-:meth:`MicroBatchEngine.run_with_retry`, the one retry loop of training, optimizer step and evaluation):
+The Lightning-facing wrappers, installed on the strategy at fit start (the Lightning names they rely on,
+and why: :mod:`~lightning_memopt.batching.surface`), and the one retry loop that training, the optimizer
+step and evaluation share, :meth:`MicroBatchEngine.run_with_retry`. One training step, top to bottom:
 
 1. Capture the step's start state (RNGs, buffers, torchmetrics, GradScaler) if OOM retry is on.
 2. Zero gradients; split the batch into micro-batches of ``micro_batch_size`` samples.
 3. For each micro-batch: the user's ``training_step`` (through the strategy, so DDP/FSDP forward and
-   autocast apply), its loss times its share of the items the loss averages over (samples, or
-   tokens that are not -100: :mod:`lightning_memopt.batching.counting`), scaled by the GradScaler,
-   ``.backward()``. Logged values are recorded, not logged yet.
-4. The attempt's regime (:mod:`lightning_memopt.batching.regime`, chosen once per attempt) says what
+   autocast apply), its loss times its share of the items the loss averages over
+   (:mod:`~lightning_memopt.batching.counting`), scaled by the GradScaler, ``.backward()``. Logged
+   values are recorded, not logged yet.
+4. The attempt's regime (:mod:`~lightning_memopt.batching.regime`, chosen once per attempt) says what
    runs around each micro-batch (``no_sync``, FSDP2 sync points), how the ranks agree whether any ran
-   out of memory, and what follows success (averaging gradients under DDP).
-5. On an out-of-memory error (anywhere in 3, on any rank): outside the ``except`` block, drop the
-   attempt's gradients, restore the start state, halve the micro-batch and run the batch again. At one
-   sample per micro-batch (two with BatchNorm in training mode), every rank raises
-   :class:`MicroBatchOOMError` (after agreeing, so no rank waits).
-6. Log each recorded value once, as the weighted mean over micro-batches (the full-batch value),
-   and return the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the
-   hooks.
-
-The small collectives each step costs, per strategy and mode, are counted in one place: the docstring
-of :mod:`lightning_memopt.batching.regime`. The size policy (halve, grow back, the BatchNorm floor) is
-:class:`~lightning_memopt.batching.policy.SizePolicy`; merging outputs and logged values is
-:mod:`lightning_memopt.batching.outputs`.
+   out of memory, and what follows success (averaging gradients under DDP). Its docstring is the one
+   place where the small collectives per step are counted.
+5. On an out-of-memory error (in 3, on any rank): drop the attempt, restore the start state, run the
+   batch again at the size :class:`~.policy.SizePolicy` picks, or raise :class:`MicroBatchOOMError`.
+6. Log each recorded value once, as the weighted mean over micro-batches (:mod:`~.outputs`), and return
+   the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the hooks.
 """
 
 from __future__ import annotations
@@ -43,25 +33,23 @@ from typing_extensions import override
 from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.errors import MicroBatchOOMError
 from lightning_memopt.batching.oom import is_out_of_memory
-from lightning_memopt.batching.outputs import LogRecorder, StepOutputs, combine, loss_of
+from lightning_memopt.batching.outputs import ChangedOrEvery, LogRecorder, StepOutputs, combine, loss_of
 from lightning_memopt.batching.policy import SizePolicy, halve_eval
 from lightning_memopt.batching.probe import measure_peak
 from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime, drop_attempt
-from lightning_memopt.batching.report import memory_report
+from lightning_memopt.batching.report import memory_of, memory_report
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import micro_batch_sizes
 from lightning_memopt.batching.splitter import Splitter
 from lightning_memopt.batching.state import OptimizerSnapshot, StepState
 from lightning_memopt.batching.surface import (
-    LIGHTNING_SURFACE,
     SkipNextZeroGrad,
     StrategyWrappers,
     check_accumulation,
     check_setup,
 )
-from lightning_memopt.memory.device import device_memory
 
-__all__ = ["LIGHTNING_SURFACE", "MicroBatchEngine", "MicroBatchOOMError"]
+__all__ = ["MicroBatchEngine", "MicroBatchOOMError"]
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 # One engine per Trainer. An engine refers to its Trainer only weakly (MicroBatchEngine._trainer): a value
@@ -71,20 +59,11 @@ _UNKNOWN = object()  # not looked at yet (the model's loss convention; its FSDP2
 T = TypeVar("T")
 
 
-class _Kept:
-    """An engine attribute kept on one of its parts (``policy``, ``splitter``), which the callbacks set."""
-
-    def __init__(self, part: str) -> None:
-        self.part = part
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, engine: Any, owner: type | None = None) -> Any:
-        return self if engine is None else getattr(getattr(engine, self.part), self.name)
-
-    def __set__(self, engine: Any, value: Any) -> None:
-        setattr(getattr(engine, self.part), self.name, value)
+def _kept(part: str, name: str) -> property:
+    """An engine attribute kept on one of its parts (``policy``, ``splitter``); the callbacks set it."""
+    return property(
+        lambda self: getattr(getattr(self, part), name), lambda self, v: setattr(getattr(self, part), name, v)
+    )
 
 
 class MicroBatchEngine(StrategyWrappers):
@@ -94,30 +73,26 @@ class MicroBatchEngine(StrategyWrappers):
     :meth:`install` / :meth:`uninstall`, which are counted, so two callbacks never wrap twice.
 
     Attributes:
-        micro_batch_size: Samples per training micro-batch; None runs the whole batch at once. This and
-            ``grow_after``, ``max_micro_batch_size``, ``smallest_failed_size``, ``oom_retries``,
-            ``clean_steps``, ``stable_steps`` live on :attr:`policy`.
+        micro_batch_size: Samples per training micro-batch; None runs the whole batch at once. It and the
+            other sizes and counters of :class:`SizePolicy` live on :attr:`policy`.
         eval_micro_batch_size: Samples per validation/test/predict micro-batch; None = whole batch.
         retry_on_oom: Catch out-of-memory errors, restore the step and retry with half the size.
         overlap_after: Under DDP/FSDP2 with OOM retry, after this many clean steps at one size, stop
             agreeing before the gradient sync (:mod:`~lightning_memopt.batching.regime`). None: never.
-        count_fn: ``count_fn(micro_batch) -> number`` of loss elements (e.g. non-padding tokens) for
-            losses that are a mean over something other than samples; None: the default of
-            :func:`~lightning_memopt.batching.counting.choose_count` (Hugging Face ``labels``, else samples).
-        split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut.
+        count_fn, split_fn: How batches are weighed and cut (they live on :attr:`splitter`).
         log_metrics: Log ``batching/*`` keys from the training step.
         last_regime: The name of the last training attempt's regime (``Regime.name``; None before one).
     """
 
-    micro_batch_size = _Kept("policy")
-    grow_after = _Kept("policy")
-    max_micro_batch_size = _Kept("policy")
-    smallest_failed_size = _Kept("policy")
-    oom_retries = _Kept("policy")
-    clean_steps = _Kept("policy")
-    stable_steps = _Kept("policy")
-    count_fn = _Kept("splitter")
-    split_fn = _Kept("splitter")
+    micro_batch_size = _kept("policy", "micro_batch_size")
+    grow_after = _kept("policy", "grow_after")
+    max_micro_batch_size = _kept("policy", "max_micro_batch_size")
+    smallest_failed_size = _kept("policy", "smallest_failed_size")
+    oom_retries = _kept("policy", "oom_retries")
+    clean_steps = _kept("policy", "clean_steps")
+    stable_steps = _kept("policy", "stable_steps")
+    count_fn = _kept("splitter", "count_fn")
+    split_fn = _kept("splitter", "split_fn")
 
     def __init__(self) -> None:
         super().__init__()
@@ -132,21 +107,17 @@ class MicroBatchEngine(StrategyWrappers):
         self.eval_oom_retries = 0
         self.last_failure: str | None = None
         self.last_regime: str | None = None
-        # machinery
         self._sharding: Any = _UNKNOWN  # regime.find_sharding of the model, found once per fit
         self._zero_grad = SkipNextZeroGrad()
         self._pending_backward = False
         self._state: StepState | None = None
-        self._logged: tuple = ()
+        self._metrics = ChangedOrEvery()
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def for_trainer(cls, trainer: Any) -> MicroBatchEngine:
         """The engine of ``trainer``, created on first use (both callbacks share it)."""
-        engine = _ENGINES.get(trainer)
-        if engine is None:
-            engine = _ENGINES[trainer] = cls()
-        return engine
+        return _ENGINES.get(trainer) or _ENGINES.setdefault(trainer, cls())
 
     def check(self, trainer: Any, pl_module: Any) -> None:
         """Refuse set-ups the engine cannot run exactly (:func:`~.surface.check_setup`)."""
@@ -256,7 +227,9 @@ class MicroBatchEngine(StrategyWrappers):
         self.policy.succeeded(retried=retries > 0, total=total)
         recorder.flush()
         if self.log_metrics:
-            self._log_engine_metrics(recorder.original_log)
+            size, k = self.micro_batch_size or total, self.num_micro_batches
+            values = {"micro_batch_size": size, "num_micro_batches": k, "oom_retries": self.oom_retries}
+            self._metrics.log(recorder.original_log, self._trainer, values)
         self._pending_backward = True
         loss = loss.requires_grad_(True)  # a fresh leaf: Lightning's backward call only fires the hooks
         return loss if extras is None else {**extras, "loss": loss}
@@ -266,8 +239,7 @@ class MicroBatchEngine(StrategyWrappers):
     ) -> tuple[torch.Tensor, dict | None, LogRecorder]:
         strategy = self._trainer.strategy
         module = strategy.lightning_module
-        parts = self.splitter.split(batch, sizes, module)
-        weights = self.splitter.weights(batch, parts, sizes, module)
+        parts, weights = self.splitter.cut(batch, sizes, module)
         scaler = getattr(strategy.precision_plugin, "scaler", None)
         self.num_micro_batches = len(parts)
         outputs = StepOutputs(len(parts))
@@ -303,13 +275,10 @@ class MicroBatchEngine(StrategyWrappers):
     def _optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        """The optimizer step with OOM retry.
-
-        An OOM in the step (clipping, ``on_before_optimizer_step``, the update) restores the step's start,
-        halves the micro-batch, runs the training step again and steps again. Distributed: the training
-        step (with its own agreement) runs first, so every rank reaches the step's agreement from the same
-        place; the first step at each size copies parameters and optimizer state to host memory and is
-        agreed on, and undone on every rank if one failed (the regime module has the counts).
+        """The optimizer step with OOM retry: an OOM in it (clipping, ``on_before_optimizer_step``, the
+        update) restores the step's start, runs the training step again at a smaller size and steps again.
+        Distributed: the training step (and its agreement) runs first, so every rank reaches the step's own
+        agreement (while sizes are unsettled, :mod:`~lightning_memopt.batching.regime`) from the same place.
         """
         original = self._originals["optimizer_step"]
         if not self.retry_on_oom:
@@ -353,8 +322,7 @@ class MicroBatchEngine(StrategyWrappers):
         self.policy.back_off(size, total=total, floor=smallest_micro_batch(module), failure=self.last_failure)
 
     def _empty_cache(self) -> None:
-        memory = self._device_memory()
-        if memory is not None:
+        if (memory := self._device_memory()) is not None:
             memory.empty_cache()
 
     def _capture(self, module: Any) -> StepState:
@@ -388,8 +356,7 @@ class MicroBatchEngine(StrategyWrappers):
         sizes = micro_batch_sizes(total, min(self.eval_micro_batch_size or total, total))
         if len(sizes) == 1:
             return original(batch, *rest, **kwargs)
-        parts = self.splitter.split(batch, sizes, module)
-        weights = self.splitter.weights(batch, parts, sizes, module)
+        parts, weights = self.splitter.cut(batch, sizes, module)
         outputs = []
         with LogRecorder(module) as recorder:
             for part, weight in zip(parts, weights):
@@ -400,21 +367,9 @@ class MicroBatchEngine(StrategyWrappers):
 
     # ------------------------------------------------------------------ probing
     def probe(self, batch: Any, size: int, *, tracker: Any = None, evaluation: bool = False) -> int | None:
-        """Run one forward and backward of ``size`` samples of ``batch``; leave every state as it was.
-
-        Weights are not touched (no optimizer step), gradients are dropped, and buffers, torchmetrics
-        states and RNGs are restored, so probing changes nothing a later step could see.
-
-        Args:
-            batch: A batch of at least ``size`` samples.
-            size: Samples to run.
-            tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure with (CPU and other
-                devices); None measures the CUDA allocator.
-            evaluation: Run the evaluation form: ``validation_step`` under ``no_grad``, no backward.
-
-        Returns:
-            The peak bytes of the probe, or None if it ran out of memory.
-        """
+        """Peak bytes of one training (``evaluation``: validation) micro-step of ``size`` samples of ``batch``,
+        None if it ran out of memory, leaving every state as it was (:func:`~.probe.measure_peak`).
+        ``tracker``: a :class:`~lightning_memopt.memory.MemoryTracker` where there is no CUDA allocator."""
         module = self._trainer.lightning_module
         total = self.batch_size(batch, module)
         part = self.splitter.split(batch, [size, total - size], module)[0] if size < total else batch
@@ -432,31 +387,12 @@ class MicroBatchEngine(StrategyWrappers):
         return self.splitter.batch_size(batch, module)
 
     def _device_memory(self, tracker: Any = None) -> Any:
-        """The device's allocator (CUDA), else ``tracker`` (a MemoryTracker), else None (nothing to measure)."""
-        device = self._trainer.strategy.root_device
-        if device.type == "cuda" or tracker is not None:
-            return device_memory(device) if device.type == "cuda" else device_memory(device, tracker=tracker)
-        return None
+        return memory_of(self._trainer.strategy.root_device, tracker)
 
     def _memory_report(self) -> str:
         trainer = self._trainer
         module = trainer.lightning_module
         return memory_report(module, trainer.optimizers, self.micro_batch_size, self._device_memory())
-
-    def _log_engine_metrics(self, log: Callable[..., Any]) -> None:
-        """Log ``batching/*`` when a value changed and every ``log_every_n_steps`` (when Lightning writes to
-        the logger); ``self.log`` costs about as much as a small step's arithmetic, so not every step."""
-        values = (
-            ("batching/micro_batch_size", float(self.micro_batch_size or self.policy.last_total or 0)),
-            ("batching/num_micro_batches", float(self.num_micro_batches)),
-            ("batching/oom_retries", float(self.oom_retries)),
-        )
-        trainer = self._trainer
-        every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
-        if values != self._logged or trainer.global_step % every == 0:
-            self._logged = values
-            for name, value in values:
-                log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
 
 def _return(value: Any) -> Any:

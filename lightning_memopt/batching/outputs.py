@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-__all__ = ["LogRecorder", "StepOutputs", "combine", "detach", "loss_of"]
+__all__ = ["ChangedOrEvery", "LogRecorder", "StepOutputs", "combine", "detach", "loss_of"]
 
 
 class LogRecorder:
@@ -148,3 +148,21 @@ def combine(outputs: list[Any], sizes: list[int], weights: list[float]) -> Any:
     if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
         return type(first)(combine(list(items), sizes, weights) for items in zip(*outputs))
     return outputs[-1]
+
+
+class ChangedOrEvery:
+    """Logs the ``batching/*`` values when one changed, and every ``log_every_n_steps`` (when Lightning
+    writes to the logger): ``self.log`` costs about as much as a small step's arithmetic, so not every step.
+    """
+
+    def __init__(self) -> None:
+        self._logged: dict[str, float] = {}
+
+    def log(self, log: Any, trainer: Any, values: dict[str, float]) -> None:
+        """Log ``batching/<name>`` for each of ``values`` through ``log`` (the module's own ``log``)."""
+        values = {f"batching/{name}": float(value) for name, value in values.items()}
+        every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
+        if values != self._logged or trainer.global_step % every == 0:
+            self._logged = values
+            for name, value in values.items():
+                log(name, value, on_step=True, on_epoch=False, batch_size=1)

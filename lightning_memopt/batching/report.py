@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.units import format_bytes
 
-__all__ = ["memory_report"]
+__all__ = ["memory_of", "memory_report"]
 
 
 def _bytes(tensors: Iterable[Any]) -> int:
@@ -44,3 +45,10 @@ def memory_report(module: torch.nn.Module, optimizers: Iterable[Any], size: int 
             f"  device peak {format_bytes(peak)} of capacity {format_bytes(memory.capacity() or 0)}",
         ]
     return "\n".join(lines)
+
+
+def memory_of(device: torch.device, tracker: Any = None) -> Any:
+    """What measures ``device``: its allocator (CUDA), else ``tracker`` (a MemoryTracker), else None."""
+    if device.type == "cuda":
+        return device_memory(device)
+    return None if tracker is None else device_memory(device, tracker=tracker)

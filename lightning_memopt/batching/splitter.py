@@ -55,6 +55,11 @@ class Splitter:
         """``batch`` cut into parts of ``sizes`` samples."""
         return split_batch(batch, sizes, split_fn=self._split_fn(module))
 
+    def cut(self, batch: Any, sizes: list[int], module: Any) -> tuple[list[Any], list[float]]:
+        """``batch`` cut into parts of ``sizes`` samples, and each part's weight (:meth:`weights`)."""
+        parts = self.split(batch, sizes, module)
+        return parts, self.weights(batch, parts, sizes, module)
+
     def weights(self, batch: Any, parts: list[Any], sizes: list[int], module: Any) -> list[float]:
         """Each micro-batch's share of the items its loss averages over (:mod:`~.counting` says which)."""
         if len(parts) == 1:

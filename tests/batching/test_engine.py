@@ -1,7 +1,7 @@
 import inspect
 import types
 
-from lightning_memopt.batching.engine import LIGHTNING_SURFACE
+from lightning_memopt.batching.surface import LIGHTNING_SURFACE
 
 
 class _Trainer(types.SimpleNamespace):
@@ -13,7 +13,7 @@ def test_lightning_surface_the_engine_relies_on_exists():
     for owner, name in LIGHTNING_SURFACE:
         # a class attribute, or an instance attribute its __init__ sets
         assert hasattr(owner, name) or f"self.{name} =" in inspect.getsource(owner.__init__), (
-            f"{owner.__name__}.{name} is gone: update lightning_memopt/batching/engine.py"
+            f"{owner.__name__}.{name} is gone: update lightning_memopt/batching/surface.py"
         )
     from lightning.pytorch.trainer.connectors.logger_connector import _LoggerConnector
 
