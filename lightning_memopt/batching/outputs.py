@@ -1,4 +1,4 @@
-"""One step's outputs and logged values from its micro-batches' (plain torch, no Lightning).
+"""One step's outputs and logged values from its micro-batches' (plain torch; Lightning only for its errors).
 
 A step run as k micro-batches must look like the unsplit step to everything after it: one loss, one
 output dict, one logged value per name. Scalars are averaged by each micro-batch's share of the items
