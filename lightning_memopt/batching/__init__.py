@@ -1,5 +1,8 @@
-"""Micro-batching core: splitting batches, OOM detection, the engine that runs them (plain torch,
-except ``engine.py``, the one module that touches Lightning internals)."""
+"""Micro-batching core: splitting batches, OOM detection, the engine that runs them.
+
+Plain torch, except the engine and the modules it drives with Lightning objects (``engine.py``,
+``surface.py``, whose ``LIGHTNING_SURFACE`` lists every Lightning name they use, ``regime.py``,
+``splitter.py``, ``probe.py``). Private torch APIs go through :mod:`lightning_memopt._compat`."""
 
 import warnings
 from typing import Any

@@ -13,6 +13,29 @@ convex, the line through the two largest fitting sizes bounds the answer from ab
 the bracket bounds it from below. Long extrapolations go through stepping stones, a probe that runs out
 of memory is followed by a back-off and then bisection, and bisection takes over whenever it is sure to
 end within 2.5%. The search always ends on a size that was probed and fitted.
+
+The rules, in order (:func:`find_micro_batch_size`): probe ``start``; from one measured point, jump to
+the largest size that surely fits if peak memory is proportional to size (or double, whichever is
+larger). From two fitting points, fit the line ``fixed + per_sample * size`` through the two largest; no
+larger size than its prediction fits a convex curve. When the newest point is off the line through the
+two before it, the curve bends: fit the parabola through the three largest and probe 2% short of its
+prediction; when the line held, probe the line's prediction itself; when the newest point is the first
+off a line that three points had confirmed (a kink: the peak moved to a steeper phase), probe 60% of the
+way to the prediction, which measures the new slope. When the prediction is at least 90% of ``max_size``
+and the line does not rule ``max_size`` out, probe ``max_size`` (and, if it fails, the prediction). A
+prediction more than 4 times the largest fitting size is approached through a stepping stone (the
+geometric mean of the two, but at least a sixth of the prediction): small batches often peak in a phase
+that grows more slowly than the activations of large ones. A probe measured over the budget (between
+``capacity * (1 - headroom)`` and ``capacity``) brackets the answer with a peak: the next probe is the
+parabola's crossing through the two brackets and the nearest third point, kept between the chord's
+crossing (which fits) and the line's bound; the last probe takes the chord's. A probe that runs out of
+memory is followed by one 80% of the way back to the largest fitting size, then by bisection, or by
+bisection at once when it is sure to end on the answer or within 2.5% of it. The search stops when the
+largest fitting size is known exactly, when the line rules out every larger size, or after
+``max_probes`` probes. Sizes are any integers in ``[min_size, max_size]``. On the 4,500 random curves of
+``benchmarks/batching.py`` (affine, convex, strongly convex and kinked), 6 probes reach 97% of the true
+maximum on 4,392, every affine one exactly; 107 of the 108 misses are kinked curves, 70 of them with the
+steeper phase starting past the second-largest size that fitted, so that at most one probe saw it.
 """
 
 from __future__ import annotations
@@ -22,9 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_memopt._checks import check_positive_int
+from lightning_memopt._compat import BatchNormBase
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.memory.budget import check_headroom, usable_bytes
 from lightning_memopt.memory.units import parse_bytes
@@ -69,7 +92,7 @@ def smallest_micro_batch(module: nn.Module, *, training: bool = True) -> int:
     BatchNorm normalizes over the micro-batch: with one sample its statistics are those of one sample
     (and torch refuses outright when there is one value per channel). Evaluation uses running statistics.
     """
-    if training and any(isinstance(m, _BatchNorm) and m.training for m in module.modules()):
+    if training and any(isinstance(m, BatchNormBase) and m.training for m in module.modules()):
         return 2
     return 1
 
@@ -157,28 +180,9 @@ def find_micro_batch_size(
 ) -> SizingResult:
     """Find the largest micro-batch size whose peak memory fits ``capacity * (1 - headroom)``.
 
-    The search: probe ``start``; from one measured point, jump to the largest size that surely fits if
-    peak memory is proportional to size (or double, whichever is larger). From two fitting points, fit
-    the line ``fixed + per_sample * size`` through the two largest; no larger size than its prediction
-    fits a convex curve. When the newest point is off the line through the two before it, the curve
-    bends: fit the parabola through the three largest and probe 2% short of its prediction; when the
-    line held, probe the line's prediction itself; when the newest point is the first off a line that
-    three points had confirmed (a kink: the peak moved to a steeper phase), probe 60% of the way to the
-    prediction, which measures the new slope. When the prediction is at least 90% of ``max_size`` and
-    the line does not rule ``max_size`` out, probe ``max_size`` (and, if it fails, the prediction). A
-    prediction more than 4 times the largest fitting size is approached through a stepping stone (the
-    geometric mean of the two, but at least a sixth of the prediction): small batches often peak in a
-    phase that grows more slowly than the activations of large ones. A probe measured over the budget (between ``capacity * (1 - headroom)``
-    and ``capacity``) brackets the answer with a peak: the next probe is the parabola's crossing through
-    the two brackets and the nearest third point, kept between the chord's crossing (which fits) and the
-    line's bound; the last probe takes the chord's. A probe that runs out of memory is followed by one
-    80% of the way back to the largest fitting size, then by bisection, or by bisection at once when it
-    is sure to end on the answer or within 2.5% of it. The search stops when the largest fitting size is
-    known exactly, when the line rules out every larger size, or after ``max_probes`` probes. Sizes are
-    any integers in ``[min_size, max_size]``. On the 4,500 random curves of ``benchmarks/batching.py``
-    (affine, convex, strongly convex and kinked), 6 probes reach 97% of the true maximum on 4,392, every
-    affine one exactly; 107 of the 108 misses are kinked curves, 70 of them with the steeper phase
-    starting past the second-largest size that fitted, so that at most one probe saw it.
+    The search (the module docstring has its rules and its measured accuracy) fits the memory curve to
+    the probes and predicts the largest size under the budget; sizes are any integers in
+    ``[min_size, max_size]``.
 
     Args:
         probe: ``probe(size)`` runs one training micro-step on ``size`` samples and returns its peak
@@ -211,65 +215,74 @@ def find_micro_batch_size(
         >>> result.size, result.probes
         (100, [(1, 1010), (2, 1020), (16, 1160), (40, 1400), (100, 2000)])
     """
+    capacity, headroom, start = _check_search(max_size, min_size, max_probes, capacity, headroom, start)
+    budget = usable_bytes(capacity, headroom, None, name="capacity")  # the package's one rule
+    probes = _Probes(probe, budget)
+    model: MemoryModel | None = None
+    size: int | None = start
+    while size is not None and len(probes.log) < max_probes:
+        probes.run(size)
+        if not probes.good():
+            if min_size in probes.peaks:
+                peak = probes.peaks[min_size]
+                raise NoSizeFits(
+                    f"even min_size={min_size} does not fit: its probe "
+                    + ("ran out of memory" if peak is None else f"peaked at {peak} bytes")
+                    + f", over the budget of {budget} bytes (capacity {capacity}, headroom {headroom}); "
+                    "free memory (activation checkpointing, a smaller model) or raise capacity"
+                )
+            size = min_size  # the first probe was too large: start again from the bottom
+            continue
+        fitted, size = _next_size(probes.peaks, budget, max_size, max_probes - len(probes.log))
+        model = fitted or model
+    if not probes.good():  # max_probes ran out before anything fitted
+        raise NoSizeFits(
+            f"no probed size fitted the budget of {budget} bytes within max_probes={max_probes} "
+            f"(probes: {probes.log}); raise max_probes or free memory"
+        )
+    return SizingResult(size=max(probes.good()), budget=budget, probes=probes.log, model=model)
+
+
+def _check_search(
+    max_size: int, min_size: int, max_probes: int, capacity: int | str, headroom: float, start: int | None
+) -> tuple[int, float, int]:
+    """:func:`find_micro_batch_size`'s arguments checked: ``capacity`` in bytes, ``headroom``, ``start``."""
     for name, value in (("max_size", max_size), ("min_size", min_size), ("max_probes", max_probes)):
         check_positive_int(name, value)
     if min_size > max_size:
         raise ValueError(f"min_size ({min_size}) must be at most max_size ({max_size}); lower min_size")
-    capacity = parse_bytes(capacity, name="capacity")
-    headroom = check_headroom(headroom)
-    if start is None:
-        start = min_size
+    capacity, headroom = parse_bytes(capacity, name="capacity"), check_headroom(headroom)
+    start = min_size if start is None else start
     if isinstance(start, bool) or not isinstance(start, int) or not min_size <= start <= max_size:
         raise ValueError(
             f"start must be an int in [min_size, max_size] = [{min_size}, {max_size}], got {start!r}"
         )
-    budget = usable_bytes(capacity, headroom, None, name="capacity")  # the package's one rule
+    return capacity, headroom, start
 
-    probes: list[tuple[int, int | None]] = []
-    peaks: dict[int, int | None] = {}
 
-    def run(size: int) -> None:
+class _Probes:
+    """The probes of one search, in order, and their peaks."""
+
+    def __init__(self, probe: Callable[[int], int | None], budget: int) -> None:
+        self.probe, self.budget = probe, budget
+        self.log: list[tuple[int, int | None]] = []
+        self.peaks: dict[int, int | None] = {}
+
+    def run(self, size: int) -> None:
         try:
-            peak = probe(size)
+            peak = self.probe(size)
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
             peak = None
         if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int) or peak <= 0):
             raise ValueError(f"probe({size}) must return peak bytes as a positive int or None, got {peak!r}")
-        probes.append((size, peak))
-        peaks[size] = peak
+        self.log.append((size, peak))
+        self.peaks[size] = peak
 
-    def fits(size: int) -> bool:
-        return peaks[size] is not None and peaks[size] <= budget
-
-    model: MemoryModel | None = None
-    size: int | None = start
-    while size is not None and len(probes) < max_probes:
-        run(size)
-        if not any(fits(s) for s in peaks):
-            if min_size in peaks:
-                raise NoSizeFits(
-                    f"even min_size={min_size} does not fit: its probe "
-                    + (
-                        "ran out of memory"
-                        if peaks[min_size] is None
-                        else f"peaked at {peaks[min_size]} bytes"
-                    )
-                    + f", over the budget of {budget} bytes (capacity {capacity}, headroom {headroom}); "
-                    "free memory (activation checkpointing, a smaller model) or raise capacity"
-                )
-            size = min_size  # the first probe was too large: start again from the bottom
-            continue
-        fitted, size = _next_size(peaks, budget, max_size, max_probes - len(probes))
-        model = fitted or model
-    good = [s for s in peaks if fits(s)]
-    if not good:  # max_probes ran out before anything fitted
-        raise NoSizeFits(
-            f"no probed size fitted the budget of {budget} bytes within max_probes={max_probes} "
-            f"(probes: {probes}); raise max_probes or free memory"
-        )
-    return SizingResult(size=max(good), budget=budget, probes=probes, model=model)
+    def good(self) -> list[int]:
+        """The probed sizes whose peak fitted the budget."""
+        return [s for s, p in self.peaks.items() if p is not None and p <= self.budget]
 
 
 def _next_size(
@@ -296,24 +309,53 @@ def _next_size(
             return model, None
 
     if hi <= max_size and peaks[hi] is not None:
-        # Bracketed by a measured peak over the budget. The chord between the two brackets lies above a
-        # convex curve, so its crossing fits; a parabola through the brackets and the nearest third point
-        # estimates the crossing itself. The last probe takes the chord's, the one sure to fit.
-        chord = MemoryModel.through(point[lo], point[hi])
-        lower = max(lo, chord.largest_fitting(budget))
-        model, estimate = chord, lower
-        near = good[-2:-1] + [s for s in bad[1:2] if peaks[s] is not None]
-        if near:
-            third = min(near, key=lambda s: min(abs(s - lo), abs(s - hi)))
-            parabola = MemoryModel.through3(point[third], point[lo], point[hi])
-            if parabola.curvature > 0:
-                model, estimate = parabola, parabola.largest_fitting(budget)
-        estimate = min(max(estimate, lower), upper)
-        if left <= 1 or estimate <= lo:
-            estimate = max(lower, lo + 1)
-        return model, int(min(estimate, hi - 1))
+        return _between(peaks, point, good, bad, budget, upper, left)
+    return _beyond(peaks, point, good, budget, max_size, upper, model, left)
 
-    # Extrapolating from below (the smallest failing size, if any, ran out of memory: no peak to use).
+
+def _between(
+    peaks: dict[int, int | None],
+    point: dict[int, tuple[int, int | None]],
+    good: list[int],
+    bad: list[int],
+    budget: int,
+    upper: float,
+    left: int,
+) -> tuple[MemoryModel, int]:
+    """The next probe when the answer is bracketed by a measured peak over the budget (``bad[0]``)."""
+    lo, hi = good[-1], bad[0]
+    # The chord between the two brackets lies above a convex curve, so its crossing fits; a parabola
+    # through the brackets and the nearest third point estimates the crossing itself. The last probe
+    # takes the chord's, the one sure to fit.
+    chord = MemoryModel.through(point[lo], point[hi])
+    lower = max(lo, chord.largest_fitting(budget))
+    model, estimate = chord, lower
+    near = good[-2:-1] + [s for s in bad[1:2] if peaks[s] is not None]
+    if near:
+        third = min(near, key=lambda s: min(abs(s - lo), abs(s - hi)))
+        parabola = MemoryModel.through3(point[third], point[lo], point[hi])
+        if parabola.curvature > 0:
+            model, estimate = parabola, parabola.largest_fitting(budget)
+    estimate = min(max(estimate, lower), upper)
+    if left <= 1 or estimate <= lo:
+        estimate = max(lower, lo + 1)
+    return model, int(min(estimate, hi - 1))
+
+
+def _beyond(
+    peaks: dict[int, int | None],
+    point: dict[int, tuple[int, int | None]],
+    good: list[int],
+    budget: int,
+    max_size: int,
+    upper: float,
+    model: MemoryModel | None,
+    left: int,
+) -> tuple[MemoryModel | None, int]:
+    """The next probe extrapolating from below (the smallest failing size, if any, ran out of memory:
+    no peak to use)."""
+    lo = good[-1]
+    hi = min((s for s in peaks if s not in good), default=max_size + 1)
     straight = kink = False
     if len(good) == 1:
         # If peak memory were proportional to size (no fixed part) this size would just fit; with a
@@ -329,25 +371,8 @@ def _next_size(
         parabola = MemoryModel.through3(point[g3], point[g2], point[lo])
         if not straight and parabola.curvature > 0:
             model, estimate = parabola, min(parabola.largest_fitting(budget), upper)
-
     if hi <= max_size:
-        # Below a size that ran out of memory.
-        if hi - lo <= 2**left or (lo / hi) ** (0.5**left) >= _BISECT_WITHIN:
-            # Bisection (by size, or by ratio) ends on the answer, or close enough, with the probes left.
-            estimate = (lo + hi) // 2 if hi - lo <= 2**left else math.isqrt(lo * hi)
-        else:
-            # Back off from it (80% of the way after one miss, then bisect), unless the model says less.
-            misses = 0  # probes in a row that ran out of memory
-            for peak in reversed(peaks.values()):
-                if peak is not None:
-                    break
-                misses += 1
-            step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
-            if hi == max_size and misses == 1 and lo < estimate < hi:
-                # The whole batch was tried on an estimate below it and failed: probe the estimate.
-                estimate -= math.floor(_SHORT_BY * (estimate - lo))
-            else:
-                estimate = min(estimate, lo + math.floor(step * (hi - lo)))
+        estimate = _below_failure(peaks, lo, hi, estimate, max_size, left)
     elif _MAX_JUMP * lo < estimate < math.inf:
         estimate = max(math.isqrt(lo * estimate), math.floor(_MIN_STONE * estimate))  # a stepping stone
     elif len(good) >= 2 and upper >= max_size and estimate >= _WHOLE * max_size:
@@ -357,6 +382,26 @@ def _next_size(
     elif model is not None and estimate < math.inf and not straight:
         estimate -= math.floor(_SHORT_BY * (estimate - lo))
     return model, int(min(max(estimate, lo + 1), hi - 1, max_size))
+
+
+def _below_failure(
+    peaks: dict[int, int | None], lo: int, hi: int, estimate: float, max_size: int, left: int
+) -> float:
+    """The next probe between ``lo`` (fits) and ``hi`` (ran out of memory)."""
+    if hi - lo <= 2**left or (lo / hi) ** (0.5**left) >= _BISECT_WITHIN:
+        # Bisection (by size, or by ratio) ends on the answer, or close enough, with the probes left.
+        return (lo + hi) // 2 if hi - lo <= 2**left else math.isqrt(lo * hi)
+    # Back off from it (80% of the way after one miss, then bisect), unless the model says less.
+    misses = 0  # probes in a row that ran out of memory
+    for peak in reversed(peaks.values()):
+        if peak is not None:
+            break
+        misses += 1
+    step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
+    if hi == max_size and misses == 1 and lo < estimate < hi:
+        # The whole batch was tried on an estimate below it and failed: probe the estimate.
+        return estimate - math.floor(_SHORT_BY * (estimate - lo))
+    return min(estimate, lo + math.floor(step * (hi - lo)))
 
 
 def _on_line(a: tuple[int, int], b: tuple[int, int], c: tuple[int, int]) -> bool:

@@ -22,12 +22,11 @@ class OOMBackoff(MicroBatchingCallback):
     same batch runs again as twice as many micro-batches, whose gradients accumulate to the same update.
     Under DDP and FSDP2 (``ModelParallelStrategy``) every rank retries with the same size, wherever the
     OOM happened on whichever rank, so no rank waits in a collective that another will never reach:
-    under DDP the ranks agree with one 8-byte all-reduce per step; under FSDP2 a sync point runs before
-    each of FSDP's all-gathers and reduce-scatters (see :mod:`lightning_memopt.batching.engine` for the
-    counts); the first optimizer step at each size is agreed on too, and undone on every rank if one
-    failed. Validation, test and predict steps halve their own micro-batch likewise. At one sample per
-    micro-batch (two for a model with BatchNorm layers in training mode, which cannot normalize one
-    sample) it raises :class:`~lightning_memopt.MicroBatchOOMError` with the step's memory breakdown
+    the ranks agree with small all-reduces (under FSDP2 before each of FSDP's collectives), counted per
+    step and strategy in one place, :mod:`lightning_memopt.batching.regime`; the first optimizer step at
+    each size is agreed on too, and undone on every rank if one failed. Validation, test and predict
+    steps halve their own micro-batch likewise. At one sample per micro-batch (two for a model with
+    BatchNorm layers in training mode, which cannot normalize one sample) it raises :class:`~lightning_memopt.MicroBatchOOMError` with the step's memory breakdown
     and a checklist of what to do.
 
     The retried step is exact: micro-batch losses are weighted as ``AutoAccumulation`` weighs them (by
@@ -50,7 +49,7 @@ class OOMBackoff(MicroBatchingCallback):
             the last one synchronizes gradients inside its backward, as DDP does without this callback
             (communication overlaps backward again; one 8-byte all-reduce per step). The price: an OOM
             in that last micro-batch cannot be retried on every rank and ends the run with
-            :class:`~lightning_memopt.batching.engine.MicroBatchOOMError`. Under FSDP2, after this many
+            :class:`~lightning_memopt.MicroBatchOOMError`. Under FSDP2, after this many
             steps in a row without an OOM at one size (any number of micro-batches), the micro-batches
             run without sync points and without agreement (no extra collective at all); any OOM then
             ends the run with ``MicroBatchOOMError`` on that rank, and the other ranks fail at their

@@ -1,7 +1,7 @@
 import inspect
 import types
 
-from lightning_memopt.batching.engine import LIGHTNING_SURFACE
+from lightning_memopt.batching.surface import LIGHTNING_SURFACE
 
 
 class _Trainer(types.SimpleNamespace):
@@ -13,8 +13,11 @@ def test_lightning_surface_the_engine_relies_on_exists():
     for owner, name in LIGHTNING_SURFACE:
         # a class attribute, or an instance attribute its __init__ sets
         assert hasattr(owner, name) or f"self.{name} =" in inspect.getsource(owner.__init__), (
-            f"{owner.__name__}.{name} is gone: update lightning_memopt/batching/engine.py"
+            f"{owner.__name__}.{name} is gone: update lightning_memopt/batching/surface.py"
         )
+    from lightning.pytorch.trainer.connectors.logger_connector import _LoggerConnector
+
+    assert "self.trainer.log_every_n_steps =" in inspect.getsource(_LoggerConnector.on_trainer_init)
     from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import Strategy
@@ -72,7 +75,6 @@ def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
     FSDP step that may communicate — forward all-gather, backward all-gather, reduce-scatter in the
     post-backward or in the final callback — comes right after one of the engine's sync points."""
     import os
-    import types
 
     import pytest
     import torch
@@ -81,7 +83,7 @@ def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from lightning_memopt.batching.engine import MicroBatchEngine, _PeerOutOfMemory, _SyncInBackward
+    from lightning_memopt.batching.regime import PeerOutOfMemory, SyncInBackward, drop_attempt, find_sharding
     from tests.distributed import free_port
 
     log = []
@@ -109,19 +111,18 @@ def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
         model = torch.nn.Sequential(first, torch.nn.ReLU(), last)
         for m in (first, last, model):  # the root has no parameters of its own: no sync points
             fully_shard(m)
-        engine = MicroBatchEngine()
-        trainer = _Trainer(strategy=types.SimpleNamespace(model=model))  # held here: engines hold it weakly
-        engine._trainer = trainer
+        sharding = find_sharding(model)
+        assert sharding.modules == [model, first, last] and sharding.owners == [first, last]
+        sync = [lambda: log.append("sync")]
         x = torch.randn(3, 4)
 
         def step() -> list[torch.Tensor]:
-            with engine._sync_points(armed=True):
+            with sharding.armed(lambda: sync[0]()):
                 loss = model(x).sum()
-                (loss,) = _SyncInBackward.apply(engine, True, loss)  # as the engine wraps each loss
+                (loss,) = SyncInBackward.apply(lambda: sync[0](), True, loss)  # as Sharded.wrap_loss does
                 loss.backward()
             return [p.grad.full_tensor().clone() for p in model.parameters()]
 
-        engine._sync_point = lambda: log.append("sync")
         grads = step()
         # Another rank ran out of memory in the first layer's backward: this rank learns it at the last
         # sync point, queued ahead of FSDP's final callback; the error leaves backward, and after the
@@ -133,16 +134,16 @@ def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):
         def peer_failed_at_the_last_sync_point() -> None:
             calls.append(1)
             if len(calls) == order.count("sync"):
-                raise _PeerOutOfMemory
+                raise PeerOutOfMemory
 
-        engine._sync_point = peer_failed_at_the_last_sync_point
-        with pytest.raises(_PeerOutOfMemory):
+        sync[0] = peer_failed_at_the_last_sync_point
+        with pytest.raises(PeerOutOfMemory):
             step()
         # the first layer computed its gradients and never reduce-scattered them: they sit on its
         # unsharded parameters, still registered on the module
         assert [p.grad is not None for p in first.parameters()] == [True, True]
-        engine._drop_attempt()  # what the engine's recovery does: drop gradients, then reset_iter_state
-        engine._sync_point = lambda: None
+        drop_attempt(model, sharding)  # the engine's recovery: drop gradients, then reset_iter_state
+        sync[0] = lambda: None
         assert all(torch.equal(a, b) for a, b in zip(step(), grads))
     finally:
         dist.destroy_process_group()

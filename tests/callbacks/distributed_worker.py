@@ -130,7 +130,7 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         "eval_oom_retries": callback.engine.eval_oom_retries if callback.engine else 0,
         "raised": injector.raised if injector is not None else 0,
         "probes": getattr(callback, "probes", []),
-        "overlapped": bool(callback.engine._overlapping or callback.engine._unsynced),
+        "overlapped": callback.engine.last_regime in ("overlapped", "unagreed"),
         "collectives": counter.per_step,
         "validation": validation,
         "val_sizes": val_sizes,

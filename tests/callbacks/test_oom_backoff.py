@@ -103,9 +103,9 @@ def test_oom_in_optimizer_step_retries(tmp_path, monkeypatch, distributed):
     """Distributed: one process posing as a rank; the first step at a size agrees after the optimizer step
     and retries (the 2-process tests in test_distributed.py check that the ranks stay equal)."""
     if distributed:
-        import lightning_memopt.batching.engine as engine_module
+        import lightning_memopt.batching.regime as regime_module
 
-        monkeypatch.setattr(engine_module, "is_distributed", lambda: True)
+        monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
     base = Net()
     fit(base, tmp_path=tmp_path)
     model = Net()
@@ -316,11 +316,11 @@ def test_overlap_mode_oom_in_the_last_micro_batch_raises(tmp_path, monkeypatch):
     """The overlap path, in one process posing as a DDP rank: an OOM after the sync point is an error."""
     import types
 
-    import lightning_memopt.batching.engine as engine_module
+    import lightning_memopt.batching.regime as regime_module
 
-    monkeypatch.setattr(engine_module.MicroBatchEngine, "_agreement_needed", lambda self: True)
-    monkeypatch.setattr(engine_module, "any_rank", lambda flag, device=None: bool(flag))
-    monkeypatch.setattr(engine_module, "_ddp_module", lambda strategy: types.SimpleNamespace())
+    monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
+    monkeypatch.setattr(regime_module, "any_rank", lambda flag, device=None: bool(flag))
+    monkeypatch.setattr(regime_module, "ddp_module", lambda strategy: types.SimpleNamespace())
     model = Net()
     calls = []
 
@@ -338,12 +338,14 @@ def test_overlap_mode_oom_in_the_last_micro_batch_raises(tmp_path, monkeypatch):
 def test_fsdp2_overlap_mode_oom_raises(tmp_path, monkeypatch):
     """FSDP2 once stable with overlap_after, in one process posing as a rank: no sync point ran, so an OOM
     is an error, and no collective was asked for."""
-    import lightning_memopt.batching.engine as engine_module
+    import lightning_memopt.batching.regime as regime_module
 
     agreements = []
-    monkeypatch.setattr(engine_module.MicroBatchEngine, "_agreement_needed", lambda self: True)
-    monkeypatch.setattr(engine_module, "any_rank", lambda flag, device=None: agreements.append(flag) or flag)
-    monkeypatch.setattr(engine_module.MicroBatchEngine, "_fsdp_modules", lambda self: [torch.nn.Linear(1, 1)])
+    monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
+    monkeypatch.setattr(regime_module, "any_rank", lambda flag, device=None: agreements.append(flag) or flag)
+    monkeypatch.setattr(
+        regime_module, "find_sharding", lambda model: regime_module.Sharding([torch.nn.Linear(1, 1)])
+    )
     model = Net()
     with (
         OOMInjector(model.net[-1], steps={1}, step_fn=lambda: model.trainer.global_step),
@@ -365,9 +367,9 @@ def test_training_step_returning_none_is_refused(tmp_path):
 
 
 def test_distributed_optimizer_step_oom_once_stable_raises(tmp_path, monkeypatch):
-    import lightning_memopt.batching.engine as engine_module
+    import lightning_memopt.batching.regime as regime_module
 
-    monkeypatch.setattr(engine_module, "is_distributed", lambda: True)
+    monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
     model = Net()
     with (
         OOMInjector(phase="step", steps={2}, step_fn=lambda: model.trainer.global_step),

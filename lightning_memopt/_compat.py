@@ -1,0 +1,61 @@
+"""The private torch APIs the package relies on, each behind one guard (verified on torch 2.13).
+
+Every use of a torch name that starts with an underscore goes through this module, so a torch upgrade
+that moves one breaks here, in one place, with a clear error, instead of in the middle of a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten, tree_unflatten  # private module; public behaviour since 1.10
+
+__all__ = [
+    "BatchNormBase",
+    "fsdp_module_type",
+    "in_backward",
+    "queue_backward_callback",
+    "reset_fsdp_iteration",
+    "tree_flatten",
+    "tree_unflatten",
+]
+
+#: The base of BatchNorm1d/2d/3d, SyncBatchNorm and the lazy BatchNorm classes (private, stable since 1.0).
+BatchNormBase = _BatchNorm
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward (e.g. an activation checkpoint recomputing its forward)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)  # private; present on torch 2.x
+    return task_id is not None and task_id() != -1
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward ends, ahead of callbacks queued after it (FSDP's)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def fsdp_module_type() -> type | None:
+    """``torch.distributed.fsdp.FSDPModule`` (FSDP2's ``fully_shard`` modules); None on a torch without it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
+def reset_fsdp_iteration(sharded: list[Any]) -> None:
+    """Put FSDP2 back to the start of an iteration after one that stopped half-way (``sharded``: root first).
+
+    torch >= 2.13 has ``reset_iter_state`` on the root, which reshards and clears the forward-root state;
+    earlier versions only reshard each module.
+    """
+    root = sharded[0]
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+    else:
+        for m in sharded:
+            m.reshard()

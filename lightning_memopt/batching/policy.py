@@ -1,0 +1,119 @@
+"""How the micro-batch size moves: halve on out-of-memory, grow back after clean steps (plain Python).
+
+The rules, in one place:
+
+- A step that ran out of memory at ``size`` retries at ``ceil(size / 2)``, never below the floor (1
+  sample; 2 for a model with BatchNorm layers in training mode, whose statistics need two). At the
+  floor, :class:`~lightning_memopt.batching.errors.MicroBatchOOMError` says what to do instead.
+- After ``grow_after`` clean steps in a row (no retry) at a reduced size, the size doubles, capped by
+  the size the fit started at and by one less than the smallest size that ever failed.
+- ``stable_steps`` counts steps that succeeded at the current size (after their retries); a new size,
+  smaller or larger, starts again from 0. The engine reads it to decide when sizes have settled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
+
+__all__ = ["SizePolicy"]
+
+
+@dataclass
+class SizePolicy:
+    """The training micro-batch size and the counters that move it.
+
+    Example::
+
+        >>> policy = SizePolicy(grow_after=2)
+        >>> policy.back_off(10, total=10, floor=1, failure="OOM")  # the whole batch failed
+        >>> policy.micro_batch_size
+        5
+        >>> policy.succeeded(retried=True, total=10)  # the step that backed off
+        >>> policy.succeeded(retried=False, total=10); policy.succeeded(retried=False, total=10)
+        >>> policy.micro_batch_size  # 10 failed: grows only up to 9
+        9
+    """
+
+    micro_batch_size: int | None = None
+    """Samples per training micro-batch; None runs the whole batch at once."""
+    grow_after: int | None = None
+    """Clean steps in a row after which a reduced size doubles; None: never grow."""
+    max_micro_batch_size: int | None = None
+    """The cap when growing back: the size the fit started at (set at the first back-off if not given)."""
+    smallest_failed_size: int | None = None
+    """The smallest size that ever ran out of memory: growth stays below it."""
+    oom_retries: int = 0
+    """Out-of-memory retries of training steps since the fit started."""
+    clean_steps: int = 0
+    """Steps in a row without a retry (towards ``grow_after``)."""
+    stable_steps: int = 0
+    """Steps in a row that succeeded at the current size (towards ``overlap_after``)."""
+    last_total: int | None = None
+    """Samples of the last batch that trained."""
+
+    def size_for(self, total: int) -> int:
+        """The micro-batch size of a batch of ``total`` samples."""
+        return min(self.micro_batch_size or total, total)
+
+    def back_off(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
+        """Record an out-of-memory error at ``size`` and pick half of it (at least ``floor``).
+
+        Args:
+            size: The micro-batch size that ran out of memory.
+            total: Samples of the batch.
+            floor: The smallest size the model can train on (2 with BatchNorm in training mode, else 1).
+            failure: What failed and the memory of the failed step, for the error message.
+
+        Raises:
+            MicroBatchOOMError: If ``size`` is already at the floor.
+        """
+        self.oom_retries += 1
+        self.clean_steps = self.stable_steps = 0
+        self.smallest_failed_size = min(self.smallest_failed_size or size, size)
+        if size <= 1:
+            raise MicroBatchOOMError(
+                "out of memory with one sample per micro-batch; splitting the batch further cannot help.\n"
+                f"{failure}\n{CHECKLIST}"
+            )
+        if size <= floor:
+            raise MicroBatchOOMError(
+                f"out of memory with {size} samples per micro-batch, the fewest a model with BatchNorm layers in "
+                f"training mode can run. {BATCHNORM_ADVICE}\n{failure}\n{CHECKLIST}"
+            )
+        if self.max_micro_batch_size is None:
+            self.max_micro_batch_size = self.micro_batch_size or total
+        self.micro_batch_size = max(math.ceil(size / 2), floor)
+
+    def succeeded(self, *, retried: bool, total: int) -> None:
+        """Record a step that trained (``retried``: after backing off), and grow when it is time."""
+        self.last_total = total
+        self.stable_steps += 1
+        if retried:
+            return
+        self.clean_steps += 1
+        if self.grow_after is None or self.clean_steps < self.grow_after or self.micro_batch_size is None:
+            return
+        cap = min(self.max_micro_batch_size or total, total)
+        if self.smallest_failed_size is not None:
+            cap = min(cap, self.smallest_failed_size - 1)
+        grown = min(self.micro_batch_size * 2, cap)
+        if grown > self.micro_batch_size:
+            self.micro_batch_size = grown
+            self.stable_steps = 0  # a new size is unsettled again
+        self.clean_steps = 0
+
+
+def halve_eval(size: int, *, hook: str, failure: str | None) -> int:
+    """The evaluation micro-batch after an out-of-memory error at ``size`` (no floor: running statistics).
+
+    Raises:
+        MicroBatchOOMError: If ``size`` is one sample.
+    """
+    if size <= 1:
+        raise MicroBatchOOMError(
+            f"out of memory in {hook} with one sample per micro-batch.\n{failure or 'on another rank'}\n{CHECKLIST}"
+        )
+    return math.ceil(size / 2)

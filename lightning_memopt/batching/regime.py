@@ -1,0 +1,430 @@
+"""The distributed regime of one attempt: what runs around each micro-batch, how a failure is agreed on,
+what happens after success. Chosen in one place, :func:`choose_regime`, once per attempt.
+
+The regimes (training unless said):
+
+- :class:`Regime` (local): one process, or OOM retry off. Every micro-batch but the last runs under
+  ``no_sync``; the last synchronizes gradients in its backward as DDP normally does. Evaluation and the
+  optimizer step in one process too.
+- :class:`Agreed`: DDP (or any data-parallel strategy) with retry. Every micro-batch runs under
+  ``no_sync``; the ranks agree once; then gradients are averaged. Evaluation under any distributed
+  strategy, and the first optimizer step at each size, agree the same way.
+- :class:`Overlapped`: DDP with ``overlap_after`` once stable and at least 2 micro-batches.
+- :class:`Sharded`: FSDP2 with retry: sync points before every FSDP collective.
+- :class:`Unagreed`: FSDP2 with ``overlap_after`` once stable, and settled optimizer steps under any
+  distributed strategy: no agreement; an OOM raises :class:`MicroBatchOOMError`.
+
+Under a distributed strategy with OOM retry (``OOMBackoff``), an OOM on any rank makes every rank drop
+the attempt and retry at the same size, and no rank waits in a collective that another will not reach.
+The rule that guarantees it: after any point where a rank can run out of memory, the next collective of
+every rank is a sync point (``any_rank``, an 8-byte all-reduce), which the failed rank answers "yes"
+from its recovery path. Small collectives per training step (tested exactly in
+``tests/callbacks/test_distributed.py``):
+
+- **DDP**: one agreement per step attempt, after the micro-batches (which run under ``no_sync``) and
+  before the gradients are averaged. With ``overlap_after`` once stable: one sync point before the last
+  micro-batch, which then synchronizes inside its backward (an OOM in it ends the run).
+- **FSDP2** (``ModelParallelStrategy``): FSDP all-gathers and reduce-scatters per sharded module inside
+  forward and backward, so a rank that failed inside one module cannot reach a peer that is already in
+  a later module's collective; one agreement per micro-batch is not enough. Sync points run, per
+  micro-batch, before each sharded module's forward all-gather, on the loss before backward, before
+  each sharded module's backward all-gather, before each reduce-scatter that FSDP runs in a module's
+  post-backward function, and before FSDP's final callback (see :meth:`Sharding.armed`):
+  ``2 P + R + 2`` per micro-batch for ``P`` sharded modules with parameters of their own, ``R`` of them
+  with inputs that require grad, plus the step's agreement (7 per micro-batch for two sharded layers).
+  Modules without parameters of their own (a root wrapping only sharded children) get none. With
+  ``overlap_after`` once stable: no sync point and no agreement (0 per step); an OOM then raises
+  :class:`MicroBatchOOMError` on that rank and the others fail at their next collective.
+- **Evaluation** (``validation_step`` etc., both): one agreement per attempt; under FSDP2 also the
+  forward sync points (``P`` per micro-batch).
+- **Optimizer step** (both): the first step at each micro-batch size — the fit's first, when optimizer
+  state is created lazily, and the first after every back-off or growth — copies parameters and
+  optimizer state to host memory, steps, and agrees once more; if any rank ran out of memory, every rank
+  restores the copy and backs off. Later steps at that size neither copy nor agree: an OOM in them
+  raises :class:`MicroBatchOOMError` on that rank, and the others fail at their next collective.
+
+Not covered: an OOM inside FSDP's or DDP's own communication buffers (the peer is already in that
+collective), and collectives inside the optimizer step itself (e.g. gradient-norm clipping under
+FSDP2) after a rank's OOM in the step's pre-work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+
+from lightning_memopt._compat import (
+    fsdp_module_type,
+    in_backward,
+    queue_backward_callback,
+    reset_fsdp_iteration,
+    tree_flatten,
+    tree_unflatten,
+)
+from lightning_memopt.batching.distributed import all_reduce_gradients, any_rank, is_distributed
+from lightning_memopt.batching.errors import CHECKLIST, MicroBatchOOMError
+from lightning_memopt.batching.state import drop_gradients
+
+__all__ = [
+    "Agreed",
+    "Overlapped",
+    "PeerOutOfMemory",
+    "Regime",
+    "Sharded",
+    "Sharding",
+    "SyncInBackward",
+    "Unagreed",
+    "choose_regime",
+    "ddp_module",
+    "drop_attempt",
+    "find_sharding",
+    "no_sync",
+    "sync_point",
+]
+
+Phase = Literal["training", "evaluation", "optimizer_step"]
+
+
+class PeerOutOfMemory(Exception):
+    """Raised at a sync point when another rank ran out of memory (FSDP2: collectives in forward/backward)."""
+
+
+def sync_point(device: torch.device) -> None:
+    """All ranks: has anyone run out of memory? (A rank that did answers from its recovery path.)
+
+    Raises:
+        PeerOutOfMemory: If another rank did.
+    """
+    if any_rank(False, device):
+        raise PeerOutOfMemory
+
+
+def ddp_module(strategy: Any) -> Any:
+    """The strategy's ``DistributedDataParallel`` model, or None."""
+    model = strategy.model
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+def no_sync(strategy: Any) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync`` through the strategy (a no-op context for strategies that are not parallel)."""
+    if isinstance(strategy, ParallelStrategy):
+        return strategy.block_backward_sync()
+    return contextlib.nullcontext()
+
+
+class Regime:
+    """Local: one process, or no OOM retry. The base of the distributed regimes.
+
+    Args:
+        strategy: The Trainer's strategy.
+    """
+
+    name = "local"
+    distributed = False  # the other ranks take part in this attempt's agreement or fail with this rank
+    agrees = False  # a failure is agreed on by every rank (the optimizer step snapshots its state then)
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.ddp = ddp_module(strategy)
+
+    def armed(self) -> contextlib.AbstractContextManager:
+        """Around all micro-batches of the attempt."""
+        return contextlib.nullcontext()
+
+    def around(self, index: int, last: bool) -> contextlib.AbstractContextManager:
+        """Around micro-batch ``index`` (its forward and backward)."""
+        sync = self._sync(last)
+        # DDP broadcasts rank 0's buffers in the first micro-batch's forward, as an unsplit forward would,
+        # and not in later ones (DDP itself stops after a `no_sync` forward, and a broadcast in a later
+        # micro-batch would be a collective that a rank which ran out of memory never reaches).
+        if self.ddp is not None:
+            self.ddp.require_forward_param_sync = index == 0
+        return sync
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else no_sync(self.strategy)
+
+    def wrap_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's (scaled) loss, ready for its backward."""
+        return loss
+
+    def failed(self, failure: str | None, peer: bool) -> bool:
+        """Whether the attempt failed on any rank. ``failure``: this rank's error and memory, or None;
+        ``peer``: another rank's failure was learned at a sync point (which was the agreement)."""
+        return peer or failure is not None
+
+    def succeeded(self) -> None:
+        """After an attempt that succeeded on every rank."""
+
+
+class Agreed(Regime):
+    """Every micro-batch under ``no_sync``, one agreement, then gradients averaged (if ``average``)."""
+
+    name = "agreed"
+    distributed = agrees = True
+
+    def __init__(self, strategy: Any, *, average: bool = False) -> None:
+        super().__init__(strategy)
+        self.average = average
+        self.sync = functools.partial(sync_point, strategy.root_device)
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        return no_sync(self.strategy)
+
+    def failed(self, failure: str | None, peer: bool) -> bool:
+        return peer or any_rank(failure is not None, self.strategy.root_device)
+
+    def succeeded(self) -> None:
+        if self.average:
+            all_reduce_gradients(self.strategy.model.parameters())
+
+
+class Overlapped(Agreed):
+    """DDP, stable: the ranks agree before the last micro-batch, which syncs gradients in its backward."""
+
+    name = "overlapped"
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.past_sync_point = False
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        if not last:
+            return no_sync(self.strategy)
+        self.sync()  # the agreement on the first k-1 micro-batches
+        self.past_sync_point = True
+        return contextlib.nullcontext()
+
+    def failed(self, failure: str | None, peer: bool) -> bool:
+        if failure is not None and self.past_sync_point:
+            # the other ranks are inside DDP's all-reduce and no agreement can reach them any more
+            raise MicroBatchOOMError(
+                "out of memory in the last micro-batch while DDP synchronizes gradients during backward "
+                "(OOMBackoff(overlap_after=...) mode); this cannot be retried on every rank. Keep "
+                f"overlap_after=None (the default) to make every OOM recoverable.\n{failure}"
+            )
+        if failure is None and not peer:
+            return False  # the sync point before the last micro-batch was this step's agreement
+        return super().failed(failure, peer)
+
+
+class Sharded(Agreed):
+    """FSDP2 with retry: sync points before every FSDP collective of every micro-batch, one agreement."""
+
+    name = "sharded"
+
+    def __init__(self, strategy: Any, sharding: Sharding) -> None:
+        super().__init__(strategy)
+        self.sharding = sharding
+
+    def armed(self) -> contextlib.AbstractContextManager:
+        return self.sharding.armed(self.sync)
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # FSDP2 reduce-scatters in every micro-batch's backward
+
+    def wrap_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # sync before the backward, and before FSDP's final callback after it
+        return SyncInBackward.apply(self.sync, True, loss)[0]
+
+
+class Unagreed(Regime):
+    """No agreement: an OOM on this rank raises ``MicroBatchOOMError`` (the others fail at their next
+    collective). ``message`` says why it cannot be retried; ``tail`` follows the failure."""
+
+    name = "unagreed"
+    distributed = True
+
+    def __init__(self, strategy: Any, message: str, tail: str = "") -> None:
+        super().__init__(strategy)
+        self.message, self.tail = message, tail
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # FSDP2 reduce-scatters in every micro-batch's backward
+
+    def failed(self, failure: str | None, peer: bool) -> bool:
+        if failure is not None:
+            raise MicroBatchOOMError(f"{self.message}\n{failure}{self.tail}")
+        return peer
+
+
+def choose_regime(
+    phase: Phase,
+    strategy: Any,
+    *,
+    retry: bool,
+    sharding: Sharding | None = None,
+    micro_batches: int = 1,
+    stable_steps: int = 0,
+    overlap_after: int | None = None,
+    size: int = 0,
+) -> Regime:
+    """The regime of one attempt of ``phase`` (the only place the regimes are chosen).
+
+    Args:
+        phase: What the attempt runs.
+        strategy: The Trainer's strategy.
+        retry: OOM retry is on (``OOMBackoff``).
+        sharding: The model's FSDP2 modules (None without FSDP2).
+        micro_batches: Micro-batches of the attempt (training).
+        stable_steps: Steps that succeeded in a row at the current size.
+        overlap_after: ``OOMBackoff(overlap_after=...)``.
+        size: The micro-batch size of the attempt (for the error message).
+    """
+    if not is_distributed():
+        return Regime(strategy)
+    if phase == "optimizer_step":
+        if stable_steps <= 1:  # the first clean step at this size
+            return Agreed(strategy)
+        return Unagreed(strategy, _SETTLED_STEP, "\n" + CHECKLIST)
+    if phase == "evaluation":
+        return Sharded(strategy, sharding) if retry and sharding is not None else Agreed(strategy)
+    if not retry:
+        return Regime(strategy)
+    stable = overlap_after is not None and stable_steps >= overlap_after
+    if sharding is not None and stable:
+        return Unagreed(strategy, _UNSYNCED.format(stable_steps, size, overlap_after))
+    if sharding is not None:
+        return Sharded(strategy, sharding)
+    if stable and micro_batches >= 2 and ddp_module(strategy) is not None:
+        return Overlapped(strategy)
+    return Agreed(strategy, average=True)
+
+
+_SETTLED_STEP = (
+    "out of memory in the optimizer step on this rank under a distributed strategy, at a micro-batch size that "
+    "had already stepped cleanly (the ranks agree on optimizer-step OOMs only for the first step at each "
+    "size); the other ranks have stepped, so the step cannot be retried."
+)
+_UNSYNCED = (
+    "out of memory under FSDP2 after {} clean steps at micro-batch size {}, with OOMBackoff(overlap_after={}): "
+    "the sync points that let every rank retry were off, so this cannot be retried on every rank. Keep "
+    "overlap_after=None (the default) to make every OOM recoverable."
+)
+
+
+# ---------------------------------------------------------------------- FSDP2 sync points
+class SyncInBackward(torch.autograd.Function):
+    """Identity on its tensors; its backward runs ``sync`` (and, with ``queue_final``, queues one more
+    ``sync`` to run when the backward ends, ahead of FSDP's final callback that it precedes)."""
+
+    @staticmethod
+    def forward(ctx, sync: Callable[[], None], queue_final: bool, *tensors: torch.Tensor):
+        ctx.sync, ctx.queue_final = sync, queue_final
+        ctx.set_materialize_grads(False)
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        if ctx.queue_final:
+            queue_backward_callback(ctx.sync)
+        ctx.sync()
+        return (None, None, *grads)
+
+
+def find_sharding(model: torch.nn.Module) -> Sharding | None:
+    """The FSDP2 (``fully_shard``) modules of ``model``; None without any (or without FSDP2)."""
+    fsdp = fsdp_module_type()
+    modules = [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
+    return Sharding(modules) if modules else None
+
+
+def drop_attempt(model: torch.nn.Module, sharding: Sharding | None) -> None:
+    """Drop a failed attempt's gradients and put FSDP2 back to the start of an iteration."""
+    # Gradients before the reset: a sharded module whose backward stopped between computing its
+    # gradients and reduce-scattering them still has its unsharded parameters registered, so this
+    # drops those gradients too. FSDP's reset_iter_state (torch 2.13) registers the sharded
+    # parameters again and keeps the unsharded ones' gradients, which the retry would add to (tested).
+    drop_gradients([model])
+    if sharding is not None:
+        sharding.reset()
+        drop_gradients([model])  # and the sharded parameters registered again
+
+
+class Sharding:
+    """The FSDP2 modules of a model, found once per fit (:func:`find_sharding`).
+
+    Args:
+        modules: The ``fully_shard`` modules, root first (the order of ``model.modules()``).
+    """
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+        ids = {id(m) for m in modules}
+        # The modules that manage parameters of their own: the ones whose hooks communicate.
+        self.owners = []
+        for m in modules:
+            inner = {id(p) for c in m.modules() if c is not m and id(c) in ids for p in c.parameters()}
+            if any(id(p) not in inner for p in m.parameters()):
+                self.owners.append(m)
+
+    def reset(self) -> None:
+        """After an attempt that failed inside a sharded module (FSDP mid-iteration: parameters gathered,
+        the forward root set): reshard and clear that state."""
+        reset_fsdp_iteration(self.modules)
+
+    @contextlib.contextmanager
+    def armed(self, sync: Callable[[], None]) -> Iterator[None]:
+        """Hooks that run ``sync`` before each FSDP2 all-gather and reduce-scatter of a micro-batch.
+
+        Per sharded module with parameters of its own, verified on torch 2.13 (FSDP2 registers its
+        pre-forward hook with ``prepend=True`` and its post-forward hook after the module's others):
+
+        - forward: a pre-hook prepended after ``fully_shard`` runs before FSDP's, which all-gathers;
+        - before its backward all-gather: a forward hook prepended before FSDP's post-forward registers
+          a tensor hook on the outputs; FSDP's post-forward then registers its pre-backward (all-gather,
+          prefetch of the next module) on the same tensors, and tensor hooks run in registration order;
+        - before its reduce-scatter: a forward pre-hook that runs after FSDP's (which put its
+          post-backward function on the inputs that require grad) puts :class:`SyncInBackward` on them,
+          so in backward the sync point runs before FSDP's post-backward;
+        - modules whose inputs need no gradient reduce-scatter in FSDP's final callback of the backward;
+          the micro-batch's loss carries a :class:`SyncInBackward` (:meth:`Sharded.wrap_loss`) whose
+          backward (the first node of the backward) syncs and queues a sync point ahead of FSDP's.
+        """
+        handles = []
+        for m in self.owners:
+            handles.append(m.register_forward_pre_hook(lambda *_: sync(), prepend=True))
+            handles.append(
+                m.register_forward_pre_hook(functools.partial(_before_reduce_scatter, sync), with_kwargs=True)
+            )
+            handles.append(
+                m.register_forward_hook(functools.partial(_before_backward_all_gather, sync), prepend=True)
+            )
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _before_reduce_scatter(sync: Callable[[], None], module: Any, args: tuple, kwargs: dict) -> Any:
+    if not torch.is_grad_enabled() or in_backward():  # no backward, or a checkpoint's recompute
+        return None
+    leaves, spec = tree_flatten((args, kwargs))
+    index = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not index:
+        return None
+    synced = SyncInBackward.apply(sync, False, *(leaves[i] for i in index))
+    for i, t in zip(index, synced):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
+def _before_backward_all_gather(sync: Callable[[], None], module: Any, args: Any, output: Any) -> None:
+    if not torch.is_grad_enabled() or in_backward():
+        return
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    fired = [False]
+
+    def hook(grad: torch.Tensor) -> None:
+        if not fired[0]:  # once per forward call, on whichever output's gradient comes first
+            fired[0] = True
+            sync()
+
+    for t in tensors:
+        t.register_hook(hook)

@@ -1,0 +1,68 @@
+"""SizePolicy without a Trainer: halving, the BatchNorm floor, growing back, never to a size that failed."""
+
+import doctest
+
+import pytest
+
+from lightning_memopt.batching import policy as policy_module
+from lightning_memopt.batching.errors import MicroBatchOOMError
+from lightning_memopt.batching.policy import SizePolicy, halve_eval
+
+
+def test_back_off_halves_rounding_up_and_remembers_the_start():
+    policy = SizePolicy()
+    assert policy.size_for(10) == 10  # None: the whole batch
+    policy.back_off(10, total=10, floor=1, failure="OOM")
+    assert (policy.micro_batch_size, policy.max_micro_batch_size, policy.smallest_failed_size) == (5, 10, 10)
+    policy.back_off(5, total=10, floor=1, failure="OOM")
+    assert (policy.micro_batch_size, policy.smallest_failed_size, policy.oom_retries) == (3, 5, 2)
+    assert policy.size_for(2) == 2  # never more than the batch
+
+
+def test_back_off_stops_at_one_sample_and_at_the_batchnorm_floor():
+    with pytest.raises(MicroBatchOOMError, match="one sample per micro-batch.*\nthe failure\n"):
+        SizePolicy(micro_batch_size=1).back_off(1, total=8, floor=1, failure="the failure")
+    with pytest.raises(MicroBatchOOMError, match="with 2 samples per micro-batch.*BatchNorm"):
+        SizePolicy(micro_batch_size=2).back_off(2, total=8, floor=2, failure="OOM")
+    policy = SizePolicy(micro_batch_size=3)
+    policy.back_off(3, total=8, floor=2, failure="OOM")
+    assert policy.micro_batch_size == 2  # ceil(3 / 2) = 2, the floor itself
+
+
+def test_grows_after_clean_steps_up_to_the_start_and_below_the_smallest_failure():
+    policy = SizePolicy(micro_batch_size=16, grow_after=2)
+    policy.back_off(16, total=16, floor=1, failure="OOM")  # 8
+    policy.back_off(8, total=16, floor=1, failure="OOM")  # 4, smallest failure 8
+    policy.succeeded(retried=True, total=16)  # the step that backed off counts as stable, not clean
+    assert (policy.clean_steps, policy.stable_steps) == (0, 1)
+    policy.succeeded(retried=False, total=16)
+    assert policy.micro_batch_size == 4
+    policy.succeeded(retried=False, total=16)
+    assert (policy.micro_batch_size, policy.clean_steps, policy.stable_steps) == (7, 0, 0)  # below 8
+    for _ in range(4):
+        policy.succeeded(retried=False, total=16)
+    assert policy.micro_batch_size == 7  # 8 failed once: never again
+    assert policy.last_total == 16
+
+
+def test_never_grows_without_grow_after_or_from_the_whole_batch():
+    policy = SizePolicy(micro_batch_size=4)
+    for _ in range(5):
+        policy.succeeded(retried=False, total=8)
+    assert policy.micro_batch_size == 4 and policy.stable_steps == 5
+    whole = SizePolicy(grow_after=1)
+    whole.succeeded(retried=False, total=8)
+    assert whole.micro_batch_size is None
+
+
+def test_evaluation_halves_without_a_floor():
+    assert halve_eval(5, hook="validation_step", failure=None) == 3
+    assert halve_eval(2, hook="validation_step", failure=None) == 1
+    with pytest.raises(
+        MicroBatchOOMError, match="in test_step with one sample per micro-batch.\non another rank"
+    ):
+        halve_eval(1, hook="test_step", failure=None)
+
+
+def test_docstring_example_runs():
+    assert doctest.testmod(policy_module).failed == 0
