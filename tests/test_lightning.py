@@ -1,7 +1,10 @@
 import lightning.pytorch as pl
 import pytest
+from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 
 from lightning_memopt._lightning import LIGHTNING_NAMES, has_name
+from lightning_memopt.batching.surface import LIGHTNING_SURFACE
 
 
 @pytest.mark.parametrize(("owner", "name"), LIGHTNING_NAMES, ids=lambda x: getattr(x, "__name__", x))
@@ -13,7 +16,7 @@ def test_the_names_exist_on_a_live_trainer():
     # has_name reads __init__'s source for instance attributes: check the real objects agree.
     trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     source = trainer.fit_loop._data_source
-    assert isinstance(trainer.fit_loop, LIGHTNING_NAMES[0][0]) and isinstance(source, LIGHTNING_NAMES[1][0])
+    assert isinstance(trainer.fit_loop, _FitLoop) and isinstance(source, _DataLoaderSource)
     assert source.instance is None  # set by fit(): the loaders or the module that makes them
 
 
@@ -25,6 +28,10 @@ def test_has_name_finds_class_attributes_fields_and_init_assignments_only():
             self.assigned = 1
 
     assert has_name(Plain, "kind") and has_name(Plain, "assigned")
-    assert has_name(LIGHTNING_NAMES[1][0], "instance") and has_name(LIGHTNING_NAMES[1][0], "name")
+    assert has_name(_DataLoaderSource, "instance") and has_name(_DataLoaderSource, "name")
     assert not has_name(Plain, "missing")
-    assert not has_name(LIGHTNING_NAMES[0][0], "_no_such_source")
+    assert not has_name(_FitLoop, "_no_such_source")
+
+
+def test_the_one_list_holds_the_engines_names_too():
+    assert set(LIGHTNING_SURFACE) <= set(LIGHTNING_NAMES) and (_FitLoop, "_data_source") in LIGHTNING_NAMES

@@ -28,7 +28,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.trainer.connectors.logger_connector import _LoggerConnector
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -60,7 +60,6 @@ LIGHTNING_SURFACE = (
     (Trainer, "current_epoch"),
     (Trainer, "global_step"),
     (_LoggerConnector, "on_trainer_init"),  # sets trainer.log_every_n_steps (an instance attribute)
-    (FSDPStrategy, "_activation_checkpointing_kwargs"),  # an instance attribute; read by AutoCheckpoint
 )
 
 

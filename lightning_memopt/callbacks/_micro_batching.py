@@ -6,11 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_memopt._checks import check_bool
 from lightning_memopt.batching.engine import MicroBatchEngine
+from lightning_memopt.callbacks._hooks import ReleasingCallback
 
 # The options both callbacks take, with the call each must accept (for error messages).
 _SHARED = {
@@ -19,7 +20,7 @@ _SHARED = {
 }
 
 
-class MicroBatchingCallback(Callback):
+class MicroBatchingCallback(ReleasingCallback):
     """Base of the callbacks that split batches: installs the Trainer's shared engine in ``setup`` and
     removes it in ``teardown``, or in ``on_exception`` when the fit raised (Lightning then skips the
     callbacks' ``teardown``); subclasses configure it in :meth:`_configure`.
@@ -37,6 +38,7 @@ class MicroBatchingCallback(Callback):
         count_fn: Callable[[Any], float] | None = None,
         split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
     ) -> None:
+        check_bool("log", log)
         for name, fn in (("count_fn", count_fn), ("split_fn", split_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable, {_SHARED[name]}, or None; got {fn!r}")
@@ -71,26 +73,12 @@ class MicroBatchingCallback(Callback):
         self._holds_install = True
         self._installed()
 
+    @override
     def _release(self) -> None:
         """Undo this callback's install once, whichever of ``teardown`` / ``on_exception`` comes first."""
         if self._engine is not None and self._holds_install:
             self._holds_install = False
             self._engine.uninstall()
-        # Lightning binds the module's `log`/`log_dict` to every callback (CallbackConnector); a callback the
-        # user keeps after fit would keep the module, and through it the Trainer, alive.
-        for name in ("log", "log_dict"):
-            vars(self).pop(name, None)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._release()
-
-    @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        # Lightning calls on_exception, not teardown, when fit raises: the strategy must not stay wrapped.
-        self._release()
 
 
 def _shared_option(trainer: pl.Trainer, name: str) -> Any:

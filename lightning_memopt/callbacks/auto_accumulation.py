@@ -84,7 +84,7 @@ class AutoAccumulation(MicroBatchingCallback):
 
     Raises:
         ValueError: For a bad argument (see the message), or ``max_memory`` with ``micro_batch_size``.
-        TypeError: If ``count_fn`` or ``split_fn`` is not callable.
+        TypeError: If ``count_fn`` or ``split_fn`` is not callable, or ``log`` is not a bool.
         MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
             ``accumulate_grad_batches > 1``, or a different ``count_fn``/``split_fn`` on ``OOMBackoff``.
         MicroBatchOOMError: At the first step, when even the smallest micro-batch does not fit.

@@ -155,7 +155,7 @@ class AutoCheckpoint(ReleasingCallback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        # FSDPStrategy's, listed (and tested) in batching/engine.py's LIGHTNING_SURFACE.
+        # FSDPStrategy's, listed (and tested) in lightning_memopt/_lightning.py.
         if getattr(strategy, "_activation_checkpointing_kwargs", None):
             return self._step_aside("the strategy (FSDPStrategy's activation_checkpointing_policy)")
         capacity = device_memory(strategy.root_device, tracker=MemoryTracker()).capacity()

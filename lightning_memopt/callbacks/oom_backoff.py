@@ -74,7 +74,7 @@ class OOMBackoff(MicroBatchingCallback):
 
     Raises:
         ValueError: If ``grow_after`` is not a positive int, or ``overlap_after`` not an int >= 0.
-        TypeError: If ``count_fn`` or ``split_fn`` is not callable.
+        TypeError: If ``count_fn`` or ``split_fn`` is not callable, or ``log`` is not a bool.
         MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
             ``accumulate_grad_batches > 1`` (make the DataLoader batch the optimizer batch instead), or a
             different ``count_fn``/``split_fn`` on ``AutoAccumulation``.

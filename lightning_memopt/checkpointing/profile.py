@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from lightning_memopt._compat import in_backward
 from lightning_memopt.checkpointing.apply import (
     _STATE,
     CHOICES,
@@ -169,11 +170,6 @@ def _detach(value):
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward (where checkpointed blocks recompute their forward)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 @contextlib.contextmanager
 def record_block_inputs(
     blocks: Iterable[tuple[str, nn.Module]], is_held: Callable[[torch.Tensor], bool] | None = None
@@ -192,7 +188,7 @@ def record_block_inputs(
 
     def pre_hook(name):
         def hook(module, a, kw):
-            if not _in_backward():
+            if not in_backward():
                 first = next(iter(_tensors((a, kw))), None)
                 last = last_output[0]
                 chained = first is not None and last is not None and _storage_key(first) == _storage_key(last)
@@ -212,7 +208,7 @@ def record_block_inputs(
         return hook
 
     def post_hook(module, a, kw, out):
-        if not _in_backward():
+        if not in_backward():
             last_output[0] = next(iter(_tensors(out)), None)
 
     handles = []
@@ -497,7 +493,7 @@ class ActivationMeter:
 
         def pre(name):
             def hook(module, args):
-                if torch.is_grad_enabled() and not _in_backward():  # the last forward counts, as above
+                if torch.is_grad_enabled() and not in_backward():  # the last forward counts, as above
                     start[name] = self.tracker.current_breakdown["activations"]
 
             return hook

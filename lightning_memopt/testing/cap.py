@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memopt.checkpointing.profile import _in_backward
+from lightning_memopt._compat import in_backward
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
 from lightning_memopt.testing.oom import InjectedOOM, _out_of_memory, _rank
@@ -142,7 +142,7 @@ class MemoryCap:
         rank = _rank()
         if self.ranks is not None and rank not in self.ranks:
             return None
-        phase = "backward" if _in_backward() else "forward"
+        phase = "backward" if in_backward() else "forward"
         self.raised += 1
         self.events.append(InjectedOOM(phase, None, live, None, rank))
         return _out_of_memory(

@@ -398,3 +398,10 @@ def test_validation_oom_at_one_sample_raises(tmp_path):
     )
     with pytest.raises(MicroBatchOOMError, match="out of memory in validation_step with one sample"):
         trainer.validate(AlwaysOOM(), DataLoader(dataset(), batch_size=10))
+
+
+@pytest.mark.parametrize("cls", [OOMBackoff, AutoAccumulation])
+def test_log_must_be_a_bool(cls):
+    # 'no' is truthy: it used to log silently.
+    with pytest.raises(TypeError, match="log must be True or False, got 'no'; pass a bool, e.g. log=False"):
+        cls(log="no")
