@@ -82,11 +82,12 @@ class DataLoaderMonitor(ReleasingCallback):
             set the fastest on it and print the table. Which samples are seen, and their order, stay.
         tune_batches: Batches timed per candidate when tuning (default 16).
         log_every_n_steps: Log every this many training batches; default None: the Trainer's.
+        log: Log the ``data/*`` keys (default True); False still measures, warns and summarizes.
 
     Raises:
         ValueError: If ``threshold`` is not in (0, 1), ``window``, ``tune_batches`` or
             ``log_every_n_steps`` is not a positive int.
-        TypeError: If ``tune`` is not a bool.
+        TypeError: If ``tune`` or ``log`` is not a bool.
         pickle.PicklingError: At fit start, when the training DataLoader's workers cannot be started.
 
     Example::
@@ -108,6 +109,7 @@ class DataLoaderMonitor(ReleasingCallback):
         tune: bool = False,
         tune_batches: int = 16,
         log_every_n_steps: int | None = None,
+        log: bool = True,
     ) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
             raise ValueError(
@@ -119,6 +121,8 @@ class DataLoaderMonitor(ReleasingCallback):
         if log_every_n_steps is not None:
             check_positive_int("log_every_n_steps", log_every_n_steps)
         check_bool("tune", tune)
+        check_bool("log", log)
+        self.log_metrics = log  # not `self.log`: Lightning binds the module's log method onto callbacks
         self.threshold = float(threshold)
         self.window = window
         self.tune = tune
@@ -226,7 +230,7 @@ class DataLoaderMonitor(ReleasingCallback):
         log_now = self._batches % (self.log_every_n_steps or trainer.log_every_n_steps) == 0
         if log_now or self._judge_window.steps + self._meter.pending >= self.window:
             self._read()
-        if log_now and self._log_window.steps:
+        if log_now and self._log_window.steps and self.log_metrics:
             metrics = {f"data/{key}": value for key, value in self._log_window.as_metrics().items()}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)

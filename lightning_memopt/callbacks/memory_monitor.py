@@ -128,7 +128,7 @@ class MemoryMonitor(ReleasingCallback):
                     f"dirpath={str(dirpath)!r} only applies with report=True; drop it or pass report=True"
                 )
         # Not `self.log`: Lightning binds the module's `log` method onto every callback under that name.
-        self.log_enabled = log
+        self.log_metrics = log
         self.log_every_n_steps = log_every_n_steps
         self.breakdown = breakdown
         self.report = report
@@ -157,7 +157,7 @@ class MemoryMonitor(ReleasingCallback):
                     f"MemoryMonitor cannot write its report into {str(directory)!r}: {problem}. "
                     "Pass dirpath= a writable directory, or report=False"
                 )
-        if self.log_enabled and not trainer.loggers:
+        if self.log_metrics and not trainer.loggers:
             rank_zero_warn(
                 "MemoryMonitor: the Trainer has no logger, so the memory/* keys are not logged; the history"
                 " and the report are still recorded. Pass a logger (e.g. Trainer(logger=CSVLogger('logs')))"
@@ -203,7 +203,7 @@ class MemoryMonitor(ReleasingCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._peaks.step_end() or not self.log_enabled:
+        if not self._peaks.step_end() or not self.log_metrics:
             return
         if self._peaks.steps % (self.log_every_n_steps or trainer.log_every_n_steps) == 0:
             self._log(trainer, pl_module, self._peaks.take_window())
@@ -244,7 +244,7 @@ class MemoryMonitor(ReleasingCallback):
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         record = self._peaks.validation_end()
-        if record is not None and self.log_enabled:
+        if record is not None and self.log_metrics:
             self._log(trainer, pl_module, record)
 
     # ------------------------------------------------------------------ report

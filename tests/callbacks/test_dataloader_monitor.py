@@ -324,3 +324,17 @@ def test_lightning_cli_yaml(tmp_path):
     cli = LightningCLI(LoaderNet, args=["--config", str(config)], run=False, save_config_callback=None)
     (monitor,) = [c for c in cli.trainer.callbacks if isinstance(c, DataLoaderMonitor)]
     assert (monitor.threshold, monitor.window, monitor.tune) == (0.25, 8, True)
+
+
+def test_log_false_logs_nothing_and_still_diagnoses(clock):
+    logger = Capture()
+    monitor = DataLoaderMonitor(window=4, log_every_n_steps=2, log=False)
+    model = LoaderNet(clock, compute=COMPUTE, transfer=TRANSFER)
+    _, warned = _fit(monitor, model, DataLoader(CostlyItems(clock, ITEM), batch_size=4), logger=logger)
+    assert [m for _, m in logger.calls if any(k.startswith("data/") for k in m)] == []
+    assert len(warned) == 1 and monitor.times.steps == 8  # measured and judged all the same
+
+
+def test_log_must_be_a_bool():
+    with pytest.raises(TypeError, match="log must be True or False, got 'no'; pass a bool, e.g. log=False"):
+        DataLoaderMonitor(log="no")
