@@ -59,15 +59,9 @@ class OOMBackoff(MicroBatchingCallback):
             None. Shared with ``AutoAccumulation`` (give it to one of them).
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut.
             Default None. Shared with ``AutoAccumulation``.
-        log: Log the keys below from the training step. Default True.
-
-    Logged keys (per step, ``on_step=True``; shared with ``AutoAccumulation``):
-
-    ===============================  ===============================================================
-    ``batching/micro_batch_size``    samples per micro-batch of this step
-    ``batching/num_micro_batches``   micro-batches this step ran as
-    ``batching/oom_retries``         out-of-memory retries since the fit started (cumulative count)
-    ===============================  ===============================================================
+        log: Log the ``batching/*`` keys from the training step. Default True. They are the same keys
+            as :class:`~lightning_memopt.AutoAccumulation`'s (one engine drives both; its docstring has
+            the table).
 
     The micro-batch sizes and the count of clean steps towards ``grow_after`` are saved in checkpoints:
     a resumed run continues exactly as the uninterrupted one.

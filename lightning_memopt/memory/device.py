@@ -213,14 +213,21 @@ def measure_transfer_rate(device: torch.device | str, *, nbytes: int = 64 * 2**2
     Raises:
         ValueError: a device that is not CUDA, or ``nbytes``/``repeats`` below 1.
     """
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"measure_transfer_rate times copies on a CUDA device, got {str(device)!r}")
-    if nbytes < 1 or repeats < 1:
-        raise ValueError(f"nbytes and repeats must be >= 1, got nbytes={nbytes!r}, repeats={repeats!r}")
+    device = _timing_device("measure_transfer_rate times copies", device, nbytes=nbytes, repeats=repeats)
     return _round_trip_rate(
         pinned_empty(nbytes), torch.empty(nbytes, dtype=torch.uint8, device=device), repeats
     )
+
+
+def _timing_device(what: str, device: torch.device | str, **counts: int) -> torch.device:
+    """``device`` as a CUDA ``torch.device``, after checking it is one and that every count is >= 1."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"{what} on a CUDA device, got {str(device)!r}")
+    if any(n < 1 for n in counts.values()):
+        given = ", ".join(f"{k}={v!r}" for k, v in counts.items())
+        raise ValueError(f"{' and '.join(counts)} must be >= 1, got {given}")
+    return device
 
 
 def _round_trip_rate(host: torch.Tensor, on_device: torch.Tensor, repeats: int) -> float:
@@ -244,11 +251,7 @@ def measure_matmul_rate(
     Raises:
         ValueError: a device that is not CUDA, or ``size``/``repeats`` below 1.
     """
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"measure_matmul_rate times a matmul on a CUDA device, got {str(device)!r}")
-    if size < 1 or repeats < 1:
-        raise ValueError(f"size and repeats must be >= 1, got size={size!r}, repeats={repeats!r}")
+    device = _timing_device("measure_matmul_rate times a matmul", device, size=size, repeats=repeats)
     return _matmul_rate(torch.randn(size, size, device=device).to(dtype), repeats)
 
 
