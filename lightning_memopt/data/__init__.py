@@ -1,0 +1,1 @@
+"""Data-side tools: input-stall measurement and token-budget batching (plain torch)."""
