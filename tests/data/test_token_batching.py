@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 
 import lightning.pytorch as pl
 import pytest
@@ -264,3 +265,20 @@ def test_lightning_fit_uses_the_batches_and_epochs_and_accumulation_is_exact():
     assert len(split.shapes) > len(module.shapes)  # it really ran micro-batches
     for a, b in zip(module.parameters(), split.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=0)
+
+
+def test_ddp_fit_each_rank_runs_its_own_batches_same_count(tmp_path):
+    from tests.data.ddp_worker import LENGTHS
+    from tests.distributed import run_ranks
+
+    run_ranks("tests.data.ddp_worker:main", tmp_path, timeout=200)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["num_replicas"], r["rank"]) for r in ranks] == [(2, 0), (2, 1)]
+    for r in ranks:
+        expected = [[len(b), max(LENGTHS[i] for i in b)] for epoch in r["batches"] for b in epoch]
+        assert r["shapes"] == expected  # each rank trained on its own sampler batches, both epochs
+    assert len(ranks[0]["shapes"]) == len(ranks[1]["shapes"])
+    for epoch in (0, 1):
+        seen = [i for r in ranks for b in r["batches"][epoch] for i in b]
+        assert set(seen) == set(range(len(LENGTHS)))  # the two ranks cover the epoch
+    assert ranks[0]["weight"] == ranks[1]["weight"]  # DDP kept the replicas equal
