@@ -25,7 +25,8 @@ capacity raises a CUDA-style out-of-memory error. The capacity is the peak of a 
 alive, forward, backward, AdamW step; measured with ``MemoryTracker``) at the median padded length of the
 run's batches: about half the batches fit whole, the others need 2 or more micro-batches.
 
-- ``OOMBackoff`` alone, and ``AutoAccumulation(max_memory=capacity) + OOMBackoff``: out-of-memory errors
+- ``OOMBackoff`` alone (default: never grows back; and ``grow_after=10``: doubles the micro-batch again
+  after 10 clean steps), and ``AutoAccumulation(max_memory=capacity) + OOMBackoff``: out-of-memory errors
   (failed attempts) per 1,000 steps, in all steps and after the first 10; micro-batches per step against
   the fewest that fit that batch. "Fewest that fit" is probed for each batch shape outside the fit: the
   smallest k whose step (k micro-batches of ``ceil(B / k)`` samples, the whole batch alive, then the
@@ -249,6 +250,7 @@ def measure_today(steps: int, batch_size: int, max_len: int, *, padding_only: bo
     print("-" * len(header))
     for name, make in (
         ("OOMBackoff", lambda: [OOMBackoff(log=False)]),
+        ("OOMBackoff(grow_after=10)", lambda: [OOMBackoff(grow_after=10, log=False)]),
         (
             "AutoAccumulation + OOMBackoff",
             lambda: [

@@ -241,9 +241,14 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """Continue where ``state_dict`` was taken: its epoch, skipping its ``batches_done`` batches.
 
         Raises:
-            ValueError: If the state was saved with another seed (the sequence would differ), or
+            ValueError: If a key is missing, the state was saved with another seed (the sequence would differ), or
                 ``batches_done`` is negative or more than this rank has in that epoch.
         """
+        missing = {"seed", "epoch", "batches_done"} - set(state_dict)
+        if missing:
+            raise ValueError(
+                f"the state misses {sorted(missing)}; pass what TokenBudgetBatchSampler.state_dict() returned"
+            )
         if state_dict["seed"] != self.seed:
             raise ValueError(
                 f"the state was saved with seed={state_dict['seed']}, this sampler has seed={self.seed}; "

@@ -196,6 +196,8 @@ def test_lengths_as_tensor_or_numpy_ints():
 
 def test_load_state_dict_errors():
     sampler = _sampler()
+    with pytest.raises(ValueError, match=r"the state misses \['batches_done'\]"):
+        sampler.load_state_dict({"seed": 0, "epoch": 0})
     with pytest.raises(ValueError, match="saved with seed=5, this sampler has seed=0"):
         sampler.load_state_dict({"seed": 5, "epoch": 0, "batches_done": 0})
     with pytest.raises(ValueError, match=r"batches_done=100000 is outside \[0, "):
