@@ -25,9 +25,14 @@ from lightning_memopt.batching.shapes import TokenBudget
 __all__ = ["SizePolicy"]
 
 
+# The sizes SizePolicy keeps in padded tokens: the name in samples -> the name on its TokenBudget.
+SIZES = {"micro_batch_size": "budget", "max_micro_batch_size": "largest", "smallest_failed_size": "failed"}
+
+
 def _in_samples(name: str, doc: str) -> property:
     """A size kept in padded tokens on :attr:`SizePolicy.tokens`, read and written in samples."""
-    return property(lambda self: self.tokens.get(name), lambda self, v: self.tokens.set(name, v), doc=doc)
+    key = SIZES[name]
+    return property(lambda self: self.tokens.get(key), lambda self, v: self.tokens.set(key, v), doc=doc)
 
 
 class SizePolicy:
@@ -49,14 +54,14 @@ class SizePolicy:
     """
 
     micro_batch_size = _in_samples(
-        "budget", "Samples per training micro-batch; None runs the whole batch at once."
+        "micro_batch_size", "Samples per training micro-batch; None runs the whole batch at once."
     )
     max_micro_batch_size = _in_samples(
-        "largest",
+        "max_micro_batch_size",
         "The cap when growing back: the size the fit started at (set at the first back-off if not given).",
     )
     smallest_failed_size = _in_samples(
-        "failed", "The smallest size that ever ran out of memory: growth stays below it."
+        "smallest_failed_size", "The smallest size that ever ran out of memory: growth stays below it."
     )
 
     def __init__(
@@ -81,6 +86,11 @@ class SizePolicy:
         """Steps in a row that succeeded at the current size (towards ``overlap_after``)."""
         self.last_total: int | None = None
         """Samples of the last batch that trained."""
+
+    def set_size(self, name: str, samples: int | None, width: int | None) -> None:
+        """Set the size ``name`` (a key of ``SIZES``) to ``samples`` samples of ``width`` tokens (None: of the
+        batch of the moment), as saved in a checkpoint or probed."""
+        self.tokens.set(SIZES[name], samples, width)
 
     def size_for(self, total: int, width: int | None = None) -> int:
         """The micro-batch size of a batch of ``total`` samples of ``width`` tokens (None: as the last batch)."""

@@ -90,9 +90,11 @@ class TokenBudget:
         tokens = getattr(self, name)
         return None if tokens is None else max(1, tokens // (self.width or 1))
 
-    def set(self, name: str, samples: int | None) -> None:
-        """Set the size ``name`` to ``samples`` samples of the batch of the moment."""
-        setattr(self, name, None if samples is None else samples * (self.width or 1))
+    def set(self, name: str, samples: int | None, width: int | None = None) -> None:
+        """Set the size ``name`` to ``samples`` samples of ``width`` tokens (None: of the batch of the moment)."""
+        if width is not None and self.width is None:
+            self.see(width)  # a size saved with its batch's length (a checkpoint, a probe): the unit is known
+        setattr(self, name, None if samples is None else samples * (width or self.width or 1))
 
     def below_failed(self) -> int | None:
         """The most samples of the batch of the moment whose micro-batch is smaller than ``failed``."""

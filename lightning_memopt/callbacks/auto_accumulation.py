@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_memopt.batching.distributed import max_over_ranks, min_over_ranks
 from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
+from lightning_memopt.batching.shapes import tokens_per_sample
 from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size, smallest_micro_batch
 from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
@@ -139,6 +140,7 @@ class AutoAccumulation(MicroBatchingCallback):
             "micro_batch_size": micro_batch_size,
             "eval_micro_batch_size": eval_micro_batch_size,
             "probed": micro_batch_size is not None,
+            "tokens_per_sample": None,  # of the probed batch: the sizes are its samples (batching/shapes.py)
         }
 
     @property
@@ -171,6 +173,7 @@ class AutoAccumulation(MicroBatchingCallback):
         # The smallest device decides, and every rank must search with the same budget to take the
         # same path (the same number of probes, hence of collectives).
         capacity = min_over_ranks(capacity, trainer.strategy.root_device)
+        self._sizes["tokens_per_sample"] = tokens_per_sample(batch)  # the probed sizes are its samples
         self._sizes["micro_batch_size"] = self._find_size(
             trainer, pl_module, batch, capacity, evaluation=False
         )
@@ -247,8 +250,9 @@ class AutoAccumulation(MicroBatchingCallback):
         engine.eval_micro_batch_size = self._sizes["eval_micro_batch_size"]
         if engine.smallest_failed_size is not None:
             return  # OOMBackoff restored a size it backed off to; that one is current
-        engine.micro_batch_size = self._sizes["micro_batch_size"]
-        engine.max_micro_batch_size = self._sizes["micro_batch_size"]
+        size, width = self._sizes["micro_batch_size"], self._sizes.get("tokens_per_sample")
+        engine.policy.set_size("micro_batch_size", size, width)
+        engine.policy.set_size("max_micro_batch_size", size, width)
 
     @override
     def state_dict(self) -> dict[str, Any]:

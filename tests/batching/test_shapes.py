@@ -2,6 +2,7 @@
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
@@ -52,14 +53,19 @@ class Counts(pl.Callback):
         self.counts.append(self.sized.engine.num_micro_batches)
 
 
-def train(lengths: list[int], sized=None, capacity: int | None = None) -> tuple[TinyLM, list[int], int]:
+def train(
+    lengths: list[int], sized=None, capacity: int | None = None, steps: int | None = None, **kwargs
+) -> tuple[TinyLM, list[int], int]:
     """Train on batches of ``lengths`` tokens; the micro-batches per step and the failed attempts."""
     model = TinyLM()
     loader = DataLoader([lm_batch(length, seed) for seed, length in enumerate(lengths)], batch_size=None)
     callbacks = [] if sized is None else [sized, Counts(sized)]
-    trainer = quiet_trainer(callbacks, max_steps=len(lengths))
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = quiet_trainer(
+        callbacks + kwargs.pop("callbacks", []), max_steps=steps or len(lengths), **kwargs
+    )
     with MemoryCap(capacity or 2**40, modules=model) as cap:
-        trainer.fit(model, loader)
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
     return model, (callbacks[1].counts if callbacks else []), cap.raised
 
 
@@ -127,3 +133,21 @@ def test_oom_backoff_learns_the_length_instead_of_shrinking_every_batch(tmp_path
     assert failed == 1
     assert counts == [1, 2, 1, 2, 1, 2, 1]
     assert_params_close(model, base, rel=1e-10)
+
+
+def test_resume_keeps_the_budget_in_tokens(tmp_path):
+    """The sizes are saved with the length they are samples of, so a resumed run sizes as the full one."""
+    lengths = [8, 32, 8, 32]  # one epoch; the checkpoint after it, the second epoch runs the same batches
+    capacity = (whole_step_peak(16) + whole_step_peak(32)) // 2
+
+    def run(ckpt_path=None):
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+        kwargs = dict(callbacks=[saver], enable_checkpointing=True, ckpt_path=ckpt_path)
+        return train(lengths, OOMBackoff(), capacity=capacity, steps=8, **kwargs)
+
+    full, full_counts, full_failed = run()
+    assert (full_counts, full_failed) == ([1, 2, 1, 2, 1, 2, 1, 2], 1)
+    resumed, counts, failed = run(str(tmp_path / "epoch=0-step=4.ckpt"))
+    # 4 samples of 32 tokens were saved as 128 tokens: the 8-token batch runs whole again, not as 2 x 4
+    assert (counts, failed) == ([1, 2, 1, 2], 0)
+    assert_params_close(resumed, full, rel=0.0)
