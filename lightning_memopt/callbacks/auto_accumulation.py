@@ -38,6 +38,10 @@ class AutoAccumulation(MicroBatchingCallback):
     and all use the smallest size found. The size is saved in the checkpoint: a resumed run does not
     probe again.
 
+    Per batch, in one process: the size is kept in padded tokens (samples x tokens per sample of the
+    probed batch; :mod:`lightning_memopt.batching.shapes`), so a batch of shorter sequences runs in fewer,
+    larger micro-batches and a longer one in more. Under DDP/FSDP2 the size stays in samples.
+
     Exact accumulation: each micro-batch's mean loss is weighted by its share of the items the batch's
     loss averages over, so the accumulated gradient equals the unsplit batch's (up to rounding), an
     uneven last micro-batch included. The items are samples, except for a batch with integer ``labels``

@@ -37,6 +37,11 @@ class OOMBackoff(MicroBatchingCallback):
     :mod:`lightning_memopt.batching.counting`), so after a back-off the update equals the unsplit
     batch's up to rounding, except for dropout, which draws different masks in a split batch.
 
+    In one process, an out-of-memory error lowers a budget in padded tokens (samples x tokens per
+    sample; :mod:`lightning_memopt.batching.shapes`), not a size in samples: later batches of the length
+    that failed run smaller micro-batches, shorter batches run in fewer, and growth stays below the
+    padded size that failed. Under DDP/FSDP2 the size is in samples, for every batch.
+
     Works with :class:`~lightning_memopt.AutoAccumulation` (which picks the starting size; both share one
     engine) or alone (starting from the whole batch).
 
