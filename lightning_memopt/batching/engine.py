@@ -5,7 +5,7 @@ and why: :mod:`~lightning_memopt.batching.surface`), and the one retry loop that
 step and evaluation share, :meth:`MicroBatchEngine.run_with_retry`. One training step, top to bottom:
 
 1. Capture the step's start state (RNGs, buffers, torchmetrics, GradScaler) if OOM retry is on.
-2. Zero gradients; split the batch into micro-batches of ``micro_batch_size`` samples.
+2. Zero gradients; split the batch into micro-batches, their samples sized for its length (:mod:`~.shapes`).
 3. For each micro-batch: the user's ``training_step`` (through the strategy, so DDP/FSDP forward and
    autocast apply), its loss times its share of the items the loss averages over
    (:mod:`~lightning_memopt.batching.counting`), scaled by the GradScaler, ``.backward()``. Logged
@@ -38,6 +38,7 @@ from lightning_memopt.batching.policy import SizePolicy, halve_eval
 from lightning_memopt.batching.probe import measure_peak
 from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime, drop_attempt
 from lightning_memopt.batching.report import memory_of, memory_report
+from lightning_memopt.batching.shapes import tokens_per_sample
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import micro_batch_sizes
 from lightning_memopt.batching.splitter import Splitter
@@ -208,7 +209,7 @@ class MicroBatchEngine(StrategyWrappers):
 
         def choose() -> Regime:
             self._zero_grad.zero_now(self._trainer, batch_idx)
-            size = self.policy.size_for(total)
+            size = self.policy.size_for(total, None if regimes.is_distributed() else tokens_per_sample(batch))
             sizes[:] = micro_batch_sizes(total, size, smallest=smallest_micro_batch(module))
             regime = self._choose("training", len(sizes), size)
             self.last_regime = regime.name
@@ -390,9 +391,8 @@ class MicroBatchEngine(StrategyWrappers):
         return memory_of(self._trainer.strategy.root_device, tracker)
 
     def _memory_report(self) -> str:
-        trainer = self._trainer
-        module = trainer.lightning_module
-        return memory_report(module, trainer.optimizers, self.micro_batch_size, self._device_memory())
+        module, optimizers = self._trainer.lightning_module, self._trainer.optimizers
+        return memory_report(module, optimizers, self.micro_batch_size, self._device_memory())
 
 
 def _return(value: Any) -> Any:

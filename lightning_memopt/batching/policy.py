@@ -7,6 +7,10 @@ The rules, in one place:
   floor, :class:`~lightning_memopt.batching.errors.MicroBatchOOMError` says what to do instead.
 - After ``grow_after`` clean steps in a row (no retry) at a reduced size, the size doubles, capped by
   the size the fit started at and by one less than the smallest size that ever failed.
+- Sizes are kept in padded tokens (samples x tokens per sample, :mod:`~lightning_memopt.batching.shapes`)
+  and read in samples of the batch of the moment: a failure at 8 samples of 32 tokens caps growth below
+  256 tokens at every length, and a batch of 8-token samples runs 4 times the samples of a 32-token one.
+  Where every batch has the same shape, this is the size in samples as the rules above say.
 - ``stable_steps`` counts steps that succeeded at the current size (after their retries); a new size,
   smaller or larger, starts again from 0. The engine reads it to decide when sizes have settled.
 """
@@ -14,16 +18,28 @@ The rules, in one place:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
+from lightning_memopt.batching.shapes import TokenBudget
 
 __all__ = ["SizePolicy"]
 
 
-@dataclass
+# The sizes SizePolicy keeps in padded tokens: the name in samples -> the name on its TokenBudget.
+SIZES = {"micro_batch_size": "budget", "max_micro_batch_size": "largest", "smallest_failed_size": "failed"}
+
+
+def _in_samples(name: str, doc: str) -> property:
+    """A size kept in padded tokens on :attr:`SizePolicy.tokens`, read and written in samples."""
+    key = SIZES[name]
+    return property(lambda self: self.tokens.get(key), lambda self, v: self.tokens.set(key, v), doc=doc)
+
+
 class SizePolicy:
     """The training micro-batch size and the counters that move it.
+
+    The sizes are kept in padded tokens (:mod:`~lightning_memopt.batching.shapes`) and read in samples of
+    the batch of the moment, so a batch of longer sequences runs in more micro-batches than a short one.
 
     Example::
 
@@ -37,25 +53,49 @@ class SizePolicy:
         9
     """
 
-    micro_batch_size: int | None = None
-    """Samples per training micro-batch; None runs the whole batch at once."""
-    grow_after: int | None = None
-    """Clean steps in a row after which a reduced size doubles; None: never grow."""
-    max_micro_batch_size: int | None = None
-    """The cap when growing back: the size the fit started at (set at the first back-off if not given)."""
-    smallest_failed_size: int | None = None
-    """The smallest size that ever ran out of memory: growth stays below it."""
-    oom_retries: int = 0
-    """Out-of-memory retries of training steps since the fit started."""
-    clean_steps: int = 0
-    """Steps in a row without a retry (towards ``grow_after``)."""
-    stable_steps: int = 0
-    """Steps in a row that succeeded at the current size (towards ``overlap_after``)."""
-    last_total: int | None = None
-    """Samples of the last batch that trained."""
+    micro_batch_size = _in_samples(
+        "micro_batch_size", "Samples per training micro-batch; None runs the whole batch at once."
+    )
+    max_micro_batch_size = _in_samples(
+        "max_micro_batch_size",
+        "The cap when growing back: the size the fit started at (set at the first back-off if not given).",
+    )
+    smallest_failed_size = _in_samples(
+        "smallest_failed_size", "The smallest size that ever ran out of memory: growth stays below it."
+    )
 
-    def size_for(self, total: int) -> int:
-        """The micro-batch size of a batch of ``total`` samples."""
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int | None = None,
+        grow_after: int | None = None,
+        max_micro_batch_size: int | None = None,
+        smallest_failed_size: int | None = None,
+    ) -> None:
+        self.tokens = TokenBudget()
+        self.micro_batch_size = micro_batch_size
+        self.max_micro_batch_size = max_micro_batch_size
+        self.smallest_failed_size = smallest_failed_size
+        self.grow_after = grow_after
+        """Clean steps in a row after which a reduced size doubles; None: never grow."""
+        self.oom_retries = 0
+        """Out-of-memory retries of training steps since the fit started."""
+        self.clean_steps = 0
+        """Steps in a row without a retry (towards ``grow_after``)."""
+        self.stable_steps = 0
+        """Steps in a row that succeeded at the current size (towards ``overlap_after``)."""
+        self.last_total: int | None = None
+        """Samples of the last batch that trained."""
+
+    def set_size(self, name: str, samples: int | None, width: int | None) -> None:
+        """Set the size ``name`` (a key of ``SIZES``) to ``samples`` samples of ``width`` tokens (None: of the
+        batch of the moment), as saved in a checkpoint or probed."""
+        self.tokens.set(SIZES[name], samples, width)
+
+    def size_for(self, total: int, width: int | None = None) -> int:
+        """The micro-batch size of a batch of ``total`` samples of ``width`` tokens (None: as the last batch)."""
+        if width is not None:
+            self.tokens.see(width)
         return min(self.micro_batch_size or total, total)
 
     def back_off(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
@@ -72,7 +112,8 @@ class SizePolicy:
         """
         self.oom_retries += 1
         self.clean_steps = self.stable_steps = 0
-        self.smallest_failed_size = min(self.smallest_failed_size or size, size)
+        failed = size * (self.tokens.width or 1)  # in tokens: a shorter batch may run more samples
+        self.tokens.failed = min(self.tokens.failed or failed, failed)
         if size <= 1:
             raise MicroBatchOOMError(
                 "out of memory with one sample per micro-batch; splitting the batch further cannot help.\n"
@@ -97,8 +138,8 @@ class SizePolicy:
         if self.grow_after is None or self.clean_steps < self.grow_after or self.micro_batch_size is None:
             return
         cap = min(self.max_micro_batch_size or total, total)
-        if self.smallest_failed_size is not None:
-            cap = min(cap, self.smallest_failed_size - 1)
+        if self.tokens.failed is not None:
+            cap = min(cap, self.tokens.below_failed())  # smaller than the smallest failure, at this length
         grown = min(self.micro_batch_size * 2, cap)
         if grown > self.micro_batch_size:
             self.micro_batch_size = grown

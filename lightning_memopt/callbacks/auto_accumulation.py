@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_memopt.batching.distributed import max_over_ranks, min_over_ranks
 from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
+from lightning_memopt.batching.shapes import tokens_per_sample
 from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size, smallest_micro_batch
 from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
@@ -36,6 +37,10 @@ class AutoAccumulation(MicroBatchingCallback):
     (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`). Under DDP/FSDP every rank probes
     and all use the smallest size found. The size is saved in the checkpoint: a resumed run does not
     probe again.
+
+    Per batch, in one process: the size is kept in padded tokens (samples x tokens per sample of the
+    probed batch; :mod:`lightning_memopt.batching.shapes`), so a batch of shorter sequences runs in fewer,
+    larger micro-batches and a longer one in more. Under DDP/FSDP2 the size stays in samples.
 
     Exact accumulation: each micro-batch's mean loss is weighted by its share of the items the batch's
     loss averages over, so the accumulated gradient equals the unsplit batch's (up to rounding), an
@@ -139,6 +144,7 @@ class AutoAccumulation(MicroBatchingCallback):
             "micro_batch_size": micro_batch_size,
             "eval_micro_batch_size": eval_micro_batch_size,
             "probed": micro_batch_size is not None,
+            "tokens_per_sample": None,  # of the probed batch: the sizes are its samples (batching/shapes.py)
         }
 
     @property
@@ -171,6 +177,7 @@ class AutoAccumulation(MicroBatchingCallback):
         # The smallest device decides, and every rank must search with the same budget to take the
         # same path (the same number of probes, hence of collectives).
         capacity = min_over_ranks(capacity, trainer.strategy.root_device)
+        self._sizes["tokens_per_sample"] = tokens_per_sample(batch)  # the probed sizes are its samples
         self._sizes["micro_batch_size"] = self._find_size(
             trainer, pl_module, batch, capacity, evaluation=False
         )
@@ -247,8 +254,9 @@ class AutoAccumulation(MicroBatchingCallback):
         engine.eval_micro_batch_size = self._sizes["eval_micro_batch_size"]
         if engine.smallest_failed_size is not None:
             return  # OOMBackoff restored a size it backed off to; that one is current
-        engine.micro_batch_size = self._sizes["micro_batch_size"]
-        engine.max_micro_batch_size = self._sizes["micro_batch_size"]
+        size, width = self._sizes["micro_batch_size"], self._sizes.get("tokens_per_sample")
+        engine.policy.set_size("micro_batch_size", size, width)
+        engine.policy.set_size("max_micro_batch_size", size, width)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -8,9 +8,12 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_memopt.batching.engine import MicroBatchEngine
+from lightning_memopt.batching.policy import SIZES
 from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 
 __all__ = ["OOMBackoff"]
+
+_WIDTH = "tokens_per_sample"
 
 
 class OOMBackoff(MicroBatchingCallback):
@@ -33,6 +36,11 @@ class OOMBackoff(MicroBatchingCallback):
     their share of the items the loss averages over, Hugging Face ``labels != -100`` included; see
     :mod:`lightning_memopt.batching.counting`), so after a back-off the update equals the unsplit
     batch's up to rounding, except for dropout, which draws different masks in a split batch.
+
+    In one process, an out-of-memory error lowers a budget in padded tokens (samples x tokens per
+    sample; :mod:`lightning_memopt.batching.shapes`), not a size in samples: later batches of the length
+    that failed run smaller micro-batches, shorter batches run in fewer, and growth stays below the
+    padded size that failed. Under DDP/FSDP2 the size is in samples, for every batch.
 
     Works with :class:`~lightning_memopt.AutoAccumulation` (which picks the starting size; both share one
     engine) or alone (starting from the whole batch).
@@ -140,6 +148,7 @@ class OOMBackoff(MicroBatchingCallback):
             # grow_after counts clean steps; overlap_after and the first-step agreement count stable ones
             "clean_steps": engine.clean_steps,
             "stable_steps": engine.stable_steps,
+            _WIDTH: engine.policy.tokens.width,  # of the last batch: the sizes above are its samples
         }
 
     @override
@@ -150,5 +159,9 @@ class OOMBackoff(MicroBatchingCallback):
     def _apply_loaded(self) -> None:
         if self._engine is None or not self._loaded:
             return
+        width = self._loaded.get(_WIDTH)  # the length the sizes were saved at (sizes are kept in tokens)
         for key, value in self._loaded.items():
-            setattr(self._engine, key, value)
+            if key in SIZES:
+                self._engine.policy.set_size(key, value, width)
+            elif key != _WIDTH:
+                setattr(self._engine, key, value)
