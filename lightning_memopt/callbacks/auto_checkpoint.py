@@ -34,7 +34,7 @@ from lightning_memopt.checkpointing import (
     state_bytes,
 )
 from lightning_memopt.checkpointing.profile import ForwardProbe
-from lightning_memopt.checkpointing.shapes import ShapePlans, shape_signature
+from lightning_memopt.checkpointing.shapes import ShapePlans, full_peak, shape_signature
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.memory.budget import check_headroom, check_max_memory
 from lightning_memopt.memory.device import device_memory
@@ -93,7 +93,7 @@ class AutoCheckpoint(ReleasingCallback):
         MisconfigurationException: In ``setup``, for a fraction of an unknown capacity; after the first
             batch, for a limit too small for any plan (the message says what it must hold).
 
-    Logged keys (once, at the first batch that runs the final plan):
+    Logged keys (at the first batch that runs each plan made):
 
     ==========================================  =============================================
     ``checkpoint/activation_bytes_predicted``   bytes the blocks hold for backward (the plan)
@@ -240,7 +240,8 @@ class AutoCheckpoint(ReleasingCallback):
             ran = self.plan.choices
             self.plan = self._choose(trainer, pl_module, profiles, probe.outside_bytes)
             rank_zero_info("AutoCheckpoint plan:\n" + self.plan.table())
-            self.shape_plans.add(self._signature, self.plan, full_bytes=probe.meter.total)
+            if self._by_shape:
+                self.shape_plans.add(self._signature, self.plan, full_bytes=full_peak(profiles))
             if self.plan.choices != ran:
                 apply_checkpointing(pl_module, self.plan)
                 return  # the next batch runs the new plan: measure that one
@@ -249,7 +250,6 @@ class AutoCheckpoint(ReleasingCallback):
 
     def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, profiles, outside: int) -> Plan:
         """The plan to run from now on, given the blocks' profiles."""
-        assert self.plan is not None and self._policy is not None
         # The largest over ranks (FSDP shards differ): all ranks plan the same.
         states = state_bytes(pl_module, trainer.optimizers)
         held = lambda: tuple(_most_over_ranks(trainer, states, outside))  # noqa: E731
@@ -266,8 +266,7 @@ class AutoCheckpoint(ReleasingCallback):
         planned = self.shape_plans.plans
         same = not planned or planned.get(self._signature) is self.plan
         measured = meter.total if same else max(meter.total, self.plan.activation_bytes)
-        gap = prediction_gap(self.plan.activation_bytes, measured)
-        if gap is not None:
+        if (gap := prediction_gap(self.plan.activation_bytes, measured)) is not None:
             rank_zero_warn(f"AutoCheckpoint: {gap}")
 
     @override
@@ -297,5 +296,4 @@ class AutoCheckpoint(ReleasingCallback):
             self._unwrap = None
         if self._blocks and self._module is not None:
             remove_checkpointing(self._module)
-        self._blocks = []
-        self._module = None
+        self._blocks, self._module = [], None

@@ -14,11 +14,12 @@ for instance), which no shape-keyed plan can bound.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch.utils._pytree import tree_flatten
 
-from lightning_memopt.checkpointing.planner import Plan
+from lightning_memopt.checkpointing.planner import Plan, evaluate_plan
+from lightning_memopt.checkpointing.profile import BlockProfile
 from lightning_memopt.memory.units import format_bytes
 
 Signature = tuple[tuple[int, ...], ...]
@@ -63,6 +64,12 @@ def _elements(signature: Signature) -> int:
     return total
 
 
+def full_peak(profiles: Sequence[BlockProfile]) -> int:
+    """The blocks' peak with every block fully checkpointed: the inputs of all, and one block's forward
+    recomputed in backward (:func:`~lightning_memopt.checkpointing.evaluate_plan`)."""
+    return evaluate_plan(profiles, ["full"] * len(profiles)).peak_bytes
+
+
 class ShapePlans:
     """The plans made so far, each keyed by the shapes of the batch it was profiled on.
 
@@ -99,7 +106,8 @@ class ShapePlans:
         return min(fitting, key=lambda plan: plan.cost, default=None)
 
     def add(self, signature: Signature, plan: Plan, *, full_bytes: int) -> None:
-        """Keep ``plan`` for ``signature``; ``full_bytes``: what the blocks held fully checkpointed on it."""
+        """Keep ``plan`` for ``signature``; ``full_bytes``: the blocks' peak fully checkpointed on it (the
+        least any plan reaches: :func:`full_peak`)."""
         self.plans[signature] = plan
         self.made += 1
         if self._full is None or _elements(signature) >= self._full[0]:
@@ -123,8 +131,9 @@ class ShapePlans:
     def overrun(self, signature: Signature, budget: int | None) -> str | None:
         """Why a batch of ``signature`` may not fit the blocks' ``budget`` even fully checkpointed, or None.
 
-        The estimate scales the bytes the largest fully checkpointed batch held (the blocks' inputs) by the
-        batch's element count: those inputs grow with it linearly.
+        The estimate scales the blocks' peak on the largest fully checkpointed batch by the batch's element
+        count: exact for activations that grow linearly with it (the blocks' inputs; a CNN's maps); under for
+        an attention that keeps its T x T scores, so that planning after the batch may still raise.
         """
         if self._full is None or budget is None or not self._full[0]:
             return None
@@ -134,7 +143,7 @@ class ShapePlans:
             return None
         return (
             f"AutoCheckpoint: a batch of shapes {list(signature)} arrives; fully checkpointed (the least any "
-            f"plan holds) its blocks are estimated to hold {format_bytes(estimate)} for backward, over the "
+            f"plan reaches) its blocks' peak is estimated at {format_bytes(estimate)}, over the "
             f"blocks' budget {format_bytes(budget)} within the limit. Raise max_memory or lower headroom, or "
             "make batches smaller (shorter sequences, fewer samples, AutoAccumulation)."
         )

@@ -121,12 +121,12 @@ def test_a_batch_too_large_even_fully_checkpointed_warns_before_it_runs(tmp_path
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             ran.append(tuple(batch.shape))
 
-    # Fully checkpointed, the blocks hold their inputs: 3 x 4 x 512 x 16 x 4 bytes = 384 KiB (estimated from
-    # the 8-token batch, exact here), over the blocks' 273,868 bytes: the warning comes before the batch runs.
+    # Fully checkpointed, the blocks' peak at 8 tokens (their inputs, and one block recomputed in backward)
+    # times 64, over the blocks' 273,868 bytes: the warning comes before the batch runs.
     with (
         pytest.warns(
             UserWarning,
-            match=r"AutoCheckpoint: a batch of shapes \[\(4, 512\)\] arrives; .* 384.00 KiB .* 267.45 KiB",
+            match=r"shapes \[\(4, 512\)\] arrives; .* peak is estimated at 2.41 MiB, over the blocks. budget 267.45 KiB",
         ),
         pytest.raises(
             MisconfigurationException, match=r"AutoCheckpoint: max_memory=370000 .* Pass max_memory >="

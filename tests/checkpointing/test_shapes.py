@@ -43,7 +43,7 @@ def test_next_plan_runs_every_block_full_where_a_batch_is_new_on_any_process():
     profile = plans.next_plan(((4, 8),), known, lambda new: True)  # another process's batch is new
     assert not profile.predicted and profile.choices == {"h.0": "full"}
     # 512 bytes at 64 elements, so 1024 at 128: over the budget of 1000, said before the batch runs.
-    with pytest.warns(UserWarning, match=r"shapes \[\(4, 32\)\] arrives; .* estimated to hold 1.00 KiB"):
+    with pytest.warns(UserWarning, match=r"shapes \[\(4, 32\)\] arrives; .* peak is estimated at 1.00 KiB"):
         plans.next_plan(((4, 32),), known, lambda new: new)
     assert plans.overrun(((4, 31),), budget=1000) is None  # 992 bytes
 
