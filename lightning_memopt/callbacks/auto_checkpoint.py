@@ -44,6 +44,8 @@ __all__ = ["AutoCheckpoint"]
 
 def _most_over_ranks(trainer: pl.Trainer, *values: int) -> list[int]:
     """Each value's largest over ranks, so that decisions leading to collectives agree on every rank."""
+    if trainer.world_size == 1:  # no collective, and no device sync per step
+        return [int(v) for v in values]
     ours = torch.tensor([int(v) for v in values], device=trainer.strategy.root_device)
     return [int(v) for v in trainer.strategy.reduce(ours, reduce_op="max").tolist()]
 
@@ -199,8 +201,7 @@ class AutoCheckpoint(ReleasingCallback):
         loaded, names = self._loaded_plan, [n for n, _ in blocks]
         choices = dict(loaded.choices) if loaded else initial_choices(names, self.mode, self.every_n)
         apply_checkpointing(pl_module, choices)
-        self.plan = self._loaded_plan or Plan.unprofiled(choices)
-        self._needs_check = self._loaded_plan is None
+        self.plan, self._needs_check = loaded or Plan.unprofiled(choices), loaded is None
 
     @override
     def on_train_batch_start(
@@ -278,8 +279,7 @@ class AutoCheckpoint(ReleasingCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("plan") is None:
             return
-        self._loaded_plan = Plan.from_dict(state_dict["plan"])
-        self.plan = self._loaded_plan
+        self.plan = self._loaded_plan = Plan.from_dict(state_dict["plan"])
         self.shape_plans.load(state_dict.get("shapes"), self._loaded_plan)
         self._needs_check = False
         if self._module is not None and self._blocks:

@@ -54,6 +54,11 @@ def covers(planned: Signature, batch: Signature) -> bool:
     )
 
 
+def _same_ranks(planned: Signature, batch: Signature) -> bool:
+    """Whether two signatures have the same tensors of the same ranks (their dimensions compare)."""
+    return len(planned) == len(batch) and all(len(p) == len(b) for p, b in zip(planned, batch))
+
+
 def _elements(signature: Signature) -> int:
     total = 0
     for shape in signature:
@@ -93,9 +98,8 @@ class ShapePlans:
         self.plans: dict[Signature, Plan] = {}
         self.made = 0
         """How many plans were made in this run (profiles after a fully checkpointed batch)."""
-        self._full: tuple[int, int] | None = (
-            None  # (elements, bytes held) of the largest full-checkpoint batch
-        )
+        # The largest batch planned and the blocks' peak on it fully checkpointed.
+        self._full: tuple[Signature, int] | None = None
         self._unkeyed: Plan | None = None  # a plan restored without shapes: adopted by the first batch
 
     def plan_for(self, signature: Signature) -> Plan | None:
@@ -110,8 +114,8 @@ class ShapePlans:
         least any plan reaches: :func:`full_peak`)."""
         self.plans[signature] = plan
         self.made += 1
-        if self._full is None or _elements(signature) >= self._full[0]:
-            self._full = (_elements(signature), full_bytes)
+        if self._full is None or _elements(signature) >= _elements(self._full[0]):
+            self._full = (signature, full_bytes)
 
     def next_plan(self, signature: Signature, current: Plan, anywhere: Callable[[bool], bool]) -> Plan:
         """The plan a batch of ``signature`` runs, ``current`` being the plan that ran last: the cheapest
@@ -131,19 +135,21 @@ class ShapePlans:
     def overrun(self, signature: Signature, budget: int | None) -> str | None:
         """Why a batch of ``signature`` may not fit the blocks' ``budget`` even fully checkpointed, or None.
 
-        The estimate scales the blocks' peak on the largest fully checkpointed batch by the batch's element
-        count: exact for activations that grow linearly with it (the blocks' inputs; a CNN's maps); under for
-        an attention that keeps its T x T scores, so that planning after the batch may still raise.
+        The estimate scales the blocks' peak on the largest fully checkpointed batch by the growth of the
+        batch's element count times the largest growth of one dimension: a bound for activations up to
+        quadratic in one dimension (attention's T x T scores), above the truth for linear ones (a CNN's maps).
         """
-        if self._full is None or budget is None or not self._full[0]:
+        if self._full is None or budget is None or not _elements(self._full[0]):
             return None
-        elements, held = self._full
-        estimate = held * _elements(signature) // elements
+        planned, held = self._full
+        growth = [b / p for ps, bs in zip(planned, signature) for p, b in zip(ps, bs) if p]
+        longest = max(growth, default=1.0) if _same_ranks(planned, signature) else 1.0
+        estimate = int(held * _elements(signature) / _elements(planned) * max(longest, 1.0))
         if estimate <= budget:
             return None
         return (
             f"AutoCheckpoint: a batch of shapes {list(signature)} arrives; fully checkpointed (the least any "
-            f"plan reaches) its blocks' peak is estimated at {format_bytes(estimate)}, over the "
+            f"plan reaches) its blocks' peak may reach {format_bytes(estimate)}, over the "
             f"blocks' budget {format_bytes(budget)} within the limit. Raise max_memory or lower headroom, or "
             "make batches smaller (shorter sequences, fewer samples, AutoAccumulation)."
         )

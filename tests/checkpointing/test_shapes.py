@@ -42,10 +42,13 @@ def test_next_plan_runs_every_block_full_where_a_batch_is_new_on_any_process():
     assert plans.next_plan(((4, 8),), known, lambda new: new) is known
     profile = plans.next_plan(((4, 8),), known, lambda new: True)  # another process's batch is new
     assert not profile.predicted and profile.choices == {"h.0": "full"}
-    # 512 bytes at 64 elements, so 1024 at 128: over the budget of 1000, said before the batch runs.
-    with pytest.warns(UserWarning, match=r"shapes \[\(4, 32\)\] arrives; .* peak is estimated at 1.00 KiB"):
-        plans.next_plan(((4, 32),), known, lambda new: new)
-    assert plans.overrun(((4, 31),), budget=1000) is None  # 992 bytes
+    # 512 bytes at (4, 16): at (4, 32) twice the elements, one dimension twice as long: up to 2,048 bytes,
+    # over the budget of 2,000, said before the batch runs; at (4, 31) 512 * 124/64 * 31/16 = 1,922 bytes.
+    with pytest.warns(UserWarning, match=r"shapes \[\(4, 32\)\] arrives; .* peak may reach 2.00 KiB"):
+        plans.next_plan(((4, 32),), _plan(1.0, budget=2000), lambda new: new)
+    assert (
+        plans.overrun(((4, 31),), budget=2000) is None and plans.overrun(((4, 31),), budget=1921) is not None
+    )
 
 
 def test_state_round_trip_and_an_unkeyed_plan_is_adopted_by_the_first_batch():
