@@ -49,9 +49,7 @@ def covers(planned: Signature, batch: Signature) -> bool:
         >>> covers(((8, 64),), ((8, 32),)), covers(((8, 64),), ((16, 32),))
         (True, False)
     """
-    return len(planned) == len(batch) and all(
-        len(p) == len(b) and all(x >= y for x, y in zip(p, b)) for p, b in zip(planned, batch)
-    )
+    return _same_ranks(planned, batch) and all(x >= y for p, b in zip(planned, batch) for x, y in zip(p, b))
 
 
 def _same_ranks(planned: Signature, batch: Signature) -> bool:
