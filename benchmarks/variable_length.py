@@ -32,9 +32,10 @@ run's batches: about half the batches fit whole, the others need 2 or more micro
   smallest k whose step (k micro-batches of ``ceil(B / k)`` samples, the whole batch alive, then the
   AdamW step) peaks at or under the capacity. It does not count Lightning's own few small tensors, so
   it may be 1 lower than what the cap allows at a boundary; ratios are means and maxima over steps.
-- ``AutoCheckpoint(max_memory=capacity, headroom=0)`` alone (no cap, so nothing fails): it plans on the first batch; each
-  later step's blocks' activation bytes (``ActivationMeter``, end of forward) over the blocks' budget in
-  its plan (``Plan.budget``), max over steps.
+- ``AutoCheckpoint(max_memory=capacity, headroom=0)`` alone (no cap, so nothing fails): it plans per
+  batch shape (a batch longer than every planned one runs every block full and is planned for); each
+  step's blocks' activation bytes (``ActivationMeter``, end of forward) over the blocks' budget of the
+  plan made for it (``Plan.budget``, read after the step), max over steps; and how many plans were made.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from examples.gpt.gpt import GPT
@@ -129,10 +131,14 @@ class Recorder(Callback):
 
 
 class BlockMeter(Callback):
-    """Per step, the bytes the blocks hold at the end of the forward (``ActivationMeter``)."""
+    """Per step, the bytes the blocks hold at the end of the forward (``ActivationMeter``) and the blocks'
+    budget of ``auto``'s plan after the step (a step that profiled runs every block full: the plan made
+    on it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, auto: AutoCheckpoint) -> None:
+        self.auto = auto
         self.bytes: list[int] = []
+        self.budgets: list[int] = []
         self._meter: ActivationMeter | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -142,6 +148,9 @@ class BlockMeter(Callback):
         meter, self._meter = self._meter, None
         meter.__exit__(None, None, None)
         self.bytes.append(meter.total)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.budgets.append(self.auto.plan.budget)
 
 
 def loader(samples, steps: int, batch_size: int) -> DataLoader:
@@ -283,24 +292,39 @@ def measure_today(steps: int, batch_size: int, max_len: int, *, padding_only: bo
 
 
 def checkpoint_today(samples, batches, *, steps: int, batch_size: int, max_len: int, capacity: int) -> None:
-    auto, meter = AutoCheckpoint(max_memory=capacity, headroom=0.0), BlockMeter()
-    fit(samples, [auto, meter], steps=steps, batch_size=batch_size, block_size=max_len, capacity=None)
-    plan = auto.plan
+    auto = AutoCheckpoint(max_memory=capacity, headroom=0.0)
+    meter = BlockMeter(auto)
+    try:
+        fit(samples, [auto, meter], steps=steps, batch_size=batch_size, block_size=max_len, capacity=None)
+    except MisconfigurationException as err:  # a batch no plan fits: said, not run over the budget
+        print(
+            f"## AutoCheckpoint(max_memory={format_bytes(capacity)}, headroom=0) raised at step {len(meter.budgets)}:"
+        )
+        print(f"   {err}")
+        print(f"   steps 0-{len(meter.budgets) - 1}: over budget: ", end="")
+        print(
+            sum(m > b for m, b in zip(meter.bytes, meter.budgets)),
+            f"/{len(meter.budgets)}; again with twice the limit:",
+        )
+        return checkpoint_today(
+            samples, batches, steps=steps, batch_size=batch_size, max_len=max_len, capacity=2 * capacity
+        )
     lengths = [len(samples[i]) for i in batches[0]]
-    measured = meter.bytes[2:]  # batch 0 profiles, batch 1 checks the plan: from then on the plan is fixed
-    worst = max(range(len(measured)), key=measured.__getitem__)
+    ratios = [m / b for m, b in zip(meter.bytes, meter.budgets)]
+    worst = max(range(len(ratios)), key=ratios.__getitem__)
+    longest = [signature[0][1] for signature in auto.shape_plans.plans]  # input_ids: (B, T)
     print(
-        f"## AutoCheckpoint(max_memory={format_bytes(capacity)}, headroom=0): plan made on the first batch "
-        f"({len(lengths)} x {max(lengths)} tokens): {dict(plan.choices)}"
+        f"## AutoCheckpoint(max_memory={format_bytes(capacity)}, headroom=0): plans per batch shape, the first "
+        f"on batch 0 ({len(lengths)} x {max(lengths)} tokens); {auto.shape_plans.made} plans made, for padded "
+        f"lengths {longest}; the last: {dict(auto.plan.choices)}"
     )
     print(
-        f"   blocks' budget in the plan {format_bytes(plan.budget)}; planned activations "
-        f"{format_bytes(plan.activation_bytes)}"
+        f"   blocks' budgets in the plans {format_bytes(min(meter.budgets))}-{format_bytes(max(meter.budgets))}"
     )
     print(
-        f"   steps 2-{steps - 1}: block activations / budget: max {max(measured) / plan.budget:.2f} "
-        f"(step {worst + 2}), mean {statistics.fmean(measured) / plan.budget:.2f}; steps over budget: "
-        f"{sum(m > plan.budget for m in measured)}/{len(measured)}"
+        f"   steps 0-{steps - 1}: block activations / budget of the plan made for the step: max "
+        f"{ratios[worst]:.2f} (step {worst}), mean {statistics.fmean(ratios):.2f}; steps over budget: "
+        f"{sum(r > 1 for r in ratios)}/{len(ratios)}"
     )
 
 

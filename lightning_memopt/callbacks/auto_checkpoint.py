@@ -8,7 +8,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -24,6 +24,7 @@ from lightning_memopt.checkpointing import (
     apply_checkpointing,
     check_blocks,
     check_mode,
+    deprecated_budget,
     find_blocks,
     framework_checkpointing,
     initial_choices,
@@ -33,11 +34,20 @@ from lightning_memopt.checkpointing import (
     state_bytes,
 )
 from lightning_memopt.checkpointing.profile import ForwardProbe
+from lightning_memopt.checkpointing.shapes import ShapePlans, full_peak, shape_signature
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.memory.budget import check_headroom, check_max_memory
 from lightning_memopt.memory.device import device_memory
 
 __all__ = ["AutoCheckpoint"]
+
+
+def _most_over_ranks(trainer: pl.Trainer, *values: int) -> list[int]:
+    """Each value's largest over ranks, so that decisions leading to collectives agree on every rank."""
+    if trainer.world_size == 1:  # no collective, and no device sync per step
+        return [int(v) for v in values]
+    ours = torch.tensor([int(v) for v in values], device=trainer.strategy.root_device)
+    return [int(v) for v in trainer.strategy.reduce(ours, reduce_op="max").tolist()]
 
 
 class AutoCheckpoint(ReleasingCallback):
@@ -54,8 +64,10 @@ class AutoCheckpoint(ReleasingCallback):
 
     When (details on the docs page): installed after ``configure_model``, before the strategy wraps the
     model; profiled and planned after the first batch, whose successor is measured against the plan (a
-    warning past 10%); a resumed run takes the plan from the checkpoint. Where the model checkpoints itself
-    (transformers' ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``, FSDPStrategy's
+    warning past 10%); under a limit, again after each batch larger than all planned ones (by shape:
+    :class:`~lightning_memopt.checkpointing.shapes.ShapePlans`), which runs every block full; a resumed run
+    takes the plans from the checkpoint. Where the model checkpoints itself (transformers'
+    ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``, FSDPStrategy's
     ``activation_checkpointing_policy``) it warns once and steps aside.
 
     Args:
@@ -83,7 +95,7 @@ class AutoCheckpoint(ReleasingCallback):
         MisconfigurationException: In ``setup``, for a fraction of an unknown capacity; after the first
             batch, for a limit too small for any plan (the message says what it must hold).
 
-    Logged keys (once, at the first batch that runs the final plan):
+    Logged keys (at the first batch that runs each plan made):
 
     ==========================================  =============================================
     ``checkpoint/activation_bytes_predicted``   bytes the blocks hold for backward (the plan)
@@ -112,17 +124,7 @@ class AutoCheckpoint(ReleasingCallback):
         log: bool = True,
         budget: int | float | str | None = None,
     ) -> None:
-        self._limit_name = "max_memory" if budget is None else "budget"
-        if budget is not None:
-            if max_memory is not None:
-                raise ValueError(
-                    f"pass max_memory={max_memory!r} or the deprecated budget={budget!r}, not both"
-                )
-            rank_zero_deprecation(
-                "AutoCheckpoint(budget=...) is deprecated and will be removed in the next release; use "
-                "max_memory=... (budget=X means max_memory=X, headroom=0)"
-            )
-            max_memory, headroom = budget, 0.0
+        max_memory, headroom, self._limit_name = deprecated_budget(max_memory, headroom, budget)
         check_max_memory(max_memory, name=self._limit_name)
         check_mode(mode, every_n, max_memory, cost_model, name=self._limit_name)
         check_bool("allow_offload", allow_offload, none_ok=True)
@@ -143,6 +145,9 @@ class AutoCheckpoint(ReleasingCallback):
         self._module: pl.LightningModule | None = None
         self._policy: PlanPolicy | None = None  # mode, limit, treatments: resolved in setup
         self._needs_check = False  # the next batch measures the plan and compares
+        self.shape_plans = ShapePlans()  # under a limit: the plans made, by the shapes they were made for
+        self._signature: tuple = ()  # the shapes of the batch running
+        self._by_shape = False  # whether plans are made per batch shape: auto under a known limit
         self._probe: ForwardProbe | None = None  # measures a batch's forward (and records block inputs)
         self._unwrap: Callable[[], None] | None = None  # undoes the configure_model wrapper
 
@@ -167,7 +172,7 @@ class AutoCheckpoint(ReleasingCallback):
         self._policy = PlanPolicy.for_mode(
             self.mode, limit, offload=offload, cost_model=self.cost_model, device=strategy.root_device
         )
-        self._module = pl_module
+        self._module, self._by_shape = pl_module, self.mode == "auto" and limit.usable is not None
         # An instance attribute, removed in teardown; Lightning calls it since it differs from the base hook.
         self._unwrap = wrap_instance_hook(
             pl_module, "configure_model", after=lambda: self._install(trainer, pl_module)
@@ -180,9 +185,8 @@ class AutoCheckpoint(ReleasingCallback):
         )
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Order (DESIGN.md): BatchNorm swap, activation checkpointing HERE (after configure_model, before
-        # precision and DDP/FSDP wrapping), strategy.setup, micro-batching. Only the blocks' instance
-        # `forward` changes: wrapping, sharding and state_dict keys are unaffected, in whichever order.
+        # Order (DESIGN.md): BatchNorm swap, checkpointing HERE (after configure_model, before precision and
+        # DDP/FSDP wrapping), strategy.setup, micro-batching. Only the blocks' instance `forward` changes.
         own = framework_checkpointing(pl_module)
         if own is not None:
             return self._step_aside(own)
@@ -197,14 +201,23 @@ class AutoCheckpoint(ReleasingCallback):
         loaded, names = self._loaded_plan, [n for n, _ in blocks]
         choices = dict(loaded.choices) if loaded else initial_choices(names, self.mode, self.every_n)
         apply_checkpointing(pl_module, choices)
-        self.plan = self._loaded_plan or Plan.unprofiled(choices)
-        self._needs_check = self._loaded_plan is None
+        self.plan, self._needs_check = loaded or Plan.unprofiled(choices), loaded is None
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._blocks and self._needs_check and self._probe is None and self.plan is not None:
+        if not self._blocks or self.plan is None:
+            return
+        self._signature = shape_signature(batch)
+        if self._by_shape and self.plan.predicted:  # a plan for shapes covering this batch's, or profile it
+            new_anywhere = lambda new: _most_over_ranks(trainer, new)[0] > 0  # noqa: E731
+            plan = self.shape_plans.next_plan(self._signature, self.plan, new_anywhere)
+            self._needs_check = self._needs_check or not plan.predicted
+            if plan is not self.plan:
+                self.plan = plan
+                apply_checkpointing(pl_module, plan.choices)
+        if self._needs_check and self._probe is None:
             self._probe = ForwardProbe(pl_module, self._blocks, record=not self.plan.predicted)
 
     @override
@@ -220,7 +233,6 @@ class AutoCheckpoint(ReleasingCallback):
         if probe is None:
             return
         probe.close()
-        assert self.plan is not None
         if not self.plan.predicted:
             context = trainer.precision_plugin.forward_context
             profiles = profile_blocks(
@@ -229,6 +241,8 @@ class AutoCheckpoint(ReleasingCallback):
             ran = self.plan.choices
             self.plan = self._choose(trainer, pl_module, profiles, probe.outside_bytes)
             rank_zero_info("AutoCheckpoint plan:\n" + self.plan.table())
+            if self._by_shape:
+                self.shape_plans.add(self._signature, self.plan, full_bytes=full_peak(profiles))
             if self.plan.choices != ran:
                 apply_checkpointing(pl_module, self.plan)
                 return  # the next batch runs the new plan: measure that one
@@ -237,41 +251,36 @@ class AutoCheckpoint(ReleasingCallback):
 
     def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, profiles, outside: int) -> Plan:
         """The plan to run from now on, given the blocks' profiles."""
-        assert self.plan is not None and self._policy is not None
-
-        def held() -> tuple[int, int]:  # the largest over ranks (FSDP shards differ): all ranks plan the same
-            ours = torch.tensor(
-                [state_bytes(pl_module, trainer.optimizers), outside], device=trainer.strategy.root_device
-            )
-            states, most_outside = trainer.strategy.reduce(ours, reduce_op="max").tolist()
-            return int(states), int(most_outside)
-
+        # The largest over ranks (FSDP shards differ): all ranks plan the same.
+        states = state_bytes(pl_module, trainer.optimizers)
+        held = lambda: tuple(_most_over_ranks(trainer, states, outside))  # noqa: E731
         try:
             return self._policy.choose(profiles, list(self.plan.choices.values()), held)
         except InfeasibleBudgetError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
 
     def _compare(self, pl_module: pl.LightningModule, meter: ActivationMeter) -> None:
-        assert self.plan is not None
         if self.log_metrics:
-            metrics = self.plan.metrics(meter.total)
-            pl_module.log_dict(
-                {f"checkpoint/{k}": v for k, v in metrics.items()}, on_step=True, on_epoch=False
-            )
-        gap = prediction_gap(self.plan.activation_bytes, meter.total)
-        if gap is not None:
+            metrics = {f"checkpoint/{k}": v for k, v in self.plan.metrics(meter.total).items()}
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        # A batch smaller than the one planned for holds less: only holding more is then a gap.
+        planned = self.shape_plans.plans
+        same = not planned or planned.get(self._signature) is self.plan
+        measured = meter.total if same else max(meter.total, self.plan.activation_bytes)
+        if (gap := prediction_gap(self.plan.activation_bytes, measured)) is not None:
             rank_zero_warn(f"AutoCheckpoint: {gap}")
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan.to_dict() if self.plan is not None else None}
+        plan = self.plan.to_dict() if self.plan is not None else None
+        return {"plan": plan, "shapes": self.shape_plans.state()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("plan") is None:
             return
-        self._loaded_plan = Plan.from_dict(state_dict["plan"])
-        self.plan = self._loaded_plan
+        self.plan = self._loaded_plan = Plan.from_dict(state_dict["plan"])
+        self.shape_plans.load(state_dict.get("shapes"), self._loaded_plan)
         self._needs_check = False
         if self._module is not None and self._blocks:
             apply_checkpointing(self._module, self._loaded_plan)
@@ -287,5 +296,4 @@ class AutoCheckpoint(ReleasingCallback):
             self._unwrap = None
         if self._blocks and self._module is not None:
             remove_checkpointing(self._module)
-        self._blocks = []
-        self._module = None
+        self._blocks, self._module = [], None

@@ -15,7 +15,14 @@ from lightning_memopt.checkpointing.apply import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing.blocks import candidate_classes, check_blocks, find_blocks
-from lightning_memopt.checkpointing.budget import PlanPolicy, StepLimit, plan_step, plan_within, state_bytes
+from lightning_memopt.checkpointing.budget import (
+    PlanPolicy,
+    StepLimit,
+    deprecated_budget,
+    plan_step,
+    plan_within,
+    state_bytes,
+)
 from lightning_memopt.checkpointing.planner import (
     MODES,
     CostModel,
@@ -58,6 +65,7 @@ __all__ = [
     "capture_block_inputs",
     "check_blocks",
     "check_mode",
+    "deprecated_budget",
     "checkpointed_blocks",
     "evaluate_plan",
     "find_blocks",

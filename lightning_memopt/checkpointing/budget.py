@@ -13,6 +13,7 @@ says so in the user's terms: the option as passed, what the step must hold, and 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,32 @@ from lightning_memopt.checkpointing.profile import BlockProfile
 from lightning_memopt.memory import format_bytes
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, usable_bytes
 
-__all__ = ["PlanPolicy", "StepLimit", "plan_step", "plan_within", "state_bytes"]
+__all__ = ["PlanPolicy", "StepLimit", "deprecated_budget", "plan_step", "plan_within", "state_bytes"]
+
+
+def deprecated_budget(max_memory, headroom: float, budget) -> tuple[object, float, str]:
+    """``(max_memory, headroom, name)`` after the deprecated ``budget`` option (a ``DeprecationWarning``):
+    ``budget=X`` means ``max_memory=X, headroom=0``; ``name`` is the option the user wrote, for messages.
+
+    Raises:
+        ValueError: If both ``max_memory`` and ``budget`` are given.
+
+    Example::
+
+        >>> deprecated_budget("6GiB", 0.1, None)
+        ('6GiB', 0.1, 'max_memory')
+    """
+    if budget is None:
+        return max_memory, headroom, "max_memory"
+    if max_memory is not None:
+        raise ValueError(f"pass max_memory={max_memory!r} or the deprecated budget={budget!r}, not both")
+    warnings.warn(
+        "AutoCheckpoint(budget=...) is deprecated and will be removed in the next release; use "
+        "max_memory=... (budget=X means max_memory=X, headroom=0)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return budget, 0.0, "budget"
 
 
 @dataclass(frozen=True)

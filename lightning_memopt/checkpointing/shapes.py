@@ -1,0 +1,166 @@
+"""Plans per batch shape: a plan made for one shape is reused for every batch no larger than it.
+
+A plan's bytes were profiled on one batch; a longer batch (padding to each batch's longest sequence)
+makes every block hold more, so a plan made on a short first batch can break its budget later.
+:class:`ShapePlans` keeps the plans made so far keyed by the shapes of the batch they were made on and
+says, before a batch runs, whether one of them covers it or the blocks must be profiled again.
+
+The assumption: the bytes a block holds for backward do not shrink when no dimension of any batch tensor
+grows. It holds for models whose activations are sized by the batch (batch size, sequence length, image
+side); it fails for a model whose activations do not follow its inputs' shapes (data-dependent routing,
+for instance), which no shape-keyed plan can bound.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+from torch.utils._pytree import tree_flatten
+
+from lightning_memopt.checkpointing.planner import Plan, evaluate_plan
+from lightning_memopt.checkpointing.profile import BlockProfile
+from lightning_memopt.memory.units import format_bytes
+
+Signature = tuple[tuple[int, ...], ...]
+"""The shapes of a batch's tensors, in the order ``torch.utils._pytree`` flattens the batch."""
+
+
+def shape_signature(batch) -> Signature:
+    """The shapes of the tensors in ``batch`` (any nesting of lists, tuples and dicts); other leaves are
+    ignored.
+
+    Example::
+
+        >>> import torch
+        >>> shape_signature({"input_ids": torch.zeros(4, 9), "labels": torch.zeros(4, 9), "n": 3})
+        ((4, 9), (4, 9))
+    """
+    leaves, _ = tree_flatten(batch)
+    return tuple(tuple(t.shape) for t in leaves if hasattr(t, "shape") and hasattr(t, "numel"))
+
+
+def covers(planned: Signature, batch: Signature) -> bool:
+    """Whether a plan made for ``planned`` holds for ``batch``: the same tensors, none of them larger in
+    any dimension.
+
+    Example::
+
+        >>> covers(((8, 64),), ((8, 32),)), covers(((8, 64),), ((16, 32),))
+        (True, False)
+    """
+    return _same_ranks(planned, batch) and all(x >= y for p, b in zip(planned, batch) for x, y in zip(p, b))
+
+
+def _same_ranks(planned: Signature, batch: Signature) -> bool:
+    """Whether two signatures have the same tensors of the same ranks (their dimensions compare)."""
+    return len(planned) == len(batch) and all(len(p) == len(b) for p, b in zip(planned, batch))
+
+
+def _elements(signature: Signature) -> int:
+    total = 0
+    for shape in signature:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def full_peak(profiles: Sequence[BlockProfile]) -> int:
+    """The blocks' peak with every block fully checkpointed: the inputs of all, and one block's forward
+    recomputed in backward (:func:`~lightning_memopt.checkpointing.evaluate_plan`)."""
+    return evaluate_plan(profiles, ["full"] * len(profiles)).peak_bytes
+
+
+class ShapePlans:
+    """The plans made so far, each keyed by the shapes of the batch it was profiled on.
+
+    :meth:`plan_for` returns, for a batch about to run, the cheapest plan made for shapes that cover it
+    (:func:`covers`), or None when none does: the caller then runs that batch with every block fully
+    checkpointed (the least memory), profiles it and :meth:`add` s the new plan. Plans for known shapes are
+    reused; a new plan is made only for a batch larger than all planned ones in some dimension.
+
+    Example::
+
+        >>> plans = ShapePlans()
+        >>> plans.plan_for(((4, 8),)) is None
+        True
+        >>> plan = Plan.unprofiled({"h.0": "keep"})
+        >>> plans.add(((4, 8),), plan, full_bytes=1024)
+        >>> plans.plan_for(((4, 6),)) is plan, plans.plan_for(((4, 16),))
+        (True, None)
+    """
+
+    def __init__(self) -> None:
+        self.plans: dict[Signature, Plan] = {}
+        self.made = 0
+        """How many plans were made in this run (profiles after a fully checkpointed batch)."""
+        # The largest batch planned and the blocks' peak on it fully checkpointed.
+        self._full: tuple[Signature, int] | None = None
+        self._unkeyed: Plan | None = None  # a plan restored without shapes: adopted by the first batch
+
+    def plan_for(self, signature: Signature) -> Plan | None:
+        """The cheapest known plan whose shapes cover ``signature``, or None if none does."""
+        if self._unkeyed is not None:  # from a checkpoint written before plans were keyed by shape
+            self.plans[signature], self._unkeyed = self._unkeyed, None
+        fitting = [plan for planned, plan in self.plans.items() if covers(planned, signature)]
+        return min(fitting, key=lambda plan: plan.cost, default=None)
+
+    def add(self, signature: Signature, plan: Plan, *, full_bytes: int) -> None:
+        """Keep ``plan`` for ``signature``; ``full_bytes``: the blocks' peak fully checkpointed on it (the
+        least any plan reaches: :func:`full_peak`)."""
+        self.plans[signature] = plan
+        self.made += 1
+        if self._full is None or _elements(signature) >= _elements(self._full[0]):
+            self._full = (signature, full_bytes)
+
+    def next_plan(self, signature: Signature, current: Plan, anywhere: Callable[[bool], bool]) -> Plan:
+        """The plan a batch of ``signature`` runs, ``current`` being the plan that ran last: the cheapest
+        known plan covering it, or, where none does (``anywhere(new)``: whether a batch is new on any
+        process, since the planning that follows reduces over processes), every block ``full`` unprofiled,
+        after a warning if that too is estimated over ``current``'s budget (:meth:`overrun`).
+        """
+        known = self.plan_for(signature)
+        if not anywhere(known is None):
+            assert known is not None
+            return known
+        overrun = self.overrun(signature, current.budget)
+        if overrun is not None:
+            warnings.warn(overrun, stacklevel=2)
+        return Plan.unprofiled(dict.fromkeys(current.choices, "full"))
+
+    def overrun(self, signature: Signature, budget: int | None) -> str | None:
+        """Why a batch of ``signature`` may not fit the blocks' ``budget`` even fully checkpointed, or None.
+
+        The estimate scales the blocks' peak on the largest fully checkpointed batch by the growth of the
+        batch's element count times the largest growth of one dimension: a bound for activations up to
+        quadratic in one dimension (attention's T x T scores), above the truth for linear ones (a CNN's maps).
+        """
+        if self._full is None or budget is None or not _elements(self._full[0]):
+            return None
+        planned, held = self._full
+        growth = [b / p for ps, bs in zip(planned, signature) for p, b in zip(ps, bs) if p]
+        longest = max(growth, default=1.0) if _same_ranks(planned, signature) else 1.0
+        estimate = int(held * _elements(signature) / _elements(planned) * max(longest, 1.0))
+        if estimate <= budget:
+            return None
+        return (
+            f"AutoCheckpoint: a batch of shapes {list(signature)} arrives; fully checkpointed (the least any "
+            f"plan reaches) its blocks' peak may reach {format_bytes(estimate)}, over the "
+            f"blocks' budget {format_bytes(budget)} within the limit. Raise max_memory or lower headroom, or "
+            "make batches smaller (shorter sequences, fewer samples, AutoAccumulation)."
+        )
+
+    def state(self) -> list[dict]:
+        """The plans as plain values, for a checkpoint."""
+        return [
+            {"shapes": [list(s) for s in sig], "plan": plan.to_dict()} for sig, plan in self.plans.items()
+        ]
+
+    def load(self, entries: list[dict] | None, plan: Plan) -> None:
+        """Restore :meth:`state`; without entries (an older checkpoint), the first batch adopts ``plan``."""
+        self.plans = {}
+        self._unkeyed = None if entries else plan
+        for entry in entries or ():
+            self.plans[tuple(tuple(s) for s in entry["shapes"])] = Plan.from_dict(entry["plan"])

@@ -1,0 +1,170 @@
+"""AutoCheckpoint under a limit, batches that grow (issue 12): a plan per batch shape, never over budget."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
+
+import lightning_memopt.callbacks.auto_checkpoint as ac_module
+from lightning_memopt import AutoCheckpoint
+from lightning_memopt.checkpointing import ActivationMeter, find_blocks
+from tests.checkpointing.models import TinyGPT
+
+# Padded to each batch's longest sequence: 4 samples of 8, 16, 12, 24 ... tokens; new longest: steps 0, 2, 5.
+LENGTHS = [8, 8, 16, 12, 16, 24, 8, 24]
+# Parameters + SGD gradients take 85.38 KiB and the activations outside the blocks a few more, so the blocks'
+# budget is 273,868 bytes at 8 tokens and 256,460 at 24; every block kept holds 225,024 bytes at 16 tokens and
+# 356,544 at 24: the plan made on the first (8-token) batch keeps everything and would overrun at 24 tokens.
+MAX_MEMORY = 370_000
+
+
+class GPTModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyGPT(3)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class BlockBytes(pl.Callback):
+    """Per step: the batch shape, the bytes the blocks hold at the end of the forward (``ActivationMeter``,
+    independent of AutoCheckpoint's own probe) and the blocks' budget of the plan AutoCheckpoint ran."""
+
+    def __init__(self, auto: AutoCheckpoint) -> None:
+        self.auto = auto
+        self.rows: list[tuple[tuple[int, ...], int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._meter = ActivationMeter(pl_module, find_blocks(pl_module)).__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._meter.__exit__(None, None, None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # After a step that profiled, the plan is the one made for that step's shape (on the same batch).
+        self.rows.append((tuple(batch.shape), self._meter.total, self.auto.plan.budget))
+
+
+def _batches(lengths=LENGTHS):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 32, (4, t), generator=g) for t in lengths]
+
+
+def _fit(tmp_path, callbacks, lengths=LENGTHS, ckpt_path=None, checkpointing=False):
+    torch.manual_seed(0)
+    module = GPTModule()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=len(lengths),
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=checkpointing,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, DataLoader(_batches(lengths), batch_size=None), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def test_longer_batches_are_planned_for_and_never_exceed_the_budget(tmp_path):
+    auto = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
+    meter = BlockBytes(auto)
+    module, _ = _fit(tmp_path, [auto, meter])
+    for step, (shape, held, budget) in enumerate(meter.rows):
+        assert held <= budget, f"step {step}, batch {shape}: the blocks held {held} bytes, budget {budget}"
+    # One plan per new longest shape (steps 0, 2, 5), none for the shorter or repeated ones.
+    assert auto.shape_plans.made == 3
+    assert list(auto.shape_plans.plans) == [((4, 8),), ((4, 16),), ((4, 24),)]
+    short, long = auto.shape_plans.plans[((4, 8),)], auto.shape_plans.plans[((4, 24),)]
+    assert set(short.choices.values()) == {"keep"} and "full" in long.choices.values()
+    assert [budget for *_, budget in meter.rows] == [273_868] * 2 + [265_164] * 3 + [
+        256_460,
+        273_868,
+        256_460,
+    ]
+    # Profiled steps run every block full: only the blocks' inputs, 4 x T x 16 fp32 per block, are held.
+    assert [meter.rows[i][1] for i in (0, 2, 5)] == [3 * 4 * t * 16 * 4 for t in (8, 16, 24)]
+    assert meter.rows[7][1] == long.activation_bytes  # the 24-token plan's prediction, exact
+
+    plain, _ = _fit(tmp_path, [])
+    for (name, p), q in zip(module.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=0, msg=name)
+
+
+def test_planning_only_on_the_first_batch_overruns(tmp_path):
+    """The test above can fail: planned once on the short first batch (the behaviour before issue 12), the
+    24-token batches hold more than the budget."""
+
+    class FirstBatchOnly(AutoCheckpoint):
+        def setup(self, trainer, pl_module, stage):
+            super().setup(trainer, pl_module, stage)
+            self._by_shape = False
+
+    auto = FirstBatchOnly(max_memory=MAX_MEMORY, headroom=0.0)
+    meter = BlockBytes(auto)
+    _fit(tmp_path, [auto, meter])  # silently: the plan is checked on step 1 only, 8 tokens like step 0
+    over = [step for step, (_, held, budget) in enumerate(meter.rows) if held > budget]
+    assert over == [5, 7] and meter.rows[5][1] == 356_544 > meter.rows[5][2] == 273_868
+
+
+def test_a_batch_too_large_even_fully_checkpointed_warns_before_it_runs(tmp_path):
+    ran = []
+
+    class Recorder(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            ran.append(tuple(batch.shape))
+
+    # Fully checkpointed, the blocks' peak at 8 tokens (their inputs, and one block recomputed in backward)
+    # times 64 (the elements) times 64 (the sequence: attention's T x T), over the blocks' 273,868 bytes:
+    # the warning comes before the batch runs.
+    with (
+        pytest.warns(
+            UserWarning,
+            match=r"shapes \[\(4, 512\)\] arrives; .* 154.\d\d MiB, over the blocks. budget 267.45 KiB",
+        ),
+        pytest.raises(
+            MisconfigurationException, match=r"AutoCheckpoint: max_memory=370000 .* Pass max_memory >="
+        ),
+    ):
+        _fit(tmp_path, [AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0), Recorder()], lengths=[8, 8, 512])
+    assert ran == [(4, 8), (4, 8), (4, 512)]
+
+
+def test_resume_keeps_the_plans_per_shape(tmp_path, monkeypatch):
+    auto = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
+    _, trainer = _fit(tmp_path, [auto], checkpointing=True)
+    ckpt = trainer.checkpoint_callback.best_model_path
+    saved = next(v for v in torch.load(ckpt, weights_only=False)["callbacks"].values() if "shapes" in v)
+    assert [e["shapes"] for e in saved["shapes"]] == [[[4, 8]], [[4, 16]], [[4, 24]]]
+
+    def boom(*a, **k):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(ac_module, "profile_blocks", boom)
+    resumed = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
+    # A new epoch from step 8: batches of 8, 8 and 16 tokens, all planned for before.
+    _fit(tmp_path / "r", [resumed], lengths=LENGTHS + [24, 16, 8], ckpt_path=ckpt)
+    assert resumed.shape_plans.plans == auto.shape_plans.plans and resumed.shape_plans.made == 0
+    assert resumed.plan == auto.shape_plans.plans[((4, 16),)]
+
+
+def test_a_checkpoint_without_shapes_adopts_its_plan_for_the_first_batch(tmp_path, monkeypatch):
+    auto = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
+    _, trainer = _fit(tmp_path, [auto], lengths=LENGTHS[:2], checkpointing=True)
+    ckpt = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
+    for state in ckpt["callbacks"].values():
+        state.pop("shapes", None)  # as written before plans were kept per shape
+    old = tmp_path / "old.ckpt"
+    torch.save(ckpt, old)
+    resumed = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
+    _fit(tmp_path / "r", [resumed], lengths=[8, 16, 8, 16], ckpt_path=old)  # steps 2, 3: 8 then 16 tokens
+    # The 8-token batch reuses the restored plan; the 16-token one is profiled and planned.
+    assert list(resumed.shape_plans.plans) == [((4, 8),), ((4, 16),)] and resumed.shape_plans.made == 1
+    assert resumed.shape_plans.plans[((4, 8),)] == auto.plan

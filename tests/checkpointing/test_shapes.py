@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+from lightning_memopt.checkpointing import Plan
+from lightning_memopt.checkpointing.shapes import ShapePlans, covers, shape_signature
+
+
+def _plan(cost: float, budget: int = 1000) -> Plan:
+    return Plan({"h.0": "keep"}, 100, 100, 0, 0, 0, cost, budget=budget)
+
+
+def test_shape_signature_flattens_nested_batches_and_skips_non_tensors():
+    batch = {
+        "ids": torch.zeros(2, 5, dtype=torch.long),
+        "meta": ["a", 3],
+        "pair": (torch.zeros(3), torch.zeros(())),
+    }
+    assert shape_signature(batch) == ((2, 5), (3,), ())
+
+
+def test_covers_needs_every_dimension_of_every_tensor_no_larger():
+    assert covers(((4, 16), (4,)), ((4, 16), (4,)))
+    assert covers(((4, 16),), ((2, 9),))
+    assert not covers(((4, 16),), ((2, 17),))
+    assert not covers(((4, 16),), ((4, 16), (4,)))  # another tensor
+    assert not covers(((4, 16),), ((4, 4, 4),))  # another rank
+
+
+def test_plan_for_takes_the_cheapest_covering_plan_and_counts_plans_made():
+    plans = ShapePlans()
+    cheap, dear = _plan(1.0), _plan(5.0)
+    plans.add(((4, 8),), cheap, full_bytes=100)
+    plans.add(((4, 16),), dear, full_bytes=200)
+    assert plans.plan_for(((4, 8),)) is cheap and plans.plan_for(((4, 12),)) is dear
+    assert plans.plan_for(((8, 8),)) is None and plans.made == 2
+
+
+def test_next_plan_runs_every_block_full_where_a_batch_is_new_on_any_process():
+    plans = ShapePlans()
+    known = _plan(1.0)
+    plans.add(((4, 16),), known, full_bytes=512)
+    assert plans.next_plan(((4, 8),), known, lambda new: new) is known
+    profile = plans.next_plan(((4, 8),), known, lambda new: True)  # another process's batch is new
+    assert not profile.predicted and profile.choices == {"h.0": "full"}
+    # 512 bytes at (4, 16): at (4, 32) twice the elements, one dimension twice as long: up to 2,048 bytes,
+    # over the budget of 2,000, said before the batch runs; at (4, 31) 512 * 124/64 * 31/16 = 1,922 bytes.
+    with pytest.warns(UserWarning, match=r"shapes \[\(4, 32\)\] arrives; .* peak may reach 2.00 KiB"):
+        plans.next_plan(((4, 32),), _plan(1.0, budget=2000), lambda new: new)
+    assert (
+        plans.overrun(((4, 31),), budget=2000) is None and plans.overrun(((4, 31),), budget=1921) is not None
+    )
+
+
+def test_state_round_trip_and_an_unkeyed_plan_is_adopted_by_the_first_batch():
+    plans = ShapePlans()
+    plans.add(((4, 8),), _plan(1.0), full_bytes=100)
+    restored = ShapePlans()
+    restored.load(plans.state(), _plan(9.0))
+    assert restored.plans == plans.plans and restored.made == 0
+    old = _plan(2.0)
+    restored.load(None, old)
+    assert restored.plan_for(((3, 3),)) is old and restored.plans == {((3, 3),): old}
