@@ -90,7 +90,16 @@ def test_fsdp_prediction_equals_two_process_run_per_rank(tmp_path):
             model, batch, world_size=2, strategy="fsdp", blocks=find_blocks(model), fresh=build
         )
         single = predict_step(model, batch)
-    assert predicted.record == measured[0] == measured[1]
+    # Parameters, gradients, optimizer state and activations: exact in every phase. 'other' holds the
+    # collectives' buffers, whose lifetime depends on when gloo's async work completes: on a loaded
+    # 2-core machine about 1 run in 5 shows one late reduce-scatter/all-gather buffer (8-9 KiB here) in
+    # the backward or optimizer phase. That is allowed (at most 16 KiB), and only in 'other'.
+    for rank in measured:
+        for phase in PHASES:
+            late = rank[f"{phase}_other"] - predicted.record[f"{phase}_other"]
+            assert 0 <= late <= 16 * 1024 and rank[phase] - predicted.record[phase] == late
+        exact = [k for k in rank if not k.endswith("_other") and k not in PHASES]
+        assert {k: rank[k] for k in exact} == {k: predicted.record[k] for k in exact}
     assert predicted.record["optimizer_optimizer_state"] < single.record["optimizer_optimizer_state"]
 
 
