@@ -11,6 +11,7 @@ import torch
 from lightning_memopt.memory.report import PHASES
 from lightning_memopt.planning.build import build_fake, fake_batch, fake_mode
 from lightning_memopt.planning.predict import precision_plugin, predict_step
+from tests.batching.helpers import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "examples" / "gpt")]
@@ -158,7 +159,6 @@ def test_op_without_a_matching_fake_kernel_names_the_module():
 def test_micro_batching_matches_a_real_autoaccumulation_run(micro_batch_size, tmp_path):
     """Against a real Trainer run with AutoAccumulation, measured by MemoryMonitor. Lightning keeps a few
     scalars of its own (the loss it reports) that a bare step does not: within 128 bytes per phase."""
-    import lightning.pytorch as pl
 
     from lightning_memopt import AutoAccumulation, MemoryMonitor
     from lightning_memopt.planning.build import parse_batch_spec
@@ -169,16 +169,7 @@ def test_micro_batching_matches_a_real_autoaccumulation_run(micro_batch_size, tm
     callbacks = [monitor] + (
         [AutoAccumulation(micro_batch_size=micro_batch_size)] if micro_batch_size else []
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        default_root_dir=tmp_path,  # MemoryMonitor writes its report there
-        max_steps=2,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(callbacks, max_steps=2, default_root_dir=tmp_path)  # the report goes there
     trainer.fit(
         TinyLM(width=32, layers=2),
         torch.utils.data.DataLoader(list(torch.randint(0, 64, (16, 8))), batch_size=8),

@@ -16,7 +16,6 @@ import weakref
 from collections import Counter
 from contextlib import nullcontext
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -24,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_memopt import AutoCheckpoint
 from lightning_memopt.checkpointing import checkpointed_blocks, find_blocks
 from lightning_memopt.memory import MemoryTracker
+from tests.batching.helpers import quiet_trainer
 from tests.zoo.models import ZOO, ZooModule, loader
 
 SMALL, LARGE = 2, 24  # samples per batch: exactness runs, and peak runs where activations dominate
@@ -99,16 +99,7 @@ def _fit(name: str, callbacks: list, batch_size: int, measure: bool = False, mod
     shared: dict = {}
     if measure:
         callbacks = [_Peak(shared, True), *callbacks, _Peak(shared, False)]
-    trainer = pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        devices=1,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(callbacks, max_steps=2)
     seen: list[dict] = []
     trainer.callbacks.append(_Seen(seen))
     torch.manual_seed(1)  # the same dropout masks in every run
@@ -196,15 +187,7 @@ def test_nothing_holds_the_model_after_fit(fails):
     name = "t5"  # an encoder-decoder with a key/value cache: the most there is to leave behind
     callback = AutoCheckpoint()
     module = (_Failing if fails else ZooModule)(name)
-    trainer = pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
+    trainer = quiet_trainer([callback], max_steps=2)
     with warnings.catch_warnings(), pytest.raises(ValueError, match="user bug") if fails else nullcontext():
         warnings.simplefilter("ignore")
         trainer.fit(module, loader(name, SMALL))

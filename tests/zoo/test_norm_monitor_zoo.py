@@ -28,6 +28,7 @@ from lightning_memopt import BatchNormToGroupNorm, MemoryMonitor
 from lightning_memopt.memory import CATEGORIES
 from lightning_memopt.memory.report import PHASES
 from lightning_memopt.norm import SwappedGroupNorm
+from tests.batching.helpers import quiet_trainer
 from tests.zoo.models import ZOO, ZooModule, image_batch, loader
 
 BATCHNORM_MODELS = [name for name, entry in ZOO.items() if entry.has_batchnorm]
@@ -51,18 +52,11 @@ class ProbedZooModule(ZooModule):
 
 
 def _trainer(tmp_path, callbacks, logger=False) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    return quiet_trainer(
+        callbacks,
         max_steps=2,
-        callbacks=callbacks,
         logger=CSVLogger(tmp_path, name="logs") if logger else False,
         default_root_dir=tmp_path,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
     )
 
 
