@@ -267,6 +267,13 @@ def measure_today(steps: int, batch_size: int, max_len: int, *, padding_only: bo
                 OOMBackoff(log=False),
             ],
         ),
+        (
+            "AutoAccumulation(headroom=0.05) + OOMB",
+            lambda: [
+                AutoAccumulation(max_memory=capacity, headroom=0.05, count_fn=target_tokens, log=False),
+                OOMBackoff(log=False),
+            ],
+        ),
     ):
         callbacks = make()
         rec = Recorder(callbacks[0])
@@ -281,7 +288,19 @@ def measure_today(steps: int, batch_size: int, max_len: int, *, padding_only: bo
         )
         report_sizing(name, rec, cap, fewest, time.perf_counter() - start)
         if isinstance(callbacks[0], AutoAccumulation):
-            print(f"   AutoAccumulation probed {callbacks[0].probes} on the first batch {rec.shapes[0]}")
+            auto = callbacks[0]
+            budget = int(capacity * (1 - auto.headroom))
+            within = [probe.fewest(len(b), t, budget) or len(b) for b, t in zip(batches, padded_len)]
+            ratios = [m / f for m, f in zip(rec.micro, within)]
+            print(
+                f"   probed {auto.probes} on the first batch {rec.shapes[0]}; then one probe per new power-of-two "
+                f"length: {[(w, n) for w, n, _ in auto.engine.shape_probes]} (tokens, samples)"
+            )
+            print(
+                f"   vs the fewest within its budget ({format_bytes(budget)}: the capacity less headroom "
+                f"{auto.headroom}): mean {statistics.fmean(ratios):.2f}x, max {max(ratios):.1f}x, "
+                f"steps over: {sum(r > 1 for r in ratios)}"
+            )
     print(
         "   OOM/1k: out-of-memory retries per 1,000 steps (all; after the first 10). raised: MemoryCap's errors,"
     )

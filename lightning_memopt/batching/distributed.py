@@ -12,7 +12,14 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_gradients", "any_rank", "is_distributed", "max_over_ranks", "min_over_ranks"]
+__all__ = [
+    "all_reduce_gradients",
+    "any_rank",
+    "is_distributed",
+    "max_over_ranks",
+    "max_over_ranks_each",
+    "min_over_ranks",
+]
 
 _BUCKET_BYTES = 25 * 2**20  # the same bucket size DDP uses by default
 
@@ -22,12 +29,17 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _int_all_reduce(value: int, op: dist.ReduceOp, device: torch.device) -> int:
+def _all_reduce(values: list[int], op: dist.ReduceOp, device: torch.device) -> list[int]:
+    """The one small collective of this module: ``values`` reduced elementwise over ranks (8 bytes each)."""
     if not is_distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=op)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
+
+
+def _int_all_reduce(value: int, op: dist.ReduceOp, device: torch.device) -> int:
+    return _all_reduce([value], op, device)[0]
 
 
 def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
@@ -49,6 +61,17 @@ def min_over_ranks(value: int, device: torch.device | str = "cpu") -> int:
 def max_over_ranks(value: int, device: torch.device | str = "cpu") -> int:
     """The largest ``value`` over all ranks, on every rank (one 8-byte all-reduce)."""
     return _int_all_reduce(int(value), dist.ReduceOp.MAX, torch.device(device))
+
+
+def max_over_ranks_each(values: list[int], device: torch.device | str = "cpu") -> list[int]:
+    """Each of ``values``' largest over all ranks, on every rank (one all-reduce of ``8 * len(values)`` bytes).
+
+    Example::
+
+        >>> max_over_ranks_each([0, 3])  # a single process: no communication
+        [0, 3]
+    """
+    return _all_reduce([int(v) for v in values], dist.ReduceOp.MAX, torch.device(device))
 
 
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:

@@ -5,7 +5,8 @@ and why: :mod:`~lightning_memopt.batching.surface`), and the one retry loop that
 step and evaluation share, :meth:`MicroBatchEngine.run_with_retry`. One training step, top to bottom:
 
 1. Capture the step's start state (RNGs, buffers, torchmetrics, GradScaler) if OOM retry is on.
-2. Zero gradients; split the batch into micro-batches, their samples sized for its length (:mod:`~.shapes`).
+2. Zero gradients; size the batch's micro-batches for its length (:mod:`~.per_batch`: from the memory
+   model over shapes, agreed across ranks, or in padded tokens) and split it.
 3. For each micro-batch: the user's ``training_step`` (through the strategy, so DDP/FSDP forward and
    autocast apply), its loss times its share of the items the loss averages over
    (:mod:`~lightning_memopt.batching.counting`), scaled by the GradScaler, ``.backward()``. Logged
@@ -34,11 +35,11 @@ from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.errors import MicroBatchOOMError
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.batching.outputs import ChangedOrEvery, LogRecorder, StepOutputs, combine, loss_of
+from lightning_memopt.batching.per_batch import size_batch
 from lightning_memopt.batching.policy import SizePolicy, halve_eval
 from lightning_memopt.batching.probe import measure_peak
 from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime, drop_attempt
 from lightning_memopt.batching.report import memory_of, memory_report
-from lightning_memopt.batching.shapes import tokens_per_sample
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import micro_batch_sizes
 from lightning_memopt.batching.splitter import Splitter
@@ -49,6 +50,7 @@ from lightning_memopt.batching.surface import (
     check_accumulation,
     check_setup,
 )
+from lightning_memopt.memory.tracker import MemoryTracker, state_bytes
 
 __all__ = ["MicroBatchEngine", "MicroBatchOOMError"]
 
@@ -80,9 +82,11 @@ class MicroBatchEngine(StrategyWrappers):
         retry_on_oom: Catch out-of-memory errors, restore the step and retry with half the size.
         overlap_after: Under DDP/FSDP2 with OOM retry, after this many clean steps at one size, stop
             agreeing before the gradient sync (:mod:`~lightning_memopt.batching.regime`). None: never.
-        count_fn, split_fn: How batches are weighed and cut (they live on :attr:`splitter`).
+        count_fn, split_fn, length_fn: How batches are weighed, cut and measured (on :attr:`splitter`).
         log_metrics: Log ``batching/*`` keys from the training step.
         last_regime: The name of the last training attempt's regime (``Regime.name``; None before one).
+        shape_probes: ``(tokens per sample, samples, peak bytes or None)`` of each probe that measured a new
+            length for the policy's :class:`~.shapes.ShapeModel` (:func:`~.per_batch.size_batch`).
     """
 
     micro_batch_size = _kept("policy", "micro_batch_size")
@@ -94,6 +98,7 @@ class MicroBatchEngine(StrategyWrappers):
     stable_steps = _kept("policy", "stable_steps")
     count_fn = _kept("splitter", "count_fn")
     split_fn = _kept("splitter", "split_fn")
+    length_fn = _kept("splitter", "length_fn")
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,11 +113,13 @@ class MicroBatchEngine(StrategyWrappers):
         self.eval_oom_retries = 0
         self.last_failure: str | None = None
         self.last_regime: str | None = None
+        self.shape_probes: list[tuple[int, int, int | None]] = []
         self._sharding: Any = _UNKNOWN  # regime.find_sharding of the model, found once per fit
         self._zero_grad = SkipNextZeroGrad()
         self._pending_backward = False
         self._state: StepState | None = None
         self._metrics = ChangedOrEvery()
+        self._held_at: tuple[int, int] | None = None  # optimizer state entries, and _held() then
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -136,6 +143,7 @@ class MicroBatchEngine(StrategyWrappers):
         self._state = None
         self._sharding = _UNKNOWN  # the next fit may train another model
         self.splitter.forget_model()
+        self._held_at = None
 
     # ------------------------------------------------------------------ the retry loop
     def run_with_retry(
@@ -209,9 +217,9 @@ class MicroBatchEngine(StrategyWrappers):
 
         def choose() -> Regime:
             self._zero_grad.zero_now(self._trainer, batch_idx)
-            size = self.policy.size_for(total, None if regimes.is_distributed() else tokens_per_sample(batch))
-            sizes[:] = micro_batch_sizes(total, size, smallest=smallest_micro_batch(module))
-            regime = self._choose("training", len(sizes), size)
+            size, count = self._size_for(batch, total)
+            sizes[:] = micro_batch_sizes(total, size, smallest=smallest_micro_batch(module), count=count)
+            regime = self._choose("training", count or len(sizes), size)
             self.last_regime = regime.name
             return regime
 
@@ -234,6 +242,34 @@ class MicroBatchEngine(StrategyWrappers):
         self._pending_backward = True
         loss = loss.requires_grad_(True)  # a fresh leaf: Lightning's backward call only fires the hooks
         return loss if extras is None else {**extras, "loss": loss}
+
+    def _size_for(self, batch: Any, total: int) -> tuple[int, int | None]:
+        """Samples per micro-batch for ``batch``, and the number of micro-batches every rank runs when
+        sizes follow a :class:`~.shapes.ShapeModel` (:func:`~.per_batch.size_batch`; None otherwise)."""
+        return size_batch(
+            self.policy,
+            width=self.splitter.length(batch),
+            total=total,
+            device=self._trainer.strategy.root_device,
+            held=self._held,
+            probe=lambda size: self.probe(batch, size, tracker=self._tracker()),
+            record=self.shape_probes,
+        )
+
+    def _held(self) -> int:
+        """Bytes of parameters, gradients and optimizer state, counted again when the optimizer's state grows."""
+        optimizers = self._trainer.optimizers
+        entries = sum(len(o.state) for o in optimizers)
+        if self._held_at is None or self._held_at[0] != entries:
+            self._held_at = (entries, state_bytes(self._trainer.strategy.model, optimizers))
+        return self._held_at[1]
+
+    def _tracker(self) -> Any:
+        """What measures a probe: the CUDA allocator (None), or a tracker of live tensors elsewhere."""
+        strategy = self._trainer.strategy
+        if strategy.root_device.type == "cuda":
+            return None
+        return MemoryTracker(strategy.model, self._trainer.optimizers)
 
     def _run_micro_batches(
         self, batch: Any, rest: tuple, kwargs: dict, sizes: list[int], regime: Regime

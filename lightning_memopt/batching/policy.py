@@ -11,6 +11,10 @@ The rules, in one place:
   and read in samples of the batch of the moment: a failure at 8 samples of 32 tokens caps growth below
   256 tokens at every length, and a batch of 8-token samples runs 4 times the samples of a 32-token one.
   Where every batch has the same shape, this is the size in samples as the rules above say.
+- With a :class:`~lightning_memopt.batching.shapes.ShapeModel` (``AutoAccumulation`` under a memory
+  limit fits one), each batch's size is what the model predicts for its shape instead: an
+  out-of-memory error at ``size`` raises the model's prediction for that shape and retries the step at
+  ``ceil(size / 2)`` (the floor as above); there is nothing to grow back.
 - ``stable_steps`` counts steps that succeeded at the current size (after their retries); a new size,
   smaller or larger, starts again from 0. The engine reads it to decide when sizes have settled.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 import math
 
 from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
-from lightning_memopt.batching.shapes import TokenBudget
+from lightning_memopt.batching.shapes import ShapeModel, TokenBudget
 
 __all__ = ["SizePolicy"]
 
@@ -86,6 +90,9 @@ class SizePolicy:
         """Steps in a row that succeeded at the current size (towards ``overlap_after``)."""
         self.last_total: int | None = None
         """Samples of the last batch that trained."""
+        self.model: ShapeModel | None = None
+        """Peak memory by batch shape; when set, it sizes every batch (see the module docstring)."""
+        self._retry: int | None = None  # with a model: the halved size of the step being retried
 
     def set_size(self, name: str, samples: int | None, width: int | None) -> None:
         """Set the size ``name`` (a key of ``SIZES``) to ``samples`` samples of ``width`` tokens (None: of the
@@ -96,6 +103,11 @@ class SizePolicy:
         """The micro-batch size of a batch of ``total`` samples of ``width`` tokens (None: as the last batch)."""
         if width is not None:
             self.tokens.see(width)
+        if self.model is not None:
+            predicted = self.model.samples_for(self.tokens.width or 1)
+            self.micro_batch_size = min(
+                predicted, self._retry or predicted
+            )  # what readers of the size expect
         return min(self.micro_batch_size or total, total)
 
     def back_off(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
@@ -124,6 +136,10 @@ class SizePolicy:
                 f"out of memory with {size} samples per micro-batch, the fewest a model with BatchNorm layers in "
                 f"training mode can run. {BATCHNORM_ADVICE}\n{failure}\n{CHECKLIST}"
             )
+        if self.model is not None:
+            self.model.missed(width=self.tokens.width or 1, samples=size)
+            self._retry = max(math.ceil(size / 2), floor)
+            return
         if self.max_micro_batch_size is None:
             self.max_micro_batch_size = self.micro_batch_size or total
         self.micro_batch_size = max(math.ceil(size / 2), floor)
@@ -132,7 +148,8 @@ class SizePolicy:
         """Record a step that trained (``retried``: after backing off), and grow when it is time."""
         self.last_total = total
         self.stable_steps += 1
-        if retried:
+        self._retry = None
+        if retried or self.model is not None:
             return
         self.clean_steps += 1
         if self.grow_after is None or self.clean_steps < self.grow_after or self.micro_batch_size is None:

@@ -35,6 +35,10 @@ from its recovery path. Small collectives per training step (tested exactly in
   Modules without parameters of their own (a root wrapping only sharded children) get none. With
   ``overlap_after`` once stable: no sync point and no agreement (0 per step); an OOM then raises
   :class:`MicroBatchOOMError` on that rank and the others fail at their next collective.
+- **Per-batch sizing** (both, when ``AutoAccumulation`` fitted a memory model over shapes): one more
+  16-byte all-reduce per step, before the attempt, agreeing on the number of micro-batches; on the few
+  steps that probe a new length, one per probe round and one more for the count
+  (:mod:`~lightning_memopt.batching.per_batch`).
 - **Evaluation** (``validation_step`` etc., both): one agreement per attempt; under FSDP2 also the
   forward sync points (``P`` per micro-batch).
 - **Optimizer step** (both): the first step at each micro-batch size — the fit's first, when optimizer

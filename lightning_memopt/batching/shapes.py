@@ -23,12 +23,12 @@ and agreeing on it would take one more collective per step; there the engine kee
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["TokenBudget", "tokens_per_sample"]
+__all__ = ["ShapeModel", "TokenBudget", "octave", "tokens_per_sample"]
 
 
 def tokens_per_sample(batch: Any) -> int:
@@ -99,3 +99,157 @@ class TokenBudget:
     def below_failed(self) -> int | None:
         """The most samples of the batch of the moment whose micro-batch is smaller than ``failed``."""
         return None if self.failed is None else (self.failed - 1) // (self.width or 1)
+
+
+def octave(width: int) -> int:
+    """The power-of-two bucket of ``width`` tokens per sample: 16-31 -> 5, 32-63 -> 6 (1 -> 1)."""
+    return max(int(width), 1).bit_length()
+
+
+@dataclass
+class ShapeModel:
+    """A training micro-step's peak bytes as a function of its shape, fitted to probes.
+
+    ``peak(samples, width) = held + workspace + samples * per_sample(width)``, where
+
+    - ``held``: parameters, gradients and optimizer state (counted from the tensors themselves,
+      :func:`~lightning_memopt.memory.tracker.state_bytes`), refreshed as the optimizer creates state;
+    - ``workspace``: the rest of the step that does not grow with its samples (the intercept of the line
+      the first batch's probes fit, minus ``held`` then);
+    - ``per_sample(width)``: bytes one sample of ``width`` tokens adds: ``linear * width + quadratic *
+      width**2`` (attention that is not memory-efficient holds ``width x width`` scores per head), least
+      squares over the measured widths (relative error), times a correction per power-of-two bucket of
+      widths (:func:`octave`) so that every measured width is predicted exactly.
+
+    Each bucket is measured once, by a probe on the first batch that falls in it: a few probes per fit
+    (one per doubling of the length), after which every batch is sized from the model alone. A batch that
+    runs out of memory anyway (:meth:`missed`) raises its bucket's correction so that the same shape is
+    not tried again.
+
+    Example::
+
+        >>> model = ShapeModel(budget=10_000, limit=11_000, workspace=0)
+        >>> model.measured(width=10, samples=4, increment=4 * 110)  # 110 bytes per sample of 10 tokens
+        >>> model.measured(width=40, samples=2, increment=2 * 1_040)
+        >>> round(model.linear, 6), round(model.quadratic, 6)  # 110 = 10 a + 100 b, 1,040 = 40 a + 1,600 b
+        (6.0, 0.5)
+        >>> round(model.per_sample(20), 6), model.samples_for(20)  # 6 * 20 + 0.5 * 400 bytes per sample
+        (320.0, 31)
+    """
+
+    budget: int
+    """Bytes a step may peak at: the memory limit less the headroom."""
+    limit: int
+    """The memory limit itself: what a step that ran out of memory went over."""
+    workspace: float
+    """Bytes of a micro-step besides ``held`` that do not grow with its samples (negative when the step
+    peaks before all of ``held`` exists, e.g. before backward allocated every gradient)."""
+    held: int = 0
+    """Parameters, gradients and optimizer state, in bytes."""
+    points: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """Per :func:`octave`: the width measured there and the bytes per sample it measured."""
+    linear: float = 0.0
+    """Fitted bytes per token of a sample."""
+    quadratic: float = 0.0
+    """Fitted bytes per token squared of a sample."""
+    correction: dict[int, float] = field(default_factory=dict)
+    """Per :func:`octave`: measured over fitted bytes per sample (raised by :meth:`missed`)."""
+
+    def per_sample(self, width: int) -> float:
+        """Bytes one sample of ``width`` tokens adds to the peak."""
+        # An unmeasured bucket takes the largest correction known: better too many micro-batches than an OOM.
+        largest = max(self.correction.values(), default=1.0)
+        return self._fitted(width) * self.correction.get(octave(width), largest)
+
+    def _fitted(self, width: int) -> float:
+        return self.linear * width + self.quadratic * width * width
+
+    def samples_for(self, width: int) -> int:
+        """The most samples of ``width`` tokens whose micro-step fits the budget (at least 1)."""
+        room = self.budget - self.held - self.workspace
+        cost = self.per_sample(width)
+        return max(1, int(room // cost)) if cost > 0 else 2**62
+
+    def knows(self, width: int) -> bool:
+        """Whether ``width``'s bucket was measured (else the next batch in it is probed first)."""
+        return octave(width) in self.points
+
+    def measured(self, *, width: int, samples: int, increment: float) -> None:
+        """A probe of ``samples`` samples of ``width`` tokens peaked ``increment`` bytes above ``held``."""
+        self.add(width, max(increment - self.workspace, 1.0) / samples)
+
+    def add(self, width: int, per_sample: float) -> None:
+        """One sample of ``width`` tokens costs ``per_sample`` bytes (replacing its bucket's measurement)."""
+        self.points[octave(width)] = (width, per_sample)
+        self._fit()
+
+    @classmethod
+    def from_probes(
+        cls, probes: list[tuple[int, int | None]], *, width: int, size: int, whole: bool, **limits: int
+    ) -> ShapeModel:
+        """The model of the first batch's search (:func:`~.sizing.find_micro_batch_size`).
+
+        ``probes``: its ``(samples, peak or None)`` on a batch of ``width`` tokens per sample; ``size``: the
+        size it found; ``whole``: whether that is the whole batch. ``limits``: ``budget``, ``limit`` and
+        ``held`` (at the probes). The workspace is the intercept of the line through the two largest sizes
+        that fitted, less ``held``; the bytes per sample make the model predict exactly ``size`` at
+        ``width`` (more only when ``size`` was the whole batch and the probe says more would fit).
+        """
+        budget, held = limits["budget"], limits["held"]
+        fitted = sorted((s, p) for s, p in probes if p is not None and p <= budget)
+        (s1, p1), (s2, p2) = fitted[-2:] if len(fitted) > 1 else (fitted[-1], fitted[-1])
+        intercept = p2 - (p2 - p1) / (s2 - s1) * s2 if s2 != s1 else held
+        # Below zero when the peak comes before every gradient exists (``held`` counts them all).
+        model = cls(budget=budget, limit=limits["limit"], workspace=max(intercept - held, -held), held=held)
+        room = budget - held - model.workspace
+        cost = max(p2 - held - model.workspace, 1.0) / s2  # what the largest fitting probe measured
+        if not whole:  # the search ruled out size + 1: predict size, not more
+            cost = max(cost, room / (size + 1) * (1 + 1e-9))
+        model.add(width, cost)
+        return model
+
+    def missed(self, *, width: int, samples: int) -> None:
+        """``samples`` samples of ``width`` tokens ran out of memory: each costs at least its share of the
+        limit; the bucket's correction rises so that fewer samples are predicted to fit from now on."""
+        at_least = (self.limit - self.held - self.workspace) / samples
+        bucket = octave(width)
+        now = self.per_sample(width)
+        if at_least > now and (fitted := self._fitted(width)) > 0:
+            self.correction[bucket] = at_least / fitted
+
+    def _fit(self) -> None:
+        """Least squares of ``linear * T + quadratic * T**2`` to the measured costs, relative error, both
+        coefficients at least 0; then each bucket's correction, measured over fitted."""
+        rows = [(t / s, t * t / s) for t, s in self.points.values()]  # a * x + b * y = 1 at each point
+        xx, xy, yy = (sum(x * x for x, _ in rows), sum(x * y for x, y in rows), sum(y * y for _, y in rows))
+        sx, sy = sum(x for x, _ in rows), sum(y for _, y in rows)
+        det = xx * yy - xy * xy
+        a = b = -1.0
+        if len(rows) > 1 and det > 1e-12 * xx * yy:
+            a, b = (sx * yy - sy * xy) / det, (sy * xx - sx * xy) / det
+        if b < 0 or a < 0:  # one width, or a curve that bends down: the better of linear and quadratic alone
+            lin, quad = (sx / xx, 0.0), (0.0, sy / yy)
+            error = lambda c: sum((c[0] * x + c[1] * y - 1) ** 2 for x, y in rows)  # noqa: E731
+            a, b = min(lin, quad, key=error) if len(rows) > 1 else lin
+        self.linear, self.quadratic = a, b
+        for bucket, (t, s) in self.points.items():
+            self.correction[bucket] = s / self._fitted(t)
+
+    def state(self) -> dict[str, Any]:
+        """Plain values for a checkpoint."""
+        return {
+            "budget": self.budget,
+            "limit": self.limit,
+            "workspace": self.workspace,
+            "points": {str(k): list(v) for k, v in self.points.items()},
+            "correction": {str(k): v for k, v in self.correction.items()},
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ShapeModel:
+        """The model :meth:`state` saved."""
+        model = cls(budget=state["budget"], limit=state["limit"], workspace=state["workspace"])
+        model.points = {int(k): (int(v[0]), float(v[1])) for k, v in state["points"].items()}
+        model._fit()
+        model.correction.update({int(k): float(v) for k, v in state["correction"].items()})
+        return model

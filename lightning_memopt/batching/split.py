@@ -81,18 +81,20 @@ def _check_rows(batch: Any, total: int) -> None:
     )
 
 
-def micro_batch_sizes(total: int, micro: int, *, smallest: int = 1) -> list[int]:
+def micro_batch_sizes(total: int, micro: int, *, smallest: int = 1, count: int | None = None) -> list[int]:
     """Sizes of the micro-batches that run ``total`` samples at most ``micro`` at a time.
 
     The split is as even as possible with the fewest micro-batches: ``micro_batch_sizes(10, 4)`` is
     ``[4, 3, 3]``, not ``[4, 4, 2]``, so that no micro-batch is much smaller than the others (a tiny last
     slice wastes a step and is where BatchNorm statistics go worst). With ``smallest`` (2 for BatchNorm in
     training mode), no micro-batch has fewer samples, even if one then exceeds ``micro``:
-    ``micro_batch_sizes(5, 2, smallest=2)`` is ``[3, 2]``.
+    ``micro_batch_sizes(5, 2, smallest=2)`` is ``[3, 2]``. With ``count`` (the number of micro-batches the
+    ranks agreed on), that many micro-batches, as even as possible, or as many as ``total`` and
+    ``smallest`` allow: ``micro_batch_sizes(10, 4, count=4)`` is ``[3, 3, 2, 2]``.
     """
     if total < 1 or micro < 1:
         raise ValueError(f"need total >= 1 and micro >= 1, got total={total}, micro={micro}")
-    count = min(-(-total // micro), max(total // smallest, 1))
+    count = min(-(-total // micro) if count is None else count, max(total // smallest, 1))
     base, extra = divmod(total, count)
     return [base + 1] * extra + [base] * (count - extra)
 

@@ -12,6 +12,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memopt.batching.counting import causal_shift, choose_count
+from lightning_memopt.batching.shapes import tokens_per_sample
 from lightning_memopt.batching.split import batch_size, micro_batch_weights, split_batch
 
 __all__ = ["Splitter"]
@@ -26,15 +27,19 @@ class Splitter:
         count_fn: ``count_fn(micro_batch) -> number`` of loss elements; None: :func:`choose_count`'s default.
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut; None:
             the LightningModule's ``split_batch(batch, sizes)`` if it has one, else the built-in splitter.
+        length_fn: ``length_fn(batch) -> int``, the length each sample of ``batch`` is padded to, which
+            its memory grows with; None: :func:`~.shapes.tokens_per_sample`.
     """
 
     def __init__(
         self,
         count_fn: Callable[[Any], float] | None = None,
         split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
     ) -> None:
         self.count_fn = count_fn
         self.split_fn = split_fn
+        self.length_fn = length_fn
         self._shift: Any = _UNKNOWN  # counting.causal_shift of the module, found on the first split step
         self._warned = False
 
@@ -50,6 +55,21 @@ class Splitter:
             if self._split_fn(module) is None:
                 raise
             return len(batch)
+
+    def length(self, batch: Any) -> int:
+        """Tokens (or other units) per sample of ``batch``: the shape per-batch sizing follows.
+
+        Raises:
+            ValueError: If ``length_fn`` returns something other than a positive int.
+        """
+        if self.length_fn is None:
+            return tokens_per_sample(batch)
+        length = self.length_fn(batch)
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(
+                f"length_fn(batch) must return a positive int (tokens per sample), got {length!r}"
+            )
+        return length
 
     def split(self, batch: Any, sizes: list[int], module: Any) -> list[Any]:
         """``batch`` cut into parts of ``sizes`` samples."""

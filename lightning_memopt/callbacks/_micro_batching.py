@@ -17,6 +17,7 @@ from lightning_memopt.callbacks._hooks import ReleasingCallback
 _SHARED = {
     "count_fn": "count_fn(micro_batch) -> number of items the loss averages over",
     "split_fn": "split_fn(batch, sizes) -> list of micro-batches",
+    "length_fn": "length_fn(batch) -> tokens per sample",
 }
 
 
@@ -25,7 +26,7 @@ class MicroBatchingCallback(ReleasingCallback):
     removes it in ``teardown``, or in ``on_exception`` when the fit raised (Lightning then skips the
     callbacks' ``teardown``); subclasses configure it in :meth:`_configure`.
 
-    ``count_fn`` and ``split_fn`` are options of the one engine both callbacks drive: either callback may
+    ``count_fn``, ``split_fn`` and ``length_fn`` are options of the one engine both callbacks drive: either callback may
     take them; given to both, they must be the same object.
     """
 
@@ -37,14 +38,16 @@ class MicroBatchingCallback(ReleasingCallback):
         log: bool,
         count_fn: Callable[[Any], float] | None = None,
         split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
     ) -> None:
         check_bool("log", log)
-        for name, fn in (("count_fn", count_fn), ("split_fn", split_fn)):
+        for name, fn in (("count_fn", count_fn), ("split_fn", split_fn), ("length_fn", length_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable, {_SHARED[name]}, or None; got {fn!r}")
         self.log_metrics = log  # not `self.log`: Lightning binds the module's log method to every callback
         self.count_fn = count_fn
         self.split_fn = split_fn
+        self.length_fn = length_fn
         self._engine: MicroBatchEngine | None = None
         self._holds_install = False  # this callback's install is not undone yet
 

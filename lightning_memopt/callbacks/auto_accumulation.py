@@ -12,12 +12,12 @@ from typing_extensions import override
 
 from lightning_memopt.batching.distributed import max_over_ranks, min_over_ranks
 from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
-from lightning_memopt.batching.shapes import tokens_per_sample
+from lightning_memopt.batching.shapes import ShapeModel
 from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size, smallest_micro_batch
 from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
 from lightning_memopt.memory.device import device_memory
-from lightning_memopt.memory.tracker import MemoryTracker
+from lightning_memopt.memory.tracker import MemoryTracker, state_bytes
 from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["AutoAccumulation"]
@@ -72,6 +72,10 @@ class AutoAccumulation(MicroBatchingCallback):
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut
             (a LightningModule method ``split_batch(self, batch, sizes)`` works too). Default None.
             Shared with ``OOMBackoff``.
+        length_fn: ``length_fn(batch) -> int``, the length every sample of the batch is padded to (the
+            dimension its memory grows with), for batches where it is not dim 1 of the batch's tensors.
+            Default None: :func:`~lightning_memopt.batching.shapes.tokens_per_sample`. Shared with
+            ``OOMBackoff``.
         log: Log the keys below per step. Default True.
 
     Logged keys (per step, ``on_step=True``; shared with ``OOMBackoff``):
@@ -89,9 +93,9 @@ class AutoAccumulation(MicroBatchingCallback):
 
     Raises:
         ValueError: For a bad argument (see the message), or ``max_memory`` with ``micro_batch_size``.
-        TypeError: If ``count_fn`` or ``split_fn`` is not callable, or ``log`` is not a bool.
+        TypeError: If ``count_fn``, ``split_fn`` or ``length_fn`` is not callable, or ``log`` is not a bool.
         MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
-            ``accumulate_grad_batches > 1``, or a different ``count_fn``/``split_fn`` on ``OOMBackoff``.
+            ``accumulate_grad_batches > 1``, or a different ``count_fn``/``split_fn``/``length_fn`` on ``OOMBackoff``.
         MicroBatchOOMError: At the first step, when even the smallest micro-batch does not fit.
 
     Example::
@@ -110,6 +114,7 @@ class AutoAccumulation(MicroBatchingCallback):
         max_probes: int = 6,
         count_fn: Callable[[Any], float] | None = None,
         split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
         log: bool = True,
     ) -> None:
         for name, value in (
@@ -136,7 +141,7 @@ class AutoAccumulation(MicroBatchingCallback):
         )
         self.headroom = check_headroom(headroom)
         self.max_probes = max_probes
-        super().__init__(log=log, count_fn=count_fn, split_fn=split_fn)
+        super().__init__(log=log, count_fn=count_fn, split_fn=split_fn, length_fn=length_fn)
         self.probes: list[tuple[int, int | None]] = []
         self.eval_probes: list[tuple[int, int | None]] = []
         self._fixed = micro_batch_size
@@ -145,6 +150,7 @@ class AutoAccumulation(MicroBatchingCallback):
             "eval_micro_batch_size": eval_micro_batch_size,
             "probed": micro_batch_size is not None,
             "tokens_per_sample": None,  # of the probed batch: the sizes are its samples (batching/shapes.py)
+            "shape_model": None,  # ShapeModel.state() of the probed fit: per-batch sizes
         }
 
     @property
@@ -177,10 +183,18 @@ class AutoAccumulation(MicroBatchingCallback):
         # The smallest device decides, and every rank must search with the same budget to take the
         # same path (the same number of probes, hence of collectives).
         capacity = min_over_ranks(capacity, trainer.strategy.root_device)
-        self._sizes["tokens_per_sample"] = tokens_per_sample(batch)  # the probed sizes are its samples
-        self._sizes["micro_batch_size"] = self._find_size(
+        width = self._engine.splitter.length(batch)
+        self._sizes["tokens_per_sample"] = width  # the probed sizes are its samples
+        held = state_bytes(trainer.strategy.model, trainer.optimizers)
+        size = self._sizes["micro_batch_size"] = self._find_size(
             trainer, pl_module, batch, capacity, evaluation=False
         )
+        whole = size == self._engine.batch_size(batch, pl_module)
+        budget = usable_bytes(capacity, self.headroom, None)
+        model = ShapeModel.from_probes(
+            self.probes, width=width, size=size, whole=whole, budget=budget, limit=capacity, held=held
+        )
+        self._sizes["shape_model"] = model.state()
         if self._sizes["eval_micro_batch_size"] is None and is_overridden("validation_step", pl_module):
             self._sizes["eval_micro_batch_size"] = self._find_size(
                 trainer, pl_module, batch, capacity, evaluation=True
@@ -252,6 +266,8 @@ class AutoAccumulation(MicroBatchingCallback):
         if engine is None:
             return
         engine.eval_micro_batch_size = self._sizes["eval_micro_batch_size"]
+        if self._sizes.get("shape_model") is not None:  # sizes follow the shape of each batch
+            engine.policy.model = ShapeModel.from_state(self._sizes["shape_model"])
         if engine.smallest_failed_size is not None:
             return  # OOMBackoff restored a size it backed off to; that one is current
         size, width = self._sizes["micro_batch_size"], self._sizes.get("tokens_per_sample")
@@ -260,7 +276,11 @@ class AutoAccumulation(MicroBatchingCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return dict(self._sizes)
+        model = self._engine.policy.model if self._engine is not None else None
+        return {
+            **self._sizes,
+            "shape_model": model.state() if model is not None else self._sizes.get("shape_model"),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

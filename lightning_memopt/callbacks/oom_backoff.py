@@ -67,6 +67,10 @@ class OOMBackoff(MicroBatchingCallback):
             None. Shared with ``AutoAccumulation`` (give it to one of them).
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut.
             Default None. Shared with ``AutoAccumulation``.
+        length_fn: ``length_fn(batch) -> int``, the length every sample of the batch is padded to (the
+            dimension its memory grows with), for batches where it is not dim 1 of the batch's tensors.
+            Default None: :func:`~lightning_memopt.batching.shapes.tokens_per_sample`. Shared with
+            ``AutoAccumulation``.
         log: Log the ``batching/*`` keys from the training step. Default True. They are the same keys
             as :class:`~lightning_memopt.AutoAccumulation`'s (one engine drives both; its docstring has
             the table).
@@ -76,10 +80,10 @@ class OOMBackoff(MicroBatchingCallback):
 
     Raises:
         ValueError: If ``grow_after`` is not a positive int, or ``overlap_after`` not an int >= 0.
-        TypeError: If ``count_fn`` or ``split_fn`` is not callable, or ``log`` is not a bool.
+        TypeError: If ``count_fn``, ``split_fn`` or ``length_fn`` is not callable, or ``log`` is not a bool.
         MisconfigurationException: In ``setup`` for manual optimization, DeepSpeed, or
             ``accumulate_grad_batches > 1`` (make the DataLoader batch the optimizer batch instead), or a
-            different ``count_fn``/``split_fn`` on ``AutoAccumulation``.
+            different ``count_fn``/``split_fn``/``length_fn`` on ``AutoAccumulation``.
 
     Example::
 
@@ -94,6 +98,7 @@ class OOMBackoff(MicroBatchingCallback):
         overlap_after: int | None = None,
         count_fn: Callable[[Any], float] | None = None,
         split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
         log: bool = True,
     ) -> None:
         if grow_after is not None and (
@@ -110,7 +115,7 @@ class OOMBackoff(MicroBatchingCallback):
                 f"overlap_after must be an int >= 0 (clean steps before overlapping DDP's gradient sync with "
                 f"the last micro-batch's backward) or None, got {overlap_after!r}"
             )
-        super().__init__(log=log, count_fn=count_fn, split_fn=split_fn)
+        super().__init__(log=log, count_fn=count_fn, split_fn=split_fn, length_fn=length_fn)
         self.grow_after = grow_after
         self.overlap_after = overlap_after
         self._loaded: dict[str, Any] = {}

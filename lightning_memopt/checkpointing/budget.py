@@ -32,6 +32,7 @@ from lightning_memopt.checkpointing.planner import (
 from lightning_memopt.checkpointing.profile import BlockProfile
 from lightning_memopt.memory import format_bytes
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, usable_bytes
+from lightning_memopt.memory.tracker import state_bytes
 
 __all__ = ["PlanPolicy", "StepLimit", "deprecated_budget", "plan_step", "plan_within", "state_bytes"]
 
@@ -101,17 +102,6 @@ class StepLimit:
     def needed(self, usable: int) -> int:
         """The smallest limit (bytes) that leaves ``usable`` bytes after the headroom."""
         return int(usable / (1 - self.headroom)) + 1
-
-
-def state_bytes(model, optimizers=()) -> int:
-    """Bytes of ``model``'s parameters, their gradients (counted before the first backward allocates
-    them) and the optimizers' state: what a training step holds besides activations."""
-    from lightning_memopt.memory import MemoryTracker
-
-    with MemoryTracker(model, list(optimizers)) as tracker:
-        held = tracker.current_breakdown
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return held["parameters"] + max(held["gradients"], trainable) + held["optimizer_state"]
 
 
 def plan_within(

@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTracker", "CATEGORIES"]
+__all__ = ["MemoryTracker", "CATEGORIES", "state_bytes"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
@@ -404,3 +404,12 @@ def _as_list(value, kind, name: str) -> list:
         raise TypeError(
             f"{name} must be one object or an iterable of them, got {type(value).__name__}"
         ) from None
+
+
+def state_bytes(model, optimizers=()) -> int:
+    """Bytes of ``model``'s parameters, their gradients (counted before the first backward allocates
+    them) and the optimizers' state: what a training step holds besides activations."""
+    with MemoryTracker(model, list(optimizers)) as tracker:
+        held = tracker.current_breakdown
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return held["parameters"] + max(held["gradients"], trainable) + held["optimizer_state"]

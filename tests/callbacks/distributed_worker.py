@@ -43,14 +43,14 @@ class CountCollectives(Callback):
         self.calls = 0
         self.per_step: list[int] = []
         self._start = 0
-        original = distributed._int_all_reduce
+        original = distributed._all_reduce
 
         def counted(*args, **kwargs):
             self.calls += 1
             return original(*args, **kwargs)
 
-        distributed._int_all_reduce = counted  # any_rank looks it up in the module at each call
-        self._restore = lambda: setattr(distributed, "_int_all_reduce", original)
+        distributed._all_reduce = counted  # every small collective looks it up in the module at each call
+        self._restore = lambda: setattr(distributed, "_all_reduce", original)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._start = self.calls

@@ -1,0 +1,197 @@
+"""Per-batch sizing from a memory model over shapes: fitted to probes, one probe per new length bucket."""
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from lightning_memopt import AutoAccumulation, OOMBackoff
+from lightning_memopt.batching.shapes import ShapeModel, octave
+from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.testing import MemoryCap
+from tests.batching.helpers import assert_params_close, quiet_trainer
+from tests.batching.test_shapes import lm_batch
+
+VOCAB = 512
+
+
+# ------------------------------------------------------------------------------------------ the model
+def test_two_widths_fit_linear_plus_quadratic_exactly():
+    model = ShapeModel(budget=100_000, limit=110_000, workspace=1_000)
+    cost = lambda t: 24 * t + 0.25 * t * t  # noqa: E731  bytes per sample of t tokens
+    model.measured(width=64, samples=3, increment=1_000 + 3 * cost(64))
+    assert model.samples_for(64) == int(99_000 // cost(64))
+    model.measured(width=256, samples=1, increment=1_000 + cost(256))
+    assert (model.linear, model.quadratic) == (pytest.approx(24, rel=1e-12), pytest.approx(0.25, rel=1e-12))
+    for t in (16, 100, 300, 1000):  # every length, measured or not
+        assert model.per_sample(t) == pytest.approx(cost(t), rel=1e-12)
+        assert model.samples_for(t) == max(1, int(99_000 // cost(t)))
+    model.held = 9_000  # the optimizer created its state: less room
+    assert model.samples_for(100) == int(90_000 // cost(100))
+
+
+def test_buckets_correct_the_fit_and_unmeasured_ones_take_the_largest_correction():
+    model = ShapeModel(budget=10**6, limit=10**6, workspace=0)
+    for t, s in ((16, 100.0), (32, 160.0), (64, 400.0)):  # not on one a*t + b*t^2 curve
+        model.add(t, s)
+    for t, s in ((16, 100.0), (32, 160.0), (64, 400.0)):
+        assert model.per_sample(t) == pytest.approx(s, rel=1e-12)  # measured widths are exact
+    largest = max(model.correction.values())
+    assert model.per_sample(200) == pytest.approx(largest * (model.linear * 200 + model.quadratic * 200**2))
+    assert [octave(t) for t in (1, 15, 16, 31, 32)] == [1, 4, 5, 5, 6]
+
+
+def test_a_curve_that_bends_down_is_fitted_by_a_line():
+    model = ShapeModel(budget=10**6, limit=10**6, workspace=0)
+    model.add(10, 100.0)
+    model.add(100, 500.0)  # less than linear: the quadratic coefficient would be negative
+    assert model.quadratic == 0 and model.linear > 0
+
+
+def test_a_miss_lowers_the_prediction_for_that_length_only():
+    model = ShapeModel(budget=9_000, limit=10_000, workspace=0)
+    model.add(32, 100.0)
+    model.add(128, 400.0)
+    assert model.samples_for(128) == 22
+    model.missed(width=128, samples=22)  # 22 x 128 tokens went over the 10,000-byte limit
+    assert model.per_sample(128) == pytest.approx(10_000 / 22)
+    assert model.samples_for(128) == 19  # 9,000 / (10,000 / 22)
+    assert model.samples_for(32) == 90  # another bucket: unchanged
+    model.missed(width=128, samples=30)  # more than failed before: nothing new, kept
+    assert model.samples_for(128) == 19
+    restored = ShapeModel.from_state(model.state())
+    assert [restored.samples_for(t) for t in (32, 100, 128, 500)] == [
+        model.samples_for(t) for t in (32, 100, 128, 500)
+    ]
+
+
+def test_from_probes_predicts_the_size_the_search_found():
+    probes = [(1, 1_300), (2, 1_600), (7, 3_100), (8, None)]  # 300 bytes a sample, 1,000 fixed
+    model = ShapeModel.from_probes(probes, width=50, size=7, whole=False, budget=3_350, limit=3_500, held=600)
+    assert model.workspace == pytest.approx(400)  # the intercept 1,000 less the 600 held
+    assert model.samples_for(50) == 7  # 8 would fit the line (3,400 > 3,350? no: 3,400): the search said no
+    whole = ShapeModel.from_probes(
+        probes[:3], width=50, size=7, whole=True, budget=3_350, limit=3_500, held=600
+    )
+    assert whole.samples_for(50) == 7  # (3,350 - 1,000) // 300
+    assert whole.samples_for(25) == 15  # one width known: linear in tokens, 150 bytes a sample
+
+
+# --------------------------------------------------------------------------------- in a training run
+class AttentionLM(pl.LightningModule):
+    """One attention layer in float64 (its T x T scores make memory quadratic in the length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 16, dtype=torch.float64)
+        self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
+        self.head = torch.nn.Linear(16, VOCAB, dtype=torch.float64)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        q, k, v = self.qkv(self.embed(batch["input_ids"])).chunk(3, dim=-1)
+        scores = (q @ k.transpose(1, 2) / 4).softmax(-1)  # (B, T, T)
+        logits = self.head(scores @ v)
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())  # mean over labels != -100
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def whole_peak(length: int) -> int:
+    """Peak bytes of a whole-batch step (forward, backward, AdamW) of 8 samples, outside Lightning."""
+    model = AttentionLM()
+    optimizer = model.configure_optimizers()
+    model.training_step(lm_batch(8, 0), 0).backward()
+    optimizer.step()  # the optimizer's state exists, as in every step after the first
+    optimizer.zero_grad()
+    with MemoryTracker(model, optimizer) as tracker:
+        model.training_step(lm_batch(length, 0), 0).backward()
+        optimizer.step()
+    return tracker.peak
+
+
+class Record(pl.Callback):
+    def __init__(self, sized) -> None:
+        self.sized, self.counts, self.sizes = sized, [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        engine = self.sized.engine if self.sized else None
+        self.counts.append(engine.num_micro_batches if engine else 1)
+        self.sizes.append(engine.micro_batch_size if engine else None)
+
+
+def run(lengths, callbacks=(), *, capacity=2**40, steps=None, ckpt_path=None, **kwargs):
+    model = AttentionLM()
+    loader = DataLoader([lm_batch(t, i) for i, t in enumerate(lengths)], batch_size=None)
+    record = Record(callbacks[0] if callbacks else None)
+    trainer = quiet_trainer([*callbacks, record], max_steps=steps or len(lengths), **kwargs)
+    with MemoryCap(capacity, modules=model) as cap:
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+    run.sizes = record.sizes
+    return model, record.counts, cap
+
+
+def micro_step_peak(samples: int, length: int) -> int:
+    """Peak bytes of one forward and backward of ``samples`` samples, the optimizer's state alive."""
+    model = AttentionLM()
+    optimizer = model.configure_optimizers()
+    model.training_step(lm_batch(8, 0), 0).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    part = {k: v[:samples] for k, v in lm_batch(length, 1).items()}
+    with MemoryTracker(model, optimizer) as tracker:
+        model.training_step(part, 0).backward()
+    return tracker.peak
+
+
+LENGTHS = [48, 12, 96, 24, 160, 40, 96, 200, 12, 64, 160, 48]
+
+
+def test_each_batch_runs_as_few_micro_batches_as_its_length_allows_exactly():
+    capacity = whole_peak(64)  # a whole batch of 64 tokens fits; longer ones need splitting
+    base, _, _ = run(LENGTHS)
+    auto = AutoAccumulation(max_memory=capacity, headroom=0.05)
+    model, counts, cap = run(LENGTHS, [auto, OOMBackoff()], capacity=capacity)
+    engine = auto.engine
+    assert engine.oom_retries == 0  # no step ran out of memory
+    # the first batch's search, then one probe per new power-of-two length: 12 (8-15), 96 (64-127), 24,
+    # 160 (128-255); 200, 64, ... fall in buckets measured before
+    assert [w for w, _, _ in engine.shape_probes] == [12, 96, 24, 160]
+    assert counts[LENGTHS.index(12)] == 1 and counts[LENGTHS.index(200)] > counts[LENGTHS.index(96)] > 1
+    # each step runs the fewest micro-batches of at most the size the model predicted for its length
+    assert counts == [math.ceil(8 / min(8, size)) for size in run.sizes]
+    # and the model is right: bytes per sample at every length within 3% of a measurement outside Lightning
+    shapes = engine.policy.model
+    for t in sorted(set(LENGTHS)):
+        measured = (micro_step_peak(4, t) - micro_step_peak(2, t)) / 2
+        assert shapes.per_sample(t) == pytest.approx(measured, rel=0.03), t
+    assert_params_close(model, base, rel=1e-10)
+
+
+def test_a_resumed_run_sizes_as_the_uninterrupted_one_without_probing(tmp_path):
+    capacity = whole_peak(64)
+    lengths = LENGTHS[:6] * 2  # the checkpoint after the first 6 steps; the second epoch repeats them
+
+    def fit(ckpt_path=None):
+        auto = AutoAccumulation(max_memory=capacity, headroom=0.05)
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1)
+        model, counts, _ = run(
+            LENGTHS[:6],
+            [auto, OOMBackoff(), saver],
+            capacity=capacity,
+            steps=len(lengths),
+            ckpt_path=ckpt_path,
+            enable_checkpointing=True,
+        )
+        return model, counts, auto
+
+    full, full_counts, _ = fit()
+    resumed, counts, auto = fit(str(tmp_path / "epoch=0-step=6.ckpt"))
+    assert counts == full_counts[6:]
+    assert auto.probes == [] and auto.engine.shape_probes == []  # the model came back with the checkpoint
+    assert_params_close(resumed, full, rel=0.0)
