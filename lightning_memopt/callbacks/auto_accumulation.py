@@ -183,7 +183,8 @@ class AutoAccumulation(MicroBatchingCallback):
         # The smallest device decides, and every rank must search with the same budget to take the
         # same path (the same number of probes, hence of collectives).
         capacity = min_over_ranks(capacity, trainer.strategy.root_device)
-        width = self._engine.splitter.length(batch)
+        # The probes' peaks are the largest over ranks, which the longest batch has: its length is theirs.
+        width = max_over_ranks(self._engine.splitter.length(batch), trainer.strategy.root_device)
         self._sizes["tokens_per_sample"] = width  # the probed sizes are its samples
         held = state_bytes(trainer.strategy.model, trainer.optimizers)
         size = self._sizes["micro_batch_size"] = self._find_size(
