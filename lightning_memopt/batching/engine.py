@@ -19,6 +19,9 @@ step and evaluation share, :meth:`MicroBatchEngine.run_with_retry`. One training
    batch again at the size :class:`~.policy.SizePolicy` picks, or raise :class:`MicroBatchOOMError`.
 6. Log each recorded value once, as the weighted mean over micro-batches (:mod:`~.outputs`), and return
    the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the hooks.
+7. With OOM retry on, in one process, on CUDA: feed the allocator's retries during the step to
+   :class:`~.thrash.ThrashWatch`; when it says the allocator thrashes, halve the size for the next steps
+   (:meth:`~.policy.SizePolicy.near_miss`) without retrying this one, which trained.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt.batching import regime as regimes
-from lightning_memopt.batching.errors import MicroBatchOOMError
+from lightning_memopt.batching.errors import CHECKLIST, MicroBatchOOMError
 from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.batching.outputs import ChangedOrEvery, LogRecorder, StepOutputs, combine, loss_of
 from lightning_memopt.batching.per_batch import size_batch
@@ -50,6 +54,7 @@ from lightning_memopt.batching.surface import (
     check_accumulation,
     check_setup,
 )
+from lightning_memopt.batching.thrash import ThrashWatch
 from lightning_memopt.memory.tracker import MemoryTracker, state_bytes
 
 __all__ = ["MicroBatchEngine", "MicroBatchOOMError"]
@@ -87,6 +92,11 @@ class MicroBatchEngine(StrategyWrappers):
         last_regime: The name of the last training attempt's regime (``Regime.name``; None before one).
         shape_probes: ``(tokens per sample, samples, peak bytes or None)`` of each probe that measured a new
             length for the policy's :class:`~.shapes.ShapeModel` (:func:`~.per_batch.size_batch`).
+        thrash_watch: The rule that says when the CUDA allocator thrashes (:class:`~.thrash.ThrashWatch`);
+            watched only with ``retry_on_oom``, in one process, on a CUDA device.
+        near_misses: Training steps since the engine was created after which :attr:`thrash_watch` said the
+            allocator thrashed (each halved the size, unless it was at the floor already). Not retries:
+            ``oom_retries`` does not count them.
     """
 
     micro_batch_size = _kept("policy", "micro_batch_size")
@@ -114,6 +124,9 @@ class MicroBatchEngine(StrategyWrappers):
         self.last_failure: str | None = None
         self.last_regime: str | None = None
         self.shape_probes: list[tuple[int, int, int | None]] = []
+        self.thrash_watch = ThrashWatch()
+        self.near_misses = 0
+        self._warned_thrashing = False
         self._sharding: Any = _UNKNOWN  # regime.find_sharding of the model, found once per fit
         self._zero_grad = SkipNextZeroGrad()
         self._pending_backward = False
@@ -213,6 +226,7 @@ class MicroBatchEngine(StrategyWrappers):
         own_state = self.retry_on_oom and self._state is None  # not inside our optimizer_step wrapper
         if own_state:
             self._state = self._capture(module)
+        before = self._allocator_retries()
         sizes: list[int] = []
 
         def choose() -> Regime:
@@ -233,11 +247,19 @@ class MicroBatchEngine(StrategyWrappers):
         regime.succeeded()
         if own_state:
             self._state = None
+        # before growth may change them: the size, and what the watch keys its window on (the budget in
+        # tokens; with a model, its predictions, which only misses and new lengths change)
+        model = self.policy.model
+        ran_at = self.policy.size_for(total), self.policy.tokens.budget if model is None else model.revision
         self.policy.succeeded(retried=retries > 0, total=total)
+        if before is not None:
+            self._watch_allocator(before, *ran_at, total=total, retried=retries > 0)
         recorder.flush()
         if self.log_metrics:
             size, k = self.micro_batch_size or total, self.num_micro_batches
             values = {"micro_batch_size": size, "num_micro_batches": k, "oom_retries": self.oom_retries}
+            if before is not None:  # thrashing is watched
+                values["near_misses"] = self.near_misses
             self._metrics.log(recorder.original_log, self._trainer, values)
         self._pending_backward = True
         loss = loss.requires_grad_(True)  # a fresh leaf: Lightning's backward call only fires the hooks
@@ -357,6 +379,41 @@ class MicroBatchEngine(StrategyWrappers):
             self._state.restore()
         self._empty_cache()
         self.policy.back_off(size, total=total, floor=smallest_micro_batch(module), failure=self.last_failure)
+
+    # ------------------------------------------------------------------ thrashing
+    def _allocator_retries(self) -> int | None:
+        """The CUDA allocator's cumulative retries, where thrashing is watched: with OOM retry on, on CUDA
+        (other devices have no caching allocator), in one process or with a memory model over shapes
+        (whose per-step agreement on the micro-batch count lets each rank lower its own sizes); None
+        elsewhere."""
+        if not self.retry_on_oom or (regimes.is_distributed() and self.policy.model is None):
+            return None
+        memory = self._device_memory()
+        return None if memory is None else memory.alloc_retries()
+
+    def _watch_allocator(
+        self, before: int, size: int, budget: int | None, *, total: int, retried: bool
+    ) -> None:
+        """Feed the step's allocator retries to :attr:`thrash_watch`; on thrashing, halve the size for the
+        next steps (``size``: samples this step ran at; ``budget``: the same in padded tokens)."""
+        if retried:  # the out-of-memory error's own retries; the size was just halved: a new window
+            model = self.policy.model
+            self.thrash_watch.reset(self.policy.tokens.budget if model is None else model.revision)
+            return
+        if not self.thrash_watch.step(self._allocator_retries() - before, size=budget):
+            return
+        self.near_misses += 1
+        floor = smallest_micro_batch(self._trainer.lightning_module)
+        if self.policy.near_miss(size, total=total, floor=floor) or self._warned_thrashing:
+            return
+        self._warned_thrashing = True
+        rank_zero_warn(
+            f"The CUDA caching allocator keeps freeing its cache and retrying allocations (thrashing: every "
+            f"such step synchronizes the device and reallocates, a large slowdown) at {size} samples per "
+            f"micro-batch, the fewest this model can run. Training goes on, slowly. Against fragmentation, "
+            f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts; to need less "
+            f"memory:\n{CHECKLIST}"
+        )
 
     def _empty_cache(self) -> None:
         if (memory := self._device_memory()) is not None:

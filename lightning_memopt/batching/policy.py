@@ -15,6 +15,9 @@ The rules, in one place:
   limit fits one), each batch's size is what the model predicts for its shape instead: an
   out-of-memory error at ``size`` raises the model's prediction for that shape and retries the step at
   ``ceil(size / 2)`` (the floor as above); there is nothing to grow back.
+- A step that trained while the CUDA allocator thrashed (:meth:`SizePolicy.near_miss`) halves the size
+  for the next steps the same way (with a model: lowers its prediction for that shape as a miss does),
+  floor and record of the failed size included, without a retry and without an error at the floor.
 - ``stable_steps`` counts steps that succeeded at the current size (after their retries); a new size,
   smaller or larger, starts again from 0. The engine reads it to decide when sizes have settled.
 """
@@ -143,6 +146,34 @@ class SizePolicy:
         if self.max_micro_batch_size is None:
             self.max_micro_batch_size = self.micro_batch_size or total
         self.micro_batch_size = max(math.ceil(size / 2), floor)
+
+    def near_miss(self, size: int, *, total: int, floor: int) -> bool:
+        """Record a step at ``size`` that trained but came close to running out of memory (the CUDA allocator
+        thrashed, :mod:`~lightning_memopt.batching.thrash`), and pick half of it as :meth:`back_off` would.
+
+        The same halving, floor and record of a failure at ``size`` (growth stays below it), but not an
+        out-of-memory error: nothing is retried (``oom_retries`` is unchanged) and nothing is raised.
+
+        Args:
+            size: The micro-batch size the step ran at.
+            total: Samples of the batch.
+            floor: The smallest size the model can train on (2 with BatchNorm in training mode, else 1).
+
+        Returns:
+            True if the size was lowered; False at the floor, where it stays as it is.
+        """
+        failed = size * (self.tokens.width or 1)  # in tokens, as back_off records it
+        self.tokens.failed = min(self.tokens.failed or failed, failed)
+        if size <= floor:
+            return False
+        if self.model is not None:  # this shape's prediction drops below size, as after a miss
+            self.model.missed(width=self.tokens.width or 1, samples=size)
+            return True
+        if self.max_micro_batch_size is None:
+            self.max_micro_batch_size = self.micro_batch_size or total
+        self.micro_batch_size = max(math.ceil(size / 2), floor)
+        self.clean_steps = self.stable_steps = 0  # a new size is unsettled
+        return True
 
     def succeeded(self, *, retried: bool, total: int) -> None:
         """Record a step that trained (``retried``: after backing off), and grow when it is time."""

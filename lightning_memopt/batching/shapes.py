@@ -154,6 +154,8 @@ class ShapeModel:
     """Fitted bytes per token squared of a sample."""
     correction: dict[int, float] = field(default_factory=dict)
     """Per :func:`octave`: measured over fitted bytes per sample (raised by :meth:`missed`)."""
+    revision: int = 0
+    """Counts the changes of the predictions (measurements and misses)."""
 
     def per_sample(self, width: int) -> float:
         """Bytes one sample of ``width`` tokens adds to the peak."""
@@ -182,6 +184,7 @@ class ShapeModel:
         """One sample of ``width`` tokens costs ``per_sample`` bytes (replacing its bucket's measurement)."""
         self.points[octave(width)] = (width, per_sample)
         self._fit()
+        self.revision += 1
 
     @classmethod
     def from_probes(
@@ -216,6 +219,7 @@ class ShapeModel:
         now = self.per_sample(width)
         if at_least > now and (fitted := self._fitted(width)) > 0:
             self.correction[bucket] = at_least / fitted
+            self.revision += 1
 
     def _fit(self) -> None:
         """Least squares of ``linear * T + quadratic * T**2`` to the measured costs, relative error, both

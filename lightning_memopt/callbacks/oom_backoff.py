@@ -42,6 +42,12 @@ class OOMBackoff(MicroBatchingCallback):
     that failed run smaller micro-batches, shorter batches run in fewer, and growth stays below the
     padded size that failed. Under DDP/FSDP2 the size is in samples, for every batch.
 
+    On one CUDA device it also lowers the size before any out-of-memory error: when the caching allocator
+    keeps freeing its cache and retrying allocations step after step (thrashing, a large slowdown without
+    an error; the rule and why: :mod:`lightning_memopt.batching.thrash`), the next steps run at half the
+    size, as after an out-of-memory error but without retrying the step; ``engine.near_misses`` counts
+    these. At the smallest micro-batch it warns once and trains on.
+
     Works with :class:`~lightning_memopt.AutoAccumulation` (which picks the starting size; both share one
     engine) or alone (starting from the whole batch).
 
@@ -73,7 +79,8 @@ class OOMBackoff(MicroBatchingCallback):
             ``AutoAccumulation``.
         log: Log the ``batching/*`` keys from the training step. Default True. They are the same keys
             as :class:`~lightning_memopt.AutoAccumulation`'s (one engine drives both; its docstring has
-            the table).
+            the table), and on one CUDA device ``batching/near_misses``: steps after which the allocator
+            was found thrashing, since the fit started (cumulative count).
 
     The micro-batch sizes and the count of clean steps towards ``grow_after`` are saved in checkpoints:
     a resumed run continues exactly as the uninterrupted one.
@@ -150,6 +157,7 @@ class OOMBackoff(MicroBatchingCallback):
             "max_micro_batch_size": engine.max_micro_batch_size,
             "smallest_failed_size": engine.smallest_failed_size,
             "oom_retries": engine.oom_retries,
+            "near_misses": engine.near_misses,
             # grow_after counts clean steps; overlap_after and the first-step agreement count stable ones
             "clean_steps": engine.clean_steps,
             "stable_steps": engine.stable_steps,

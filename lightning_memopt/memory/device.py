@@ -1,6 +1,6 @@
 """Device queries: the only module of the package that calls ``torch.cuda``.
 
-Everything else asks :func:`device_memory` for a :class:`DeviceMemory` and reads the same five numbers,
+Everything else asks :func:`device_memory` for a :class:`DeviceMemory` and reads the same six numbers,
 so the logic above it runs unchanged on CPU and is tested on CPU with a faked ``torch.cuda``. The
 overlapped activation offload (``checkpointing/offload.py``) gets its streams, events and pinned host
 memory from the small functions at the end of this module, for the same reason.
@@ -36,7 +36,8 @@ __all__ = [
 
 
 class DeviceMemory(Protocol):
-    """Five numbers about one device's memory, in bytes, and a way to release its cache."""
+    """Five numbers about one device's memory, in bytes, a count of its allocator's retries, and a way to
+    release its cache."""
 
     def capacity(self) -> int | None:
         """Total bytes the device has, or None where that is unknown (CPU without a user cap)."""
@@ -55,6 +56,10 @@ class DeviceMemory(Protocol):
 
     def empty_cache(self) -> None:
         """Give cached, unused blocks back to the device (after recovering from an out-of-memory error)."""
+
+    def alloc_retries(self) -> int | None:
+        """How many times the caching allocator freed its whole cache and retried an allocation, since the
+        process started (cumulative); None where there is no caching allocator, hence no such counter."""
 
 
 class CudaMemory:
@@ -84,6 +89,12 @@ class CudaMemory:
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def alloc_retries(self) -> int:
+        # ``num_alloc_retries`` counts the allocations that failed, made the allocator synchronize and free
+        # every unused cached block, and were tried again (whether the retry then fit or ran out of memory).
+        # An allocator that never retried may not report the key at all.
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
 
 class TrackedMemory:
@@ -115,6 +126,10 @@ class TrackedMemory:
 
     def empty_cache(self) -> None:
         """Nothing is cached outside live tensors."""
+
+    def alloc_retries(self) -> None:
+        """None: no caching allocator, so nothing is ever freed and retried (see :class:`DeviceMemory`)."""
+        return None
 
 
 def device_memory(

@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader
 import lightning_memopt.batching.distributed as distributed
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from tests.batching.helpers import quiet_trainer
-from tests.batching.test_shape_model import AttentionLM, lm_batch
+from tests.batching.test_shape_model import LENGTHS_BY_RANK, AttentionLM, lm_batch
 
 # Each rank's padded lengths, step by step: the ranks' batches differ in length at every step.
-LENGTHS = {0: [48, 12, 96, 24, 160, 40], 1: [64, 96, 12, 200, 48, 160]}
+LENGTHS = LENGTHS_BY_RANK
 CAPACITY = 7_400_000  # bytes: about a whole batch of 64 tokens, as in the one-process test
 
 
@@ -70,10 +70,15 @@ def run(strategy_name: str, mode: str, out: str) -> None:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
-    callbacks = [AutoAccumulation(max_memory=CAPACITY, headroom=0.05), OOMBackoff()] if mode == "sized" else []
+    callbacks = (
+        [AutoAccumulation(max_memory=CAPACITY, headroom=0.05), OOMBackoff()] if mode == "sized" else []
+    )
     steps = Steps(callbacks[0] if callbacks else None)
     trainer = quiet_trainer(
-        [*callbacks, steps], devices=2, strategy=strategy, max_steps=len(LENGTHS[rank]),
+        [*callbacks, steps],
+        devices=2,
+        strategy=strategy,
+        max_steps=len(LENGTHS[rank]),
         use_distributed_sampler=False,
     )
     batches = [lm_batch(t, 10 * rank + i) for i, t in enumerate(LENGTHS[rank])]

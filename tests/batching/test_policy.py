@@ -55,6 +55,36 @@ def test_never_grows_without_grow_after_or_from_the_whole_batch():
     assert whole.micro_batch_size is None
 
 
+def test_near_miss_halves_and_records_the_size_without_a_retry():
+    policy = SizePolicy(grow_after=1)
+    assert policy.near_miss(10, total=10, floor=1) is True
+    assert (policy.micro_batch_size, policy.max_micro_batch_size, policy.smallest_failed_size) == (5, 10, 10)
+    assert (policy.oom_retries, policy.clean_steps, policy.stable_steps) == (0, 0, 0)
+    policy.succeeded(retried=False, total=10)
+    assert policy.micro_batch_size == 9  # grows, but below the size that thrashed
+    assert policy.near_miss(9, total=10, floor=1) is True
+    assert (policy.micro_batch_size, policy.smallest_failed_size, policy.max_micro_batch_size) == (5, 9, 10)
+
+
+def test_near_miss_at_the_floor_keeps_the_size_and_stops_growth():
+    policy = SizePolicy(micro_batch_size=1, grow_after=1)
+    assert policy.near_miss(1, total=8, floor=1) is False
+    assert (policy.micro_batch_size, policy.smallest_failed_size, policy.oom_retries) == (1, 1, 0)
+    policy.succeeded(retried=False, total=8)
+    assert policy.micro_batch_size == 1
+    batchnorm = SizePolicy(micro_batch_size=3)
+    assert batchnorm.near_miss(3, total=8, floor=2) is True and batchnorm.micro_batch_size == 2
+    assert batchnorm.near_miss(2, total=8, floor=2) is False and batchnorm.micro_batch_size == 2
+
+
+def test_near_miss_is_kept_in_tokens():
+    policy = SizePolicy(micro_batch_size=8)
+    policy.size_for(8, width=32)  # 8 samples of 32 tokens: 256
+    assert policy.near_miss(8, total=8, floor=1) is True
+    assert (policy.tokens.budget, policy.tokens.failed) == (128, 256)
+    assert policy.size_for(64, width=8) == 16  # a batch 4x shorter runs 4x the samples
+
+
 def test_evaluation_halves_without_a_floor():
     assert halve_eval(5, hook="validation_step", failure=None) == 3
     assert halve_eval(2, hook="validation_step", failure=None) == 1

@@ -1,5 +1,6 @@
 """Per-batch sizing from a memory model over shapes: fitted to probes, one probe per new length bucket."""
 
+import json
 import math
 
 import lightning.pytorch as pl
@@ -10,12 +11,15 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
+from lightning_memopt.batching.engine import MicroBatchEngine
 from lightning_memopt.batching.shapes import ShapeModel, octave
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import MemoryCap
 from tests.batching.helpers import assert_params_close, quiet_trainer
 from tests.batching.test_shapes import lm_batch
+from tests.distributed import run_ranks
 
+LENGTHS_BY_RANK = {0: [48, 12, 96, 24, 160, 40], 1: [64, 96, 12, 200, 48, 160]}  # as shapes_worker
 VOCAB = 512
 
 
@@ -195,3 +199,95 @@ def test_a_resumed_run_sizes_as_the_uninterrupted_one_without_probing(tmp_path):
     assert counts == full_counts[6:]
     assert auto.probes == [] and auto.engine.shape_probes == []  # the model came back with the checkpoint
     assert_params_close(resumed, full, rel=0.0)
+
+
+def test_thrashing_lowers_the_prediction_for_that_length_only(monkeypatch):
+    """The CUDA allocator (faked: the engine's counter) retries during two steps of 96 tokens: the next
+    96-token batch runs smaller, without a retry; 48-token batches keep their size."""
+    capacity = whole_peak(64)
+    lengths = [48, 96, 96, 96, 96, 48]
+    retries = {"count": 0, "armed": False}
+
+    def counter(engine):  # read before and after each step; the armed step retries 3 times in between
+        value = retries["count"]
+        if retries["armed"]:
+            retries["count"], retries["armed"] = value + 3, False
+        return value
+
+    monkeypatch.setattr(MicroBatchEngine, "_allocator_retries", counter)
+
+    class Thrashing(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            retries["armed"] = batch_idx in (2, 3)
+
+    auto = AutoAccumulation(max_memory=capacity, headroom=0.05)
+    base, _, _ = run(lengths)
+    model, counts, _ = run(lengths, [auto, OOMBackoff(), Thrashing()], capacity=capacity)
+    sizes = run.sizes
+    engine = auto.engine
+    assert (engine.near_misses, engine.oom_retries) == (1, 0)
+    assert sizes[1] == sizes[2] == sizes[3] > sizes[4]  # lowered after steps 2 and 3 thrashed
+    assert sizes[5] == sizes[0]  # another length: as before
+    assert counts[4] > counts[3]
+    assert_params_close(model, base, rel=1e-10)
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_with_different_lengths_run_the_same_number_of_micro_batches(tmp_path):
+    """DDP and FSDP2, 2 gloo processes, each rank its own lengths (tests/batching/shapes_worker.py): every
+    step, both ranks run as many micro-batches as the rank that needs most, each its own size; training
+    equals the plain run's; a step without a new length costs one small collective more than OOMBackoff's
+    own (DDP: its agreement)."""
+    runs = ("ddp:plain", "ddp:sized", "fsdp2:plain", "fsdp2:sized")
+    run_ranks("tests.batching.shapes_worker:main", tmp_path, *runs, timeout=280)
+    result = {
+        spec: [json.loads((tmp_path / f"{spec.replace(':', '-')}-rank{r}.json").read_text()) for r in (0, 1)]
+        for spec in runs
+    }
+    for strategy in ("ddp", "fsdp2"):
+        ranks = result[f"{strategy}:sized"]
+        assert ranks[0]["counts"] == ranks[1]["counts"]
+        assert len(set(ranks[0]["counts"])) > 1  # the count follows the lengths
+        assert any(a != b for a, b in zip(ranks[0]["sizes"], ranks[1]["sizes"]))  # each rank its own size
+        assert ranks[0]["collectives"] == ranks[1]["collectives"]
+        # every rank probes when a length is new to any rank's model: each its own batch, as many times
+        assert len(ranks[0]["shape_probes"]) == len(ranks[1]["shape_probes"]) < 6
+        for rank in ranks:
+            assert rank["oom_retries"] == 0
+            # each probe measured this rank's length at that step
+            widths = [w for w, _, _ in rank["shape_probes"]]
+            assert set(widths) <= set(LENGTHS_BY_RANK[ranks.index(rank)])
+        for rank, plain in zip(ranks, result[f"{strategy}:plain"]):
+            for name, value in plain["params"].items():
+                expected = torch.tensor(value, dtype=torch.float64)
+                got = torch.tensor(rank["params"][name], dtype=torch.float64)
+                assert (got - expected).norm() <= 1e-10 * expected.norm(), name
+    # DDP, the last step (no new length on either rank): the count's agreement and OOMBackoff's own one
+    assert [r["collectives"][-1] for r in result["ddp:sized"]] == [2, 2]
+
+
+def test_length_fn_tells_the_length_and_a_bad_one_is_named():
+    from lightning_memopt.batching.splitter import Splitter
+
+    batch = lm_batch(12, 0)
+    assert Splitter().length(batch) == 12
+    assert Splitter(length_fn=lambda b: int(b["labels"].ne(-100).sum(1).max())).length(batch) <= 12
+    with pytest.raises(ValueError, match=r"length_fn\(batch\) must return a positive int.*got 0"):
+        Splitter(length_fn=lambda b: 0).length(batch)
+    with pytest.raises(TypeError, match="length_fn must be a callable"):
+        OOMBackoff(length_fn=12)
+
+
+def test_length_fn_is_the_length_sizing_follows():
+    """A length_fn that says every sample is 4 times as long as its tensors: the model sees those lengths."""
+    capacity = whole_peak(64)
+    lengths = [48, 12, 48]
+    plain = AutoAccumulation(max_memory=capacity, headroom=0.05)
+    run(lengths, [plain, OOMBackoff()], capacity=capacity)
+    longer = AutoAccumulation(
+        max_memory=capacity, headroom=0.05, length_fn=lambda b: 4 * b["input_ids"].shape[1]
+    )
+    run(lengths, [longer, OOMBackoff()], capacity=capacity)
+    assert longer.state_dict()["tokens_per_sample"] == 192 and plain.state_dict()["tokens_per_sample"] == 48
+    assert [w for w, _, _ in plain.engine.shape_probes] == [12]
+    assert [w for w, _, _ in longer.engine.shape_probes] == [48]  # the 12-token batch, as 48

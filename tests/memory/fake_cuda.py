@@ -1,4 +1,5 @@
-"""A fake ``torch.cuda`` for CPU tests: streams, events and pinned memory that log what they are asked.
+"""A fake ``torch.cuda`` for CPU tests: streams, events and pinned memory that log what they are asked, and
+the allocator's retry counter (``FakeCuda.alloc_retries``, read through ``memory_stats``).
 
 CPU tensors play the device's. Every call lands in ``FakeCuda.log`` as a tuple, so tests assert the order
 of stream waits, event records and synchronizations; ``copies`` (a dispatch mode) logs every ``copy_``
@@ -71,6 +72,7 @@ class FakeCuda:
         self.compute = FakeStream(self, "compute")
         self.current = self.compute
         self.pinned: list[int] = []  # sizes of the pinned allocations, in order
+        self.alloc_retries: int | None = 0  # memory_stats()["num_alloc_retries"]; None: the key is absent
         self._streams = itertools.count(1)
 
     def __getattr__(self, name: str):
@@ -102,6 +104,9 @@ class FakeCuda:
 
     def synchronize(self, device=None) -> None:
         self.log.append(("synchronize_device",))
+
+    def memory_stats(self, device=None) -> dict[str, int]:
+        return {} if self.alloc_retries is None else {"num_alloc_retries": self.alloc_retries}
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         self.pinned.append(nbytes)

@@ -1,10 +1,10 @@
-"""The stream, event, pinned-memory and timed-copy functions of memory/device.py, against a faked torch.cuda
-(and, marked ``cuda``, on a real device)."""
+"""The stream, event, pinned-memory, allocator-retry and timed-copy functions of memory/device.py, against a
+faked torch.cuda (and, marked ``cuda``, on a real device)."""
 
 import pytest
 import torch
 
-from lightning_memopt.memory import device
+from lightning_memopt.memory import MemoryTracker, device
 from tests.memory.fake_cuda import install
 
 
@@ -25,6 +25,19 @@ def test_streams_and_events_are_torch_cuda_calls(fake):
     device.synchronize(torch.device("cuda"))
     assert device.cuda_available()
     assert fake.log == [("record", event.name, side.name), ("synchronize_device",)]
+
+
+def test_alloc_retries_reads_the_allocator_counter(fake):
+    memory = device.device_memory("cuda:0")
+    assert memory.alloc_retries() == 0
+    fake.alloc_retries = 7
+    assert memory.alloc_retries() == 7
+    fake.alloc_retries = None  # an allocator that reports no such key has never retried
+    assert memory.alloc_retries() == 0
+
+
+def test_tracked_memory_has_no_retry_counter():
+    assert device.device_memory("cpu", tracker=MemoryTracker()).alloc_retries() is None
 
 
 def test_indexed_names_the_current_cuda_device(fake):

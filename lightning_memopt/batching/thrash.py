@@ -1,0 +1,82 @@
+"""Thrash detection: allocator retries that keep coming back mean the steps run too close to the limit.
+
+On CUDA, when an allocation does not fit, the caching allocator synchronizes the device, frees every
+cached block that holds no tensor, and tries again; ``num_alloc_retries`` in ``torch.cuda.memory_stats``
+counts these retries (read through :meth:`~lightning_memopt.memory.device.DeviceMemory.alloc_retries`).
+Once in a while that is cheap and even useful: the cache is rebuilt in the layout the steps need now
+(the first steps of a fit, a longer batch than any before, after evaluation), and the next steps of that
+shape reuse it without retrying. When it happens step after step, what the step needs plus the cache's
+fragmentation does not fit: every step pays a device synchronization and a round of ``cudaFree`` and
+``cudaMalloc``, a large slowdown without any out-of-memory error. A smaller micro-batch ends it.
+
+The rule (:class:`ThrashWatch`, plain Python): the allocator retried during at least ``min_steps`` (2)
+of the last ``window`` (5) training steps at one micro-batch size. One step with retries is a re-pack,
+not thrashing. A new size (a back-off, growth) starts a new window, because the new size re-packs the
+cache once too; so does each detection, so that the next one needs fresh evidence at the size it led to.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+__all__ = ["ThrashWatch"]
+
+
+class ThrashWatch:
+    """Says when the allocator retried in too many recent training steps at one micro-batch size.
+
+    Args:
+        window: How many recent steps are looked at. Default 5.
+        min_steps: How many of them must have had allocator retries. Default 2: one step with retries is
+            the allocator re-packing its cache once, which the steps after it do not repeat.
+
+    Raises:
+        ValueError: If ``window`` is not an int >= 1, or ``min_steps`` not an int in [1, window].
+
+    Example::
+
+        >>> watch = ThrashWatch(window=5, min_steps=2)
+        >>> [watch.step(retries) for retries in (1, 0, 0, 0, 0, 0, 1)]  # isolated retries: re-packs
+        [False, False, False, False, False, False, False]
+        >>> watch.step(3)  # the second step with retries among the last 5
+        True
+        >>> watch.step(1)  # the window started again after the detection
+        False
+    """
+
+    def __init__(self, *, window: int = 5, min_steps: int = 2) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1 (recent training steps looked at), got {window!r}")
+        if isinstance(min_steps, bool) or not isinstance(min_steps, int) or not 1 <= min_steps <= window:
+            raise ValueError(
+                f"min_steps must be an int from 1 to window={window} (steps of the window with allocator "
+                f"retries that count as thrashing), got {min_steps!r}"
+            )
+        self.window = window
+        self.min_steps = min_steps
+        self._retried: deque[bool] = deque(maxlen=window)  # per recent step: did the allocator retry?
+        self._size: Any = None
+
+    def step(self, retries: int, *, size: Any = None) -> bool:
+        """Record one training step that trained; True when the allocator is thrashing.
+
+        Args:
+            retries: How many times the allocator retried during the step (the rise of its cumulative
+                counter). Zero or less is a step without retries: a counter that fell was reset by
+                someone (``torch.cuda.reset_accumulated_memory_stats``).
+            size: The micro-batch size the step ran at, in any unit that changes exactly when the size
+                does (the engine passes its budget in padded tokens). A new value starts a new window.
+        """
+        if size != self._size:
+            self.reset(size)
+        self._retried.append(retries > 0)
+        if sum(self._retried) < self.min_steps:
+            return False
+        self.reset(size)
+        return True
+
+    def reset(self, size: Any = None) -> None:
+        """Forget the recent steps; the next ones run at ``size`` (see :meth:`step`)."""
+        self._retried.clear()
+        self._size = size
