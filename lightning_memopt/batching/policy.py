@@ -96,6 +96,7 @@ class SizePolicy:
         self.model: ShapeModel | None = None
         """Peak memory by batch shape; when set, it sizes every batch (see the module docstring)."""
         self._retry: int | None = None  # with a model: the halved size of the step being retried
+        self._largest = 0  # with a model: the most samples a batch had
 
     def set_size(self, name: str, samples: int | None, width: int | None) -> None:
         """Set the size ``name`` (a key of ``SIZES``) to ``samples`` samples of ``width`` tokens (None: of the
@@ -107,10 +108,10 @@ class SizePolicy:
         if width is not None:
             self.tokens.see(width)
         if self.model is not None:
-            predicted = self.model.samples_for(self.tokens.width or 1)
-            self.micro_batch_size = min(
-                predicted, self._retry or predicted
-            )  # what readers of the size expect
+            # what readers of the size expect: samples per micro-batch, at most the largest batch seen
+            self._largest = max(self._largest, total)
+            predicted = min(self.model.samples_for(self.tokens.width or 1), self._largest)
+            self.micro_batch_size = min(predicted, self._retry or predicted)
         return min(self.micro_batch_size or total, total)
 
     def back_off(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
