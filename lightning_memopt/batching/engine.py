@@ -228,17 +228,21 @@ class MicroBatchEngine(StrategyWrappers):
             self._state = self._capture(module)
         before = self._allocator_retries()
         sizes: list[int] = []
+        pad = [0]
 
         def choose() -> Regime:
             self._zero_grad.zero_now(self._trainer, batch_idx)
             size, count = self._size_for(batch, total)
             sizes[:] = micro_batch_sizes(total, size, smallest=smallest_micro_batch(module), count=count)
+            # FSDP2 communicates inside every micro-batch: a rank with fewer samples than the count the ranks
+            # agreed on runs its last micro-batch again, weighted 0, until it has run as many
+            pad[0] = count - len(sizes) if count and self._sharded() is not None else 0
             regime = self._choose("training", count or len(sizes), size)
             self.last_regime = regime.name
             return regime
 
         def attempt(regime: Regime) -> tuple[torch.Tensor, dict | None, LogRecorder]:
-            return self._run_micro_batches(batch, args[1:], kwargs, sizes, regime)
+            return self._run_micro_batches(batch, args[1:], kwargs, sizes, regime, pad=pad[0])
 
         def recover(failure: str | None) -> None:
             self._recover(module, self.policy.size_for(total), total)
@@ -294,14 +298,18 @@ class MicroBatchEngine(StrategyWrappers):
         return MemoryTracker(strategy.model, self._trainer.optimizers)
 
     def _run_micro_batches(
-        self, batch: Any, rest: tuple, kwargs: dict, sizes: list[int], regime: Regime
+        self, batch: Any, rest: tuple, kwargs: dict, sizes: list[int], regime: Regime, *, pad: int = 0
     ) -> tuple[torch.Tensor, dict | None, LogRecorder]:
+        """Run the micro-batches of ``sizes``, then ``pad`` repeats of the last one weighted 0 (their
+        gradients are zeros; their outputs and logged values are left out)."""
         strategy = self._trainer.strategy
         module = strategy.lightning_module
         parts, weights = self.splitter.cut(batch, sizes, module)
+        real = len(parts)
+        parts, weights = parts + parts[-1:] * pad, weights + [0.0] * pad
         scaler = getattr(strategy.precision_plugin, "scaler", None)
         self.num_micro_batches = len(parts)
-        outputs = StepOutputs(len(parts))
+        outputs = StepOutputs(real)
         with LogRecorder(module) as recorder, regime.armed():
             for i, (part, weight) in enumerate(zip(parts, weights)):
                 recorder.weight = weight
@@ -315,9 +323,10 @@ class MicroBatchEngine(StrategyWrappers):
                     # no items (all labels -100) has a mean over nothing, NaN, as its loss and weighs 0: its
                     # gradients are zeros (cross-entropy's backward writes only at counted positions).
                     regime.wrap_loss(scaled).backward()
-                outputs.add(out, loss, weight)
+                if i < real:
+                    outputs.add(out, loss, weight)
                 del out, loss, scaled
-        return outputs.loss, outputs.output(sizes, weights), recorder
+        return outputs.loss, outputs.output(sizes, weights[:real]), recorder
 
     def _backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any

@@ -238,7 +238,14 @@ def test_two_ranks_with_different_lengths_run_the_same_number_of_micro_batches(t
     step, both ranks run as many micro-batches as the rank that needs most, each its own size; training
     equals the plain run's; a step without a new length costs one small collective more than OOMBackoff's
     own (DDP: its agreement)."""
-    runs = ("ddp:plain", "ddp:sized", "fsdp2:plain", "fsdp2:sized")
+    runs = (
+        "ddp:plain",
+        "ddp:sized",
+        "fsdp2:plain",
+        "fsdp2:sized",
+        "fsdp2:plain-uneven",
+        "fsdp2:sized-uneven",
+    )
     run_ranks("tests.batching.shapes_worker:main", tmp_path, *runs, timeout=280)
     result = {
         spec: [json.loads((tmp_path / f"{spec.replace(':', '-')}-rank{r}.json").read_text()) for r in (0, 1)]
@@ -262,6 +269,15 @@ def test_two_ranks_with_different_lengths_run_the_same_number_of_micro_batches(t
                 expected = torch.tensor(value, dtype=torch.float64)
                 got = torch.tensor(rank["params"][name], dtype=torch.float64)
                 assert (got - expected).norm() <= 1e-10 * expected.norm(), name
+    # FSDP2, rank 0 with 2 samples a batch: where rank 1 needs more micro-batches, rank 0 runs its last one
+    # again, weighted 0, so that both run as many (FSDP2 communicates in each); training is unchanged
+    ranks = result["fsdp2:sized-uneven"]
+    assert ranks[0]["counts"] == ranks[1]["counts"] and max(ranks[0]["counts"]) > 2
+    for rank, plain in zip(ranks, result["fsdp2:plain-uneven"]):
+        for name, value in plain["params"].items():
+            expected = torch.tensor(value, dtype=torch.float64)
+            got = torch.tensor(rank["params"][name], dtype=torch.float64)
+            assert (got - expected).norm() <= 1e-10 * expected.norm(), name
     # DDP, the last step (no new length on either rank): the count's agreement and OOMBackoff's own one
     assert [r["collectives"][-1] for r in result["ddp:sized"]] == [2, 2]
 
