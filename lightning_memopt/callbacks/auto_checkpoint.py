@@ -59,7 +59,8 @@ class AutoCheckpoint(ReleasingCallback):
     model; profiled and planned after the first batch, whose successor is measured against the plan (a
     warning past 10%); under a limit, again after each batch larger than all planned ones (by shape:
     :class:`~lightning_memopt.checkpointing.shapes.ShapePlans`), which runs every block full; a resumed run
-    takes the plans from the checkpoint. Where the model checkpoints itself (transformers'
+    takes the plans from the checkpoint. Under DDP/FSDP every rank runs the same plan, made on each figure's
+    largest over ranks (:mod:`~lightning_memopt.checkpointing.ranks`, which counts the collectives). Where the model checkpoints itself (transformers'
     ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``, FSDPStrategy's
     ``activation_checkpointing_policy``) it warns once and steps aside.
 

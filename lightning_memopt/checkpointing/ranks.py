@@ -14,6 +14,12 @@ every process computes the same plan (planning is deterministic), and a limit to
 process at once. The plan is kept under every process's shapes
 (:meth:`~lightning_memopt.checkpointing.shapes.ShapePlans.add`); at each later step one all-reduce (a flag
 per plan made: does it not cover my batch?) picks the cheapest plan that covers every process's batch.
+
+AutoCheckpoint's collectives (none in one process; tested exactly in
+``tests/callbacks/test_auto_checkpoint_ranks.py``): one ``all_gather_object`` per profile (torch runs it as
+two all-gathers, sizes then data), which is the first step without a limit, and under a limit also every
+step after a batch new on some process; under a limit, one all-reduce of a flag per plan made at every
+step after the first. Profiling ``fully_shard`` blocks adds one all-gather of each block's parameters.
 """
 
 from __future__ import annotations
