@@ -34,20 +34,13 @@ from lightning_memopt.checkpointing import (
     state_bytes,
 )
 from lightning_memopt.checkpointing.profile import ForwardProbe
+from lightning_memopt.checkpointing.ranks import Agreed, Measured, agree, gather_over_ranks, most_over_ranks
 from lightning_memopt.checkpointing.shapes import ShapePlans, full_peak, shape_signature
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.memory.budget import check_headroom, check_max_memory
 from lightning_memopt.memory.device import device_memory
 
 __all__ = ["AutoCheckpoint"]
-
-
-def _most_over_ranks(trainer: pl.Trainer, *values: int) -> list[int]:
-    """Each value's largest over ranks, so that decisions leading to collectives agree on every rank."""
-    if trainer.world_size == 1:  # no collective, and no device sync per step
-        return [int(v) for v in values]
-    ours = torch.tensor([int(v) for v in values], device=trainer.strategy.root_device)
-    return [int(v) for v in trainer.strategy.reduce(ours, reduce_op="max").tolist()]
 
 
 class AutoCheckpoint(ReleasingCallback):
@@ -66,7 +59,8 @@ class AutoCheckpoint(ReleasingCallback):
     model; profiled and planned after the first batch, whose successor is measured against the plan (a
     warning past 10%); under a limit, again after each batch larger than all planned ones (by shape:
     :class:`~lightning_memopt.checkpointing.shapes.ShapePlans`), which runs every block full; a resumed run
-    takes the plans from the checkpoint. Where the model checkpoints itself (transformers'
+    takes the plans from the checkpoint. Under DDP/FSDP every rank runs the same plan, made on each figure's
+    largest over ranks (:mod:`~lightning_memopt.checkpointing.ranks`, which counts the collectives). Where the model checkpoints itself (transformers'
     ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``, FSDPStrategy's
     ``activation_checkpointing_policy``) it warns once and steps aside.
 
@@ -210,9 +204,9 @@ class AutoCheckpoint(ReleasingCallback):
         if not self._blocks or self.plan is None:
             return
         self._signature = shape_signature(batch)
-        if self._by_shape and self.plan.predicted:  # a plan for shapes covering this batch's, or profile it
-            new_anywhere = lambda new: _most_over_ranks(trainer, new)[0] > 0  # noqa: E731
-            plan = self.shape_plans.next_plan(self._signature, self.plan, new_anywhere)
+        if self._by_shape and self.plan.predicted:  # a plan covering every rank's batch, or profile them
+            most = lambda flags: most_over_ranks(trainer.strategy, flags)  # noqa: E731
+            plan = self.shape_plans.next_plan(self._signature, self.plan, most)
             self._needs_check = self._needs_check or not plan.predicted
             if plan is not self.plan:
                 self.plan = plan
@@ -238,24 +232,29 @@ class AutoCheckpoint(ReleasingCallback):
             profiles = profile_blocks(
                 pl_module, self._blocks, inputs=probe.inputs, context=context, choices=self._policy.treatments
             )
+            states = (
+                state_bytes(pl_module, trainer.optimizers) if self._policy.limit.usable is not None else 0
+            )
+            # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.
+            mine = Measured(self._signature, profiles, states, probe.outside_bytes)
+            agreed = agree(gather_over_ranks(trainer.strategy, mine))
             ran = self.plan.choices
-            self.plan = self._choose(trainer, pl_module, profiles, probe.outside_bytes)
+            self.plan = self._choose(agreed)
             rank_zero_info("AutoCheckpoint plan:\n" + self.plan.table())
             if self._by_shape:
-                self.shape_plans.add(self._signature, self.plan, full_bytes=full_peak(profiles))
+                first, *others = agreed.signatures
+                self.shape_plans.add(first, self.plan, full_bytes=full_peak(agreed.profiles), also=others)
             if self.plan.choices != ran:
                 apply_checkpointing(pl_module, self.plan)
                 return  # the next batch runs the new plan: measure that one
         self._needs_check = False
         self._compare(pl_module, probe.meter)
 
-    def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, profiles, outside: int) -> Plan:
-        """The plan to run from now on, given the blocks' profiles."""
-        # The largest over ranks (FSDP shards differ): all ranks plan the same.
-        states = state_bytes(pl_module, trainer.optimizers)
-        held = lambda: tuple(_most_over_ranks(trainer, states, outside))  # noqa: E731
+    def _choose(self, agreed: Agreed) -> Plan:
+        """The plan to run from now on, given what the ranks measured (the same on every rank)."""
+        held = lambda: (agreed.states, agreed.outside)  # noqa: E731
         try:
-            return self._policy.choose(profiles, list(self.plan.choices.values()), held)
+            return self._policy.choose(agreed.profiles, list(self.plan.choices.values()), held)
         except InfeasibleBudgetError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
 
@@ -264,9 +263,8 @@ class AutoCheckpoint(ReleasingCallback):
             metrics = {f"checkpoint/{k}": v for k, v in self.plan.metrics(meter.total).items()}
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         # A batch smaller than the one planned for holds less: only holding more is then a gap.
-        planned = self.shape_plans.plans
-        same = not planned or planned.get(self._signature) is self.plan
-        measured = meter.total if same else max(meter.total, self.plan.activation_bytes)
+        exact = self.shape_plans.exact(self._signature, self.plan)
+        measured = meter.total if exact else max(meter.total, self.plan.activation_bytes)
         if (gap := prediction_gap(self.plan.activation_bytes, measured)) is not None:
             rank_zero_warn(f"AutoCheckpoint: {gap}")
 

@@ -233,8 +233,7 @@ class PlanPolicy:
 
         A forced mode keeps ``ran``. ``auto`` without a known limit keeps ``ran`` (every block ``full``)
         except where that lowers neither the bytes held nor the peak (:func:`keep_where_no_gain`); under
-        a limit it is :func:`plan_step` with ``held()`` = (states, outside), called only then (it may be a
-        collective: the largest over ranks).
+        a limit it is :func:`plan_step` with ``held()`` = (states, outside), called only then.
 
         Raises:
             InfeasibleBudgetError: Under a limit, if no plan fits (:func:`plan_step`).

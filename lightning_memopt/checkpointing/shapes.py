@@ -74,12 +74,16 @@ def full_peak(profiles: Sequence[BlockProfile]) -> int:
 
 
 class ShapePlans:
-    """The plans made so far, each keyed by the shapes of the batch it was profiled on.
+    """The plans made so far, each keyed by the shapes of the batches it was profiled on.
 
     :meth:`plan_for` returns, for a batch about to run, the cheapest plan made for shapes that cover it
     (:func:`covers`), or None when none does: the caller then runs that batch with every block fully
     checkpointed (the least memory), profiles it and :meth:`add` s the new plan. Plans for known shapes are
     reused; a new plan is made only for a batch larger than all planned ones in some dimension.
+
+    With several processes, a plan is made on all their batches at once (each its own shapes; the blocks'
+    figures are the largest over processes: :func:`~lightning_memopt.checkpointing.ranks.agree`), so it is
+    keyed by every process's shapes, and every process keeps the same plans under the same keys.
 
     Example::
 
@@ -87,43 +91,73 @@ class ShapePlans:
         >>> plans.plan_for(((4, 8),)) is None
         True
         >>> plan = Plan.unprofiled({"h.0": "keep"})
-        >>> plans.add(((4, 8),), plan, full_bytes=1024)
-        >>> plans.plan_for(((4, 6),)) is plan, plans.plan_for(((4, 16),))
-        (True, None)
+        >>> plans.add(((4, 8),), plan, full_bytes=1024, also=[((2, 12),)])
+        >>> plans.plan_for(((4, 6),)) is plan, plans.plan_for(((2, 10),)) is plan, plans.plan_for(((4, 16),))
+        (True, True, None)
     """
 
     def __init__(self) -> None:
-        self.plans: dict[Signature, Plan] = {}
         self.made = 0
         """How many plans were made in this run (profiles after a fully checkpointed batch)."""
+        # Each plan made, in order, with the shapes it covers (one per process that profiled it).
+        self._entries: list[tuple[Plan, list[Signature]]] = []
         # The largest batch planned and the blocks' peak on it fully checkpointed.
         self._full: tuple[Signature, int] | None = None
         self._unkeyed: Plan | None = None  # a plan restored without shapes: adopted by the first batch
 
-    def plan_for(self, signature: Signature) -> Plan | None:
-        """The cheapest known plan whose shapes cover ``signature``, or None if none does."""
+    @property
+    def plans(self) -> dict[Signature, Plan]:
+        """Each shape planned for and the plan made on it."""
+        return {signature: plan for plan, signatures in self._entries for signature in signatures}
+
+    def _uncovered(self, signature: Signature) -> list[int]:
+        """Per plan made, 1 where none of its shapes covers ``signature``, 0 where one does."""
         if self._unkeyed is not None:  # from a checkpoint written before plans were keyed by shape
-            self.plans[signature], self._unkeyed = self._unkeyed, None
-        fitting = [plan for planned, plan in self.plans.items() if covers(planned, signature)]
+            self._entries.append((self._unkeyed, [signature]))
+            self._unkeyed = None
+        return [int(not any(covers(k, signature) for k in keys)) for _, keys in self._entries]
+
+    def _cheapest(self, uncovered: Sequence[int]) -> Plan | None:
+        fitting = [plan for (plan, _), out in zip(self._entries, uncovered) if not out]
         return min(fitting, key=lambda plan: plan.cost, default=None)
 
-    def add(self, signature: Signature, plan: Plan, *, full_bytes: int) -> None:
-        """Keep ``plan`` for ``signature``; ``full_bytes``: the blocks' peak fully checkpointed on it (the
-        least any plan reaches: :func:`full_peak`)."""
-        self.plans[signature] = plan
-        self.made += 1
-        if self._full is None or _elements(signature) >= _elements(self._full[0]):
-            self._full = (signature, full_bytes)
+    def plan_for(self, signature: Signature) -> Plan | None:
+        """The cheapest known plan whose shapes cover ``signature``, or None if none does."""
+        return self._cheapest(self._uncovered(signature))
 
-    def next_plan(self, signature: Signature, current: Plan, anywhere: Callable[[bool], bool]) -> Plan:
-        """The plan a batch of ``signature`` runs, ``current`` being the plan that ran last: the cheapest
-        known plan covering it, or, where none does (``anywhere(new)``: whether a batch is new on any
-        process, since the planning that follows reduces over processes), every block ``full`` unprofiled,
-        after a warning if that too is estimated over ``current``'s budget (:meth:`overrun`).
+    def add(
+        self, signature: Signature, plan: Plan, *, full_bytes: int, also: Sequence[Signature] = ()
+    ) -> None:
+        """Keep ``plan`` for ``signature`` and the shapes ``also`` profiled with it (the other processes'
+        batches); ``full_bytes``: the blocks' peak fully checkpointed on them (the least any plan reaches:
+        :func:`full_peak`)."""
+        keys = list(dict.fromkeys([signature, *also]))
+        self._entries.append((plan, keys))
+        self.made += 1
+        largest = max(keys, key=_elements)
+        if self._full is None or _elements(largest) >= _elements(self._full[0]):
+            self._full = (largest, full_bytes)
+
+    def exact(self, signature: Signature, plan: Plan) -> bool:
+        """Whether ``plan``'s figures are those of a batch of ``signature``: no plan is kept by shape, or
+        ``signature`` is the largest shape ``plan`` was made on (a batch it covers otherwise holds less)."""
+        if not self._entries:
+            return True
+        keys = next((keys for made, keys in self._entries if made is plan), [])
+        return signature in keys and all(covers(signature, k) for k in keys)
+
+    def next_plan(self, signature: Signature, current: Plan, most: Callable[[list[int]], list[int]]) -> Plan:
+        """The plan a batch of ``signature`` runs, ``current`` being the plan that ran last.
+
+        ``most(flags)``: each flag's largest over processes (the flags themselves in one process). Per plan
+        made, a flag says whether it does not cover this process's batch; the batch runs the cheapest plan
+        that covers every process's batch, the same plan on every process. Where none does, every block
+        runs ``full`` unprofiled, after a warning if that too is estimated over ``current``'s budget
+        (:meth:`overrun`), and is profiled on every process.
         """
-        known = self.plan_for(signature)
-        if not anywhere(known is None):
-            assert known is not None
+        uncovered = self._uncovered(signature)
+        known = self._cheapest(most(uncovered) if uncovered else [])  # the same plans on every process
+        if known is not None:
             return known
         overrun = self.overrun(signature, current.budget)
         if overrun is not None:
@@ -153,14 +187,22 @@ class ShapePlans:
         )
 
     def state(self) -> list[dict]:
-        """The plans as plain values, for a checkpoint."""
+        """The plans as plain values, for a checkpoint: per plan, its first shapes and the other
+        processes' (``also``)."""
+        listed = lambda keys: [[list(shape) for shape in key] for key in keys]  # noqa: E731
         return [
-            {"shapes": [list(s) for s in sig], "plan": plan.to_dict()} for sig, plan in self.plans.items()
+            {"shapes": listed(keys[:1])[0], "also": listed(keys[1:]), "plan": plan.to_dict()}
+            for plan, keys in self._entries
         ]
 
     def load(self, entries: list[dict] | None, plan: Plan) -> None:
         """Restore :meth:`state`; without entries (an older checkpoint), the first batch adopts ``plan``."""
-        self.plans = {}
+        signature = lambda shapes: tuple(tuple(s) for s in shapes)  # noqa: E731
+        self._entries = [
+            (
+                Plan.from_dict(entry["plan"]),
+                [signature(entry["shapes"]), *map(signature, entry.get("also", ()))],
+            )
+            for entry in entries or ()
+        ]
         self._unkeyed = None if entries else plan
-        for entry in entries or ():
-            self.plans[tuple(tuple(s) for s in entry["shapes"])] = Plan.from_dict(entry["plan"])

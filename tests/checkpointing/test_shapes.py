@@ -39,13 +39,13 @@ def test_next_plan_runs_every_block_full_where_a_batch_is_new_on_any_process():
     plans = ShapePlans()
     known = _plan(1.0)
     plans.add(((4, 16),), known, full_bytes=512)
-    assert plans.next_plan(((4, 8),), known, lambda new: new) is known
-    profile = plans.next_plan(((4, 8),), known, lambda new: True)  # another process's batch is new
+    assert plans.next_plan(((4, 8),), known, lambda flags: flags) is known
+    profile = plans.next_plan(((4, 8),), known, lambda flags: [1] * len(flags))  # new on another process
     assert not profile.predicted and profile.choices == {"h.0": "full"}
     # 512 bytes at (4, 16): at (4, 32) twice the elements, one dimension twice as long: up to 2,048 bytes,
     # over the budget of 2,000, said before the batch runs; at (4, 31) 512 * 124/64 * 31/16 = 1,922 bytes.
     with pytest.warns(UserWarning, match=r"shapes \[\(4, 32\)\] arrives; .* peak may reach 2.00 KiB"):
-        plans.next_plan(((4, 32),), _plan(1.0, budget=2000), lambda new: new)
+        plans.next_plan(((4, 32),), _plan(1.0, budget=2000), lambda flags: flags)
     assert (
         plans.overrun(((4, 31),), budget=2000) is None and plans.overrun(((4, 31),), budget=1921) is not None
     )
@@ -60,3 +60,25 @@ def test_state_round_trip_and_an_unkeyed_plan_is_adopted_by_the_first_batch():
     old = _plan(2.0)
     restored.load(None, old)
     assert restored.plan_for(((3, 3),)) is old and restored.plans == {((3, 3),): old}
+
+
+def test_a_plan_made_on_several_processes_batches_covers_each_and_is_exact_only_for_the_largest():
+    plans = ShapePlans()
+    small, both = _plan(1.0), _plan(5.0)
+    plans.add(((4, 8),), small, full_bytes=100)
+    plans.add(((4, 8),), both, full_bytes=300, also=[((4, 24),), ((4, 8),)])  # duplicates kept once
+    assert plans.plans == {((4, 8),): both, ((4, 24),): both}
+    assert plans.plan_for(((4, 8),)) is small and plans.plan_for(((1, 20),)) is both
+    # This process's batch is covered by both plans, another's only by the second: the second runs here.
+    assert plans.next_plan(((4, 8),), small, lambda flags: [1, 0]) is both
+    assert plans.exact(((4, 24),), both) and not plans.exact(((4, 8),), both)  # (4, 24): the plan's figures
+    assert plans.exact(((4, 8),), small) and not plans.exact(((4, 6),), small)
+    mixed = ShapePlans()  # neither batch covers the other: the figures (largest of each) are no one batch's
+    mixed.add(((4, 8),), both, full_bytes=300, also=[((2, 24),)])
+    assert not mixed.exact(((4, 8),), both) and not mixed.exact(((2, 24),), both)
+    restored = ShapePlans()
+    restored.load(plans.state(), _plan(9.0))
+    assert restored.state() == plans.state() and restored.plan_for(((3, 24),)) == both
+    assert plans.state()[1]["also"] == [[[4, 24]]]
+    # The overrun estimate starts from the plan's largest batch, (4, 24) with 300 bytes fully checkpointed.
+    assert plans.overrun(((4, 24),), budget=299) is not None and plans.overrun(((4, 24),), budget=300) is None
