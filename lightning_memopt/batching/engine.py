@@ -35,6 +35,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_memopt._compat import tree_flatten
 from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.errors import CHECKLIST, MicroBatchOOMError
 from lightning_memopt.batching.oom import is_out_of_memory
@@ -90,7 +91,7 @@ class MicroBatchEngine(StrategyWrappers):
         count_fn, split_fn, length_fn: How batches are weighed, cut and measured (on :attr:`splitter`).
         log_metrics: Log ``batching/*`` keys from the training step.
         last_regime: The name of the last training attempt's regime (``Regime.name``; None before one).
-        shape_probes: ``(tokens per sample, samples, peak bytes or None)`` of each probe that measured a new
+        shape_probes: ``(tokens per sample, samples, bytes above its start or None)`` of each probe that measured a new
             length for the policy's :class:`~.shapes.ShapeModel` (:func:`~.per_batch.size_batch`).
         thrash_watch: The rule that says when the CUDA allocator thrashes (:class:`~.thrash.ThrashWatch`);
             watched only with ``retry_on_oom``, in one process, on a CUDA device.
@@ -277,18 +278,35 @@ class MicroBatchEngine(StrategyWrappers):
             width=self.splitter.length(batch),
             total=total,
             device=self._trainer.strategy.root_device,
-            held=self._held,
-            probe=lambda size: self.probe(batch, size, tracker=self._tracker()),
+            held=lambda: self.probe_base(batch),
+            probe=lambda size: self._probe_increment(batch, size),
             record=self.shape_probes,
         )
 
-    def _held(self) -> int:
-        """Bytes of parameters, gradients and optimizer state, counted again when the optimizer's state grows."""
+    def probe_base(self, batch: Any) -> int:
+        """The bytes alive when a micro-step of ``batch`` starts, besides what it allocates: the allocator's
+        count on CUDA; elsewhere what a probe's :class:`~lightning_memopt.memory.MemoryTracker` counts at its
+        start: parameters, buffers, optimizer state, the gradients the backward will create, and what
+        :meth:`probe` marks (the batch and the step's snapshot for a retry)."""
+        memory = self._device_memory()
+        if memory is not None:
+            return memory.allocated()
         optimizers = self._trainer.optimizers
-        entries = sum(len(o.state) for o in optimizers)
+        entries = sum(len(o.state) for o in optimizers)  # counted again when the optimizer creates state
         if self._held_at is None or self._held_at[0] != entries:
             self._held_at = (entries, state_bytes(self._trainer.strategy.model, optimizers))
-        return self._held_at[1]
+        return self._held_at[1] + sum(t.numel() * t.element_size() for t in self._held_tensors(batch))
+
+    def _held_tensors(self, batch: Any) -> list[torch.Tensor]:
+        """Tensors the device holds through a step besides the model's: the batch and the step's snapshot."""
+        snapshot = self._state.tensors() if self._state is not None else []
+        return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)] + snapshot
+
+    def _probe_increment(self, batch: Any, size: int) -> int | None:
+        """Bytes one training micro-step of ``size`` samples of ``batch`` rises above its start (None: OOM)."""
+        base = self.probe_base(batch)
+        peak = self.probe(batch, size, tracker=self._tracker())
+        return None if peak is None else peak - base
 
     def _tracker(self) -> Any:
         """What measures a probe: the CUDA allocator (None), or a tracker of live tensors elsewhere."""
@@ -480,6 +498,9 @@ class MicroBatchEngine(StrategyWrappers):
             self._originals["validation_step" if evaluation else "training_step"], part, 0
         )
         memory, state = self._device_memory(tracker), self._capture(module)
+        if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
+            for tensor in self._held_tensors(batch):
+                tracker.mark(tensor, "other")
         return measure_peak(
             self._trainer.strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
         )

@@ -2,8 +2,8 @@
 
 Before each training batch runs, the engine asks :func:`size_batch` for its micro-batch size. With a
 model (``AutoAccumulation`` fitted one to its probes), the size is what the model predicts for the batch's
-length; a batch whose power-of-two length bucket the model has not measured is probed first, at the size
-the model predicts (:func:`measure_length`). Under a distributed strategy every rank has its own batch, so
+length; a batch whose length the model does not know yet (:meth:`~.shapes.ShapeModel.knows`) is probed
+first, at the size the model predicts (:func:`measure_length`). Under a distributed strategy every rank has its own batch, so
 its own length and size, but every rank must run the same number of micro-batches (FSDP2 gathers and
 reduces parameters in each micro-batch's forward and backward; the regime of the attempt depends on the
 count too). The collectives, in order, identical on every rank:
@@ -55,10 +55,11 @@ def size_batch(
         width: Tokens per sample of this rank's batch.
         total: Samples of this rank's batch.
         device: Where the collectives run.
-        held: Returns the bytes of parameters, gradients and optimizer state now.
-        probe: ``probe(samples)`` runs one training micro-step of this batch and returns its peak bytes,
-            or None if it ran out of memory.
-        record: Where each probe is appended as ``(width, samples, peak or None)``.
+        held: Returns the bytes alive while this step's micro-batches run, besides what they allocate
+            (parameters, gradients, optimizer state, the batch, the step's snapshot for a retry).
+        probe: ``probe(samples)`` runs one training micro-step of this batch and returns the bytes its
+            peak rose above its start, or None if it ran out of memory.
+        record: Where each probe is appended as ``(width, samples, bytes or None)``.
     """
     model = policy.model
     if model is None:
@@ -89,12 +90,12 @@ def measure_length(
     assert model is not None
     for _ in range(_ROUNDS):
         size = min(model.samples_for(width), total)
-        peak = probe(size)
+        increment = probe(size)
         if record is not None:
-            record.append((width, size, peak))
-        if peak is None:
+            record.append((width, size, increment))
+        if increment is None:
             model.missed(width=width, samples=size)
         else:
-            model.measured(width=width, samples=size, increment=peak - model.held)
-        if not any_rank(peak is None, device):
+            model.measured(width=width, samples=size, increment=increment)
+        if not any_rank(increment is None, device):
             return

@@ -96,7 +96,6 @@ class SizePolicy:
         self.model: ShapeModel | None = None
         """Peak memory by batch shape; when set, it sizes every batch (see the module docstring)."""
         self._retry: int | None = None  # with a model: the halved size of the step being retried
-        self._largest = 0  # with a model: the most samples a batch had
 
     def set_size(self, name: str, samples: int | None, width: int | None) -> None:
         """Set the size ``name`` (a key of ``SIZES``) to ``samples`` samples of ``width`` tokens (None: of the
@@ -108,9 +107,8 @@ class SizePolicy:
         if width is not None:
             self.tokens.see(width)
         if self.model is not None:
-            # what readers of the size expect: samples per micro-batch, at most the largest batch seen
-            self._largest = max(self._largest, total)
-            predicted = min(self.model.samples_for(self.tokens.width or 1), self._largest)
+            # what readers of the size expect: the samples per micro-batch of this batch
+            predicted = min(self.model.samples_for(self.tokens.width or 1), total)
             self.micro_batch_size = min(predicted, self._retry or predicted)
         return min(self.micro_batch_size or total, total)
 

@@ -22,13 +22,14 @@ and agreeing on it would take one more collective per step; there the engine kee
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["ShapeModel", "TokenBudget", "octave", "tokens_per_sample"]
+__all__ = ["ShapeModel", "TokenBudget", "tokens_per_sample"]
 
 
 def tokens_per_sample(batch: Any) -> int:
@@ -101,30 +102,28 @@ class TokenBudget:
         return None if self.failed is None else (self.failed - 1) // (self.width or 1)
 
 
-def octave(width: int) -> int:
-    """The power-of-two bucket of ``width`` tokens per sample: 16-31 -> 5, 32-63 -> 6 (1 -> 1)."""
-    return max(int(width), 1).bit_length()
-
-
 @dataclass
 class ShapeModel:
     """A training micro-step's peak bytes as a function of its shape, fitted to probes.
 
     ``peak(samples, width) = held + workspace + samples * per_sample(width)``, where
 
-    - ``held``: parameters, gradients and optimizer state (counted from the tensors themselves,
-      :func:`~lightning_memopt.memory.tracker.state_bytes`), refreshed as the optimizer creates state;
-    - ``workspace``: the rest of the step that does not grow with its samples (the intercept of the line
-      the first batch's probes fit, minus ``held`` then);
-    - ``per_sample(width)``: bytes one sample of ``width`` tokens adds: ``linear * width + quadratic *
-      width**2`` (attention that is not memory-efficient holds ``width x width`` scores per head), least
-      squares over the measured widths (relative error), times a correction per power-of-two bucket of
-      widths (:func:`octave`) so that every measured width is predicted exactly.
+    - ``held``: the bytes alive when the step's micro-batches start, besides what they allocate
+      (parameters, optimizer state, the batch, the step's snapshot for a retry; set before each batch);
+    - ``workspace``: what a micro-step allocates that does not grow with its samples (gradients,
+      workspaces: the intercept of the line through the first batch's probes, as increments over their
+      start);
+    - ``per_sample(width)``: bytes one sample of ``width`` tokens adds, from the widths measured: exact
+      at a measured width; between two measured widths, the chord between them (above a convex curve, so
+      on the safe side); beyond them, the nearest measured width scaled by the fitted shape
+      ``linear * width + quadratic * width**2`` (least squares over the measured widths, relative error;
+      the square term is attention that is not memory-efficient: ``width x width`` scores per head).
 
-    Each bucket is measured once, by a probe on the first batch that falls in it: a few probes per fit
-    (one per doubling of the length), after which every batch is sized from the model alone. A batch that
-    runs out of memory anyway (:meth:`missed`) raises its bucket's correction so that the same shape is
-    not tried again.
+    A width is known (:meth:`knows`) within a factor of sqrt(2) of a measured one, or between two
+    measured widths at most a factor of 2 apart; the first batch of an unknown width is probed once,
+    which measures it: a few probes per fit (about two per doubling of the length), after which every
+    batch is sized from the model alone. A batch that runs out of memory anyway (:meth:`missed`) makes
+    its width cost at least its share of the limit, so that shape is not tried again.
 
     Example::
 
@@ -133,8 +132,10 @@ class ShapeModel:
         >>> model.measured(width=40, samples=2, increment=2 * 1_040)
         >>> round(model.linear, 6), round(model.quadratic, 6)  # 110 = 10 a + 100 b, 1,040 = 40 a + 1,600 b
         (6.0, 0.5)
-        >>> round(model.per_sample(20), 6), model.samples_for(20)  # 6 * 20 + 0.5 * 400 bytes per sample
-        (320.0, 31)
+        >>> model.per_sample(20), model.samples_for(20)  # the chord: 110 + (1,040 - 110) / 3
+        (420.0, 23)
+        >>> round(model.per_sample(50), 6), model.knows(50), model.knows(70)  # 1,040 x (fitted 50 / 40)
+        (1550.0, True, False)
     """
 
     budget: int
@@ -142,26 +143,33 @@ class ShapeModel:
     limit: int
     """The memory limit itself: what a step that ran out of memory went over."""
     workspace: float
-    """Bytes of a micro-step besides ``held`` that do not grow with its samples (negative when the step
-    peaks before all of ``held`` exists, e.g. before backward allocated every gradient)."""
+    """Bytes a micro-step allocates that do not grow with its samples."""
     held: int = 0
-    """Parameters, gradients and optimizer state, in bytes."""
-    points: dict[int, tuple[int, float]] = field(default_factory=dict)
-    """Per :func:`octave`: the width measured there and the bytes per sample it measured."""
+    """Bytes alive when a step's micro-batches start, besides what they allocate."""
+    points: dict[int, float] = field(default_factory=dict)
+    """Bytes per sample by width measured (raised by :meth:`missed`)."""
     linear: float = 0.0
     """Fitted bytes per token of a sample."""
     quadratic: float = 0.0
     """Fitted bytes per token squared of a sample."""
-    correction: dict[int, float] = field(default_factory=dict)
-    """Per :func:`octave`: measured over fitted bytes per sample (raised by :meth:`missed`)."""
     revision: int = 0
     """Counts the changes of the predictions (measurements and misses)."""
 
     def per_sample(self, width: int) -> float:
         """Bytes one sample of ``width`` tokens adds to the peak."""
-        # An unmeasured bucket takes the largest correction known: better too many micro-batches than an OOM.
-        largest = max(self.correction.values(), default=1.0)
-        return self._fitted(width) * self.correction.get(octave(width), largest)
+        if width in self.points:
+            return self.points[width]
+        below = max((t for t in self.points if t < width), default=None)
+        above = min((t for t in self.points if t > width), default=None)
+        if below is not None and above is not None:  # the chord
+            s_lo, s_hi = self.points[below], self.points[above]
+            return s_lo + (s_hi - s_lo) * (width - below) / (above - below)
+        nearest = below if above is None else above
+        if nearest is None:
+            return 0.0
+        fitted = self._fitted(nearest)
+        scale = self._fitted(width) / fitted if fitted > 0 else width / nearest
+        return self.points[nearest] * scale
 
     def _fitted(self, width: int) -> float:
         return self.linear * width + self.quadratic * width * width
@@ -173,58 +181,35 @@ class ShapeModel:
         return max(1, int(room // cost)) if cost > 0 else 2**62
 
     def knows(self, width: int) -> bool:
-        """Whether ``width``'s bucket was measured (else the next batch in it is probed first)."""
-        return octave(width) in self.points
+        """Whether ``width`` is within a factor of sqrt(2) of a measured width, or between two measured
+        widths at most a factor of 2 apart (else the next batch of it is probed first)."""
+        if any(max(width / t, t / width) <= math.sqrt(2) for t in self.points):
+            return True
+        below = max((t for t in self.points if t < width), default=None)
+        above = min((t for t in self.points if t > width), default=None)
+        return below is not None and above is not None and above <= 2 * below
 
     def measured(self, *, width: int, samples: int, increment: float) -> None:
-        """A probe of ``samples`` samples of ``width`` tokens peaked ``increment`` bytes above ``held``."""
+        """A probe of ``samples`` samples of ``width`` tokens peaked ``increment`` bytes above its start."""
         self.add(width, max(increment - self.workspace, 1.0) / samples)
 
     def add(self, width: int, per_sample: float) -> None:
-        """One sample of ``width`` tokens costs ``per_sample`` bytes (replacing its bucket's measurement)."""
-        self.points[octave(width)] = (width, per_sample)
+        """One sample of ``width`` tokens costs ``per_sample`` bytes (replacing what was measured there)."""
+        self.points[width] = per_sample
         self._fit()
         self.revision += 1
 
-    @classmethod
-    def from_probes(
-        cls, probes: list[tuple[int, int | None]], *, width: int, size: int, whole: bool, **limits: int
-    ) -> ShapeModel:
-        """The model of the first batch's search (:func:`~.sizing.find_micro_batch_size`).
-
-        ``probes``: its ``(samples, peak or None)`` on a batch of ``width`` tokens per sample; ``size``: the
-        size it found; ``whole``: whether that is the whole batch. ``limits``: ``budget``, ``limit`` and
-        ``held`` (at the probes). The workspace is the intercept of the line through the two largest sizes
-        that fitted, less ``held``; the bytes per sample make the model predict exactly ``size`` at
-        ``width`` (more only when ``size`` was the whole batch and the probe says more would fit).
-        """
-        budget, held = limits["budget"], limits["held"]
-        fitted = sorted((s, p) for s, p in probes if p is not None and p <= budget)
-        (s1, p1), (s2, p2) = fitted[-2:] if len(fitted) > 1 else (fitted[-1], fitted[-1])
-        intercept = p2 - (p2 - p1) / (s2 - s1) * s2 if s2 != s1 else held
-        # Below zero when the peak comes before every gradient exists (``held`` counts them all).
-        model = cls(budget=budget, limit=limits["limit"], workspace=max(intercept - held, -held), held=held)
-        room = budget - held - model.workspace
-        cost = max(p2 - held - model.workspace, 1.0) / s2  # what the largest fitting probe measured
-        if not whole:  # the search ruled out size + 1: predict size, not more
-            cost = max(cost, room / (size + 1) * (1 + 1e-9))
-        model.add(width, cost)
-        return model
-
     def missed(self, *, width: int, samples: int) -> None:
         """``samples`` samples of ``width`` tokens ran out of memory: each costs at least its share of the
-        limit; the bucket's correction rises so that fewer samples are predicted to fit from now on."""
+        limit; from now on fewer are predicted to fit, at this width and by interpolation near it."""
         at_least = (self.limit - self.held - self.workspace) / samples
-        bucket = octave(width)
-        now = self.per_sample(width)
-        if at_least > now and (fitted := self._fitted(width)) > 0:
-            self.correction[bucket] = at_least / fitted
-            self.revision += 1
+        if at_least > self.per_sample(width):
+            self.add(width, at_least)
 
     def _fit(self) -> None:
         """Least squares of ``linear * T + quadratic * T**2`` to the measured costs, relative error, both
-        coefficients at least 0; then each bucket's correction, measured over fitted."""
-        rows = [(t / s, t * t / s) for t, s in self.points.values()]  # a * x + b * y = 1 at each point
+        coefficients at least 0."""
+        rows = [(t / s, t * t / s) for t, s in self.points.items()]  # a * x + b * y = 1 at each point
         xx, xy, yy = (sum(x * x for x, _ in rows), sum(x * y for x, y in rows), sum(y * y for _, y in rows))
         sx, sy = sum(x for x, _ in rows), sum(y for _, y in rows)
         det = xx * yy - xy * xy
@@ -236,8 +221,6 @@ class ShapeModel:
             error = lambda c: sum((c[0] * x + c[1] * y - 1) ** 2 for x, y in rows)  # noqa: E731
             a, b = min(lin, quad, key=error) if len(rows) > 1 else lin
         self.linear, self.quadratic = a, b
-        for bucket, (t, s) in self.points.items():
-            self.correction[bucket] = s / self._fitted(t)
 
     def state(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
@@ -245,15 +228,38 @@ class ShapeModel:
             "budget": self.budget,
             "limit": self.limit,
             "workspace": self.workspace,
-            "points": {str(k): list(v) for k, v in self.points.items()},
-            "correction": {str(k): v for k, v in self.correction.items()},
+            "points": [[t, s] for t, s in self.points.items()],
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> ShapeModel:
         """The model :meth:`state` saved."""
         model = cls(budget=state["budget"], limit=state["limit"], workspace=state["workspace"])
-        model.points = {int(k): (int(v[0]), float(v[1])) for k, v in state["points"].items()}
-        model._fit()
-        model.correction.update({int(k): float(v) for k, v in state["correction"].items()})
+        for t, s in state["points"]:
+            model.add(int(t), float(s))
+        return model
+
+    @classmethod
+    def from_probes(
+        cls, probes: list[tuple[int, int | None]], *, width: int, size: int, whole: bool, **limits: int
+    ) -> ShapeModel:
+        """The model of the first batch's search (:func:`~.sizing.find_micro_batch_size`).
+
+        ``probes``: its ``(samples, peak or None)`` on a batch of ``width`` tokens per sample; ``size``: the
+        size it found; ``whole``: whether that is the whole batch. ``limits``: ``budget``, ``limit`` and
+        ``held``, what the probes' peaks started from. The workspace is the intercept of the line through
+        the two largest sizes that fitted, less ``held``; the bytes per sample make the model predict
+        exactly ``size`` at ``width`` (more only when ``size`` was the whole batch and the probe says more
+        would fit).
+        """
+        budget, held = limits["budget"], limits["held"]
+        fitted = sorted((s, p) for s, p in probes if p is not None and p <= budget)
+        (s1, p1), (s2, p2) = fitted[-2:] if len(fitted) > 1 else (fitted[-1], fitted[-1])
+        intercept = p2 - (p2 - p1) / (s2 - s1) * s2 if s2 != s1 else held
+        model = cls(budget=budget, limit=limits["limit"], workspace=intercept - held, held=held)
+        room = budget - held - model.workspace
+        cost = max(p2 - held - model.workspace, 1.0) / s2  # what the largest fitting probe measured
+        if not whole:  # the search ruled out size + 1: predict size, not more
+            cost = max(cost, room / (size + 1) * (1 + 1e-9))
+        model.add(width, cost)
         return model

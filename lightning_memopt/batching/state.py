@@ -104,15 +104,17 @@ class StepState:
             if per_optimizer is not None:
                 per_optimizer.clear()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensor copies this snapshot holds (buffers and metric states)."""
+        copies = [saved for _, saved in self._buffers]
+        for _, saved in self._metrics:
+            copies += [value for value in saved.values() if isinstance(value, torch.Tensor)]
+        return copies
+
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor copies this snapshot holds (buffers and metric states)."""
-        total = sum(saved.numel() * saved.element_size() for _, saved in self._buffers)
-        for _, saved in self._metrics:
-            for value in saved.values():
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-        return total
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size, 
 from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
 from lightning_memopt.memory.device import device_memory
-from lightning_memopt.memory.tracker import MemoryTracker, state_bytes
+from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["AutoAccumulation"]
@@ -189,7 +189,7 @@ class AutoAccumulation(MicroBatchingCallback):
         # The probes' peaks are the largest over ranks, which the longest batch has: its length is theirs.
         width = max_over_ranks(self._engine.splitter.length(batch), trainer.strategy.root_device)
         self._sizes["tokens_per_sample"] = width  # the probed sizes are its samples
-        held = state_bytes(trainer.strategy.model, trainer.optimizers)
+        held = self._engine.probe_base(batch)  # what the probes' peaks start from
         size = self._sizes["micro_batch_size"] = self._find_size(
             trainer, pl_module, batch, capacity, evaluation=False
         )

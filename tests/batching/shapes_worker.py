@@ -71,7 +71,9 @@ def run(strategy_name: str, mode: str, out: str) -> None:
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
     callbacks = (
-        [AutoAccumulation(max_memory=CAPACITY, headroom=0.05), OOMBackoff()] if mode.startswith("sized") else []
+        [AutoAccumulation(max_memory=CAPACITY, headroom=0.05), OOMBackoff()]
+        if mode.startswith("sized")
+        else []
     )
     steps = Steps(callbacks[0] if callbacks else None)
     trainer = quiet_trainer(

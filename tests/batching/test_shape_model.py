@@ -1,4 +1,4 @@
-"""Per-batch sizing from a memory model over shapes: fitted to probes, one probe per new length bucket."""
+"""Per-batch sizing from a memory model over shapes: fitted to probes, one probe per length it does not know."""
 
 import json
 import math
@@ -12,14 +12,14 @@ from torch.utils.data import DataLoader
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.batching.engine import MicroBatchEngine
-from lightning_memopt.batching.shapes import ShapeModel, octave
+from lightning_memopt.batching.shapes import ShapeModel
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import MemoryCap
 from tests.batching.helpers import assert_params_close, quiet_trainer
 from tests.batching.test_shapes import lm_batch
 from tests.distributed import run_ranks
 
-LENGTHS_BY_RANK = {0: [48, 12, 96, 24, 160, 40], 1: [64, 96, 12, 200, 48, 160]}  # as shapes_worker
+LENGTHS_BY_RANK = {0: [48, 12, 96, 24, 160, 56], 1: [64, 96, 12, 200, 48, 160]}  # as shapes_worker
 VOCAB = 512
 
 
@@ -31,22 +31,27 @@ def test_two_widths_fit_linear_plus_quadratic_exactly():
     assert model.samples_for(64) == int(99_000 // cost(64))
     model.measured(width=256, samples=1, increment=1_000 + cost(256))
     assert (model.linear, model.quadratic) == (pytest.approx(24, rel=1e-12), pytest.approx(0.25, rel=1e-12))
-    for t in (16, 100, 300, 1000):  # every length, measured or not
+    for t in (16, 64, 256, 300, 1000):  # measured, or beyond them: the fitted shape, exact here
         assert model.per_sample(t) == pytest.approx(cost(t), rel=1e-12)
         assert model.samples_for(t) == max(1, int(99_000 // cost(t)))
+    chord = cost(64) + (cost(256) - cost(64)) * (100 - 64) / (256 - 64)  # between them: above the curve
+    assert model.per_sample(100) == pytest.approx(chord, rel=1e-12) and chord > cost(100)
     model.held = 9_000  # the optimizer created its state: less room
-    assert model.samples_for(100) == int(90_000 // cost(100))
+    assert model.samples_for(300) == int(90_000 // cost(300))
 
 
-def test_buckets_correct_the_fit_and_unmeasured_ones_take_the_largest_correction():
+def test_between_measured_widths_the_chord_beyond_them_the_fitted_shape():
     model = ShapeModel(budget=10**6, limit=10**6, workspace=0)
-    for t, s in ((16, 100.0), (32, 160.0), (64, 400.0)):  # not on one a*t + b*t^2 curve
-        model.add(t, s)
-    for t, s in ((16, 100.0), (32, 160.0), (64, 400.0)):
-        assert model.per_sample(t) == pytest.approx(s, rel=1e-12)  # measured widths are exact
-    largest = max(model.correction.values())
-    assert model.per_sample(200) == pytest.approx(largest * (model.linear * 200 + model.quadratic * 200**2))
-    assert [octave(t) for t in (1, 15, 16, 31, 32)] == [1, 4, 5, 5, 6]
+    for t, cost in ((16, 100.0), (32, 160.0), (64, 400.0)):  # not on one a*t + b*t^2 curve
+        model.add(t, cost)
+    for t, cost in ((16, 100.0), (32, 160.0), (64, 400.0)):
+        assert model.per_sample(t) == cost  # measured widths are exact
+    assert model.per_sample(48) == pytest.approx(280.0)  # halfway along the chord from 32 to 64
+    fitted = lambda t: model.linear * t + model.quadratic * t * t  # noqa: E731
+    assert model.per_sample(100) == pytest.approx(400.0 * fitted(100) / fitted(64))
+    assert model.per_sample(10) == pytest.approx(100.0 * fitted(10) / fitted(16))
+    # known: within sqrt(2) of a measured width, or between two at most 2x apart
+    assert [model.knows(t) for t in (12, 11, 40, 90, 91)] == [True, False, True, True, False]
 
 
 def test_a_curve_that_bends_down_is_fitted_by_a_line():
@@ -56,7 +61,7 @@ def test_a_curve_that_bends_down_is_fitted_by_a_line():
     assert model.quadratic == 0 and model.linear > 0
 
 
-def test_a_miss_lowers_the_prediction_for_that_length_only():
+def test_a_miss_lowers_the_prediction_at_that_length():
     model = ShapeModel(budget=9_000, limit=10_000, workspace=0)
     model.add(32, 100.0)
     model.add(128, 400.0)
@@ -64,7 +69,7 @@ def test_a_miss_lowers_the_prediction_for_that_length_only():
     model.missed(width=128, samples=22)  # 22 x 128 tokens went over the 10,000-byte limit
     assert model.per_sample(128) == pytest.approx(10_000 / 22)
     assert model.samples_for(128) == 19  # 9,000 / (10,000 / 22)
-    assert model.samples_for(32) == 90  # another bucket: unchanged
+    assert model.samples_for(32) == 90  # the other measured width: unchanged
     model.missed(width=128, samples=30)  # more than failed before: nothing new, kept
     assert model.samples_for(128) == 19
     restored = ShapeModel.from_state(model.state())
