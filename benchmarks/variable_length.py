@@ -26,7 +26,9 @@ alive, forward, backward, AdamW step; measured with ``MemoryTracker``) at the me
 run's batches: about half the batches fit whole, the others need 2 or more micro-batches.
 
 - ``OOMBackoff`` alone (default: never grows back; and ``grow_after=10``: doubles the micro-batch again
-  after 10 clean steps), and ``AutoAccumulation(max_memory=capacity) + OOMBackoff``: out-of-memory errors
+  after 10 clean steps), and ``AutoAccumulation(max_memory=capacity) + OOMBackoff`` (per-batch sizing
+  from its memory model over shapes; with the default ``headroom=0.1`` and with ``0.05``), also against
+  the fewest that fit its budget (the capacity less the headroom): out-of-memory errors
   (failed attempts) per 1,000 steps, in all steps and after the first 10; micro-batches per step against
   the fewest that fit that batch. "Fewest that fit" is probed for each batch shape outside the fit: the
   smallest k whose step (k micro-batches of ``ceil(B / k)`` samples, the whole batch alive, then the
@@ -155,7 +157,10 @@ class BlockMeter(Callback):
 
 def loader(samples, steps: int, batch_size: int) -> DataLoader:
     order = [i for b in random_batches(len(samples), batch_size, seed=1)[:steps] for i in b]
-    return DataLoader([samples[i] for i in order], batch_size=batch_size, collate_fn=pad_collate())
+    # Token ids as lists: the collated batch is the only tensor a step adds. (Tensors would be counted by
+    # MemoryCap, a simulated device, from the first step that reads them on: the host dataset filling the
+    # device, 5-10 KiB a step.)
+    return DataLoader([samples[i].tolist() for i in order], batch_size=batch_size, collate_fn=pad_collate())
 
 
 def fit(samples, callbacks, *, steps: int, batch_size: int, block_size: int, capacity: int | None):
@@ -293,8 +298,8 @@ def measure_today(steps: int, batch_size: int, max_len: int, *, padding_only: bo
             within = [probe.fewest(len(b), t, budget) or len(b) for b, t in zip(batches, padded_len)]
             ratios = [m / f for m, f in zip(rec.micro, within)]
             print(
-                f"   probed {auto.probes} on the first batch {rec.shapes[0]}; then one probe per new power-of-two "
-                f"length: {[(w, n) for w, n, _ in auto.engine.shape_probes]} (tokens, samples)"
+                f"   probed {auto.probes} on the first batch {rec.shapes[0]}; then one probe per length the model "
+                f"did not know: {[(w, n) for w, n, _ in auto.engine.shape_probes]} (tokens, samples)"
             )
             print(
                 f"   vs the fewest within its budget ({format_bytes(budget)}: the capacity less headroom "
