@@ -19,7 +19,8 @@ step and evaluation share, :meth:`MicroBatchEngine.run_with_retry`. One training
    batch again at the size :class:`~.policy.SizePolicy` picks, or raise :class:`MicroBatchOOMError`.
 6. Log each recorded value once, as the weighted mean over micro-batches (:mod:`~.outputs`), and return
    the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the hooks.
-7. With OOM retry on, in one process, on CUDA: feed the allocator's retries during the step to
+7. With OOM retry on, on CUDA (in one process, or with a memory model over shapes): feed the
+   allocator's retries during the step to
    :class:`~.thrash.ThrashWatch`; when it says the allocator thrashes, halve the size for the next steps
    (:meth:`~.policy.SizePolicy.near_miss`) without retrying this one, which trained.
 """
@@ -94,7 +95,8 @@ class MicroBatchEngine(StrategyWrappers):
         shape_probes: ``(tokens per sample, samples, bytes above its start or None)`` of each probe that measured a new
             length for the policy's :class:`~.shapes.ShapeModel` (:func:`~.per_batch.size_batch`).
         thrash_watch: The rule that says when the CUDA allocator thrashes (:class:`~.thrash.ThrashWatch`);
-            watched only with ``retry_on_oom``, in one process, on a CUDA device.
+            watched only with ``retry_on_oom``, on a CUDA device, in one process or with a memory model over
+            shapes (whose per-step agreement on the count lets each rank lower its own sizes).
         near_misses: Training steps since the engine was created after which :attr:`thrash_watch` said the
             allocator thrashed (each halved the size, unless it was at the floor already). Not retries:
             ``oom_retries`` does not count them.
@@ -133,7 +135,7 @@ class MicroBatchEngine(StrategyWrappers):
         self._pending_backward = False
         self._state: StepState | None = None
         self._metrics = ChangedOrEvery()
-        self._held_at: tuple[int, int] | None = None  # optimizer state entries, and _held() then
+        self._held_at: tuple[int, int] | None = None  # optimizer state entries, and state_bytes then
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -305,10 +307,10 @@ class MicroBatchEngine(StrategyWrappers):
     def _probe_increment(self, batch: Any, size: int) -> int | None:
         """Bytes one training micro-step of ``size`` samples of ``batch`` rises above its start (None: OOM)."""
         base = self.probe_base(batch)
-        peak = self.probe(batch, size, tracker=self._tracker())
+        peak = self.probe(batch, size, tracker=self.probe_tracker())
         return None if peak is None else peak - base
 
-    def _tracker(self) -> Any:
+    def probe_tracker(self) -> Any:
         """What measures a probe: the CUDA allocator (None), or a tracker of live tensors elsewhere."""
         strategy = self._trainer.strategy
         if strategy.root_device.type == "cuda":

@@ -17,7 +17,6 @@ from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size, 
 from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
 from lightning_memopt.memory.device import device_memory
-from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["AutoAccumulation"]
@@ -234,10 +233,7 @@ class AutoAccumulation(MicroBatchingCallback):
         min_size = min(smallest_micro_batch(pl_module, training=not evaluation), max_size)
 
         def probe(size: int) -> int | None:
-            tracker = None
-            if device.type != "cuda":
-                tracker = MemoryTracker(trainer.strategy.model, trainer.optimizers)
-            peak = engine.probe(batch, size, tracker=tracker, evaluation=evaluation)
+            peak = engine.probe(batch, size, tracker=engine.probe_tracker(), evaluation=evaluation)
             # Every rank sees the largest peak of all ranks (a rank that ran out of memory reports "too
             # much"), so the search takes the same path on every rank: one 8-byte collective per probe.
             agreed = max_over_ranks(_FAILED if peak is None else peak, device)
