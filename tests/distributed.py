@@ -61,6 +61,23 @@ def run_ranks(target: str, *args: str, world_size: int = 2, timeout: float = 180
         assert p.returncode == 0, f"rank {rank} of {target} failed:\n{text[-4000:]}"
 
 
+def full_params(model) -> dict[str, list]:
+    """Every parameter of ``model`` as nested lists (a sharded DTensor gathered first), for a rank's JSON."""
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
+        for name, p in model.named_parameters()
+    }
+
+
+def run_each(out_dir: str, runs: tuple[str, ...], run) -> None:
+    """``run(strategy, mode, out)`` for each ``"strategy:mode"`` of ``runs``, writing
+    OUT/<strategy>-<mode>-rank<r>.json: what a worker's ``main`` does."""
+    rank = int(os.environ["RANK"])
+    for spec in runs:
+        strategy, mode = spec.split(":")
+        run(strategy, mode, os.path.join(out_dir, f"{strategy}-{mode}-rank{rank}.json"))
+
+
 if __name__ == "__main__":
     module, function = sys.argv[1].split(":")
     getattr(importlib.import_module(module), function)(*sys.argv[2:])

@@ -19,6 +19,7 @@ import lightning_memopt.batching.distributed as distributed
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from tests.batching.helpers import quiet_trainer
 from tests.batching.test_shape_model import LENGTHS_BY_RANK, AttentionLM, lm_batch
+from tests.distributed import full_params, run_each
 
 # Each rank's padded lengths, step by step: the ranks' batches differ in length at every step.
 LENGTHS = LENGTHS_BY_RANK
@@ -87,10 +88,7 @@ def run(strategy_name: str, mode: str, out: str) -> None:
     if mode.endswith("uneven") and rank == 0:  # 2 samples: fewer than the micro-batches rank 1 needs
         batches = [{k: v[:2] for k, v in b.items()} for b in batches]
     trainer.fit(model, DataLoader(batches, batch_size=None))
-    params = {}
-    for name, p in model.named_parameters():
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p
-        params[name] = p.detach().tolist()
+    params = full_params(model)
     engine = callbacks[0].engine if callbacks else None
     result = {
         "counts": steps.counts,
@@ -106,7 +104,4 @@ def run(strategy_name: str, mode: str, out: str) -> None:
 
 
 def main(out_dir: str, *runs: str) -> None:
-    for spec in runs:
-        strategy_name, mode = spec.split(":")
-        rank = int(os.environ["RANK"])
-        run(strategy_name, mode, os.path.join(out_dir, f"{strategy_name}-{mode}-rank{rank}.json"))
+    run_each(out_dir, runs, run)

@@ -18,6 +18,7 @@ import lightning_memopt.batching.distributed as distributed
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.testing import OOMInjector
 from tests.batching.helpers import Net, dataset, quiet_trainer
+from tests.distributed import full_params, run_each
 
 
 class ShardedNet(Net):
@@ -118,10 +119,7 @@ def run(strategy_name: str, phase: str, out: str) -> None:
         with torch.no_grad():
             expected = torch.nn.functional.mse_loss(model(x), y)
         validation = {"logged": float(trainer.callback_metrics["val_loss"]), "expected": float(expected)}
-    params = {}
-    for name, p in model.named_parameters():
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p
-        params[name] = p.detach().tolist()
+    params = full_params(model)
     result = {
         "rank": trainer.global_rank,
         "micro_batch_size": callback.micro_batch_size,
@@ -142,7 +140,4 @@ def run(strategy_name: str, phase: str, out: str) -> None:
 
 
 def main(out_dir: str, *runs: str) -> None:
-    for spec in runs:
-        strategy_name, phase = spec.split(":")
-        rank = int(os.environ["RANK"])
-        run(strategy_name, phase, os.path.join(out_dir, f"{strategy_name}-{phase}-rank{rank}.json"))
+    run_each(out_dir, runs, run)

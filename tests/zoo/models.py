@@ -124,14 +124,14 @@ def mixtral(dtype: torch.dtype = torch.float32) -> nn.Module:
     return transformers.MixtralForCausalLM(cfg).to(dtype)
 
 
-def bert(dtype: torch.dtype = torch.float32) -> nn.Module:
+def bert(dtype: torch.dtype = torch.float32, positions: int = SEQ) -> nn.Module:
     cfg = transformers.BertConfig(
         **_tiny_text(
             hidden_size=32,
             num_hidden_layers=3,
             num_attention_heads=2,
             intermediate_size=64,
-            max_position_embeddings=SEQ,
+            max_position_embeddings=positions,
         )
     )
     return transformers.BertForMaskedLM(cfg).to(dtype)

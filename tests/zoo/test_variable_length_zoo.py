@@ -19,28 +19,19 @@ from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import MemoryCap
 from tests.batching.helpers import quiet_trainer
 from tests.data.corpus import long_tailed_lengths, random_batches, token_sequences
-from tests.zoo.models import ZooModule, no_dropout, transformers
+from tests.zoo.models import VOCAB, ZooModule, bert, no_dropout
 from tests.zoo.test_micro_batching_zoo import relative_difference
 
-VOCAB, STEPS, BATCH = 96, 12, 8
+STEPS, BATCH = 12, 8
 
 
 class LongBert(ZooModule):
-    """The zoo's BERT with room for 256 positions (the zoo's own keeps 16)."""
+    """The zoo's BERT with room for 256 positions (the zoo's own keeps 16), float64, dropout 0."""
 
     def __init__(self) -> None:
         pl.LightningModule.__init__(self)
         torch.manual_seed(0)
-        config = transformers.BertConfig(
-            vocab_size=VOCAB,
-            pad_token_id=0,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=256,
-        )
-        self.model = no_dropout(transformers.BertForMaskedLM(config).to(torch.float64))
+        self.model = no_dropout(bert(torch.float64, positions=256))
         self.lr = 0.05
 
 
