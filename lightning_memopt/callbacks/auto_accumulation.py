@@ -83,7 +83,7 @@ class AutoAccumulation(MicroBatchingCallback):
     ``batching/micro_batch_size``    samples per micro-batch of this step
     ``batching/num_micro_batches``   micro-batches this step ran as
     ``batching/oom_retries``         out-of-memory retries since the fit started (cumulative count)
-    ``batching/near_misses``         with ``OOMBackoff`` on one CUDA device: steps after which the
+    ``batching/near_misses``         with ``OOMBackoff`` on a CUDA device: steps after which the
                                      allocator was found thrashing (cumulative count; each halved the
                                      size, see :mod:`lightning_memopt.batching.thrash`)
     ===============================  ===============================================================
