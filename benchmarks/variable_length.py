@@ -15,7 +15,7 @@ against random batching with a fixed sample count chosen to give the same number
 number of optimizer steps per epoch). Padding is counted with each batch right-padded to its longest
 sample, which is what ``pad_collate`` builds.
 
-**Measure today** (the baseline per-batch sizing must beat). A GPT-style model (``examples/gpt/gpt.py``'s
+**Per-batch sizing** (and the baselines it beats). A GPT-style model (``examples/gpt/gpt.py``'s
 ``GPT``, 2 blocks of width 32, AdamW, float32) trained on *randomly* batched samples of a corpus made the
 same way with a median of 32 tokens and lengths clipped to 16-``--max-len`` (default 512, so that a step's
 T x T attention stays well under a second on CPU), ``--batch-size`` samples per batch (default 8): the
@@ -248,7 +248,7 @@ def measure_today(steps: int, batch_size: int, max_len: int, *, padding_only: bo
     if None in fewest:
         raise SystemExit(f"a single sample does not fit in {format_bytes(capacity)}; use a smaller --max-len")
     print(
-        f"## Measure today: GPT 2x32, AdamW, {steps} random batches of {batch_size} samples, lengths "
+        f"## Per-batch sizing: GPT 2x32, AdamW, {steps} random batches of {batch_size} samples, lengths "
         f"{min(lengths)}-{max(lengths)} (padded per batch {min(padded_len)}-{max(padded_len)}, median "
         f"{statistics.median(padded_len):.0f})"
     )
