@@ -38,7 +38,13 @@ BENCHMARKS = [
     ("dataloader.py", "DataLoaderMonitor: input stalls and the named fix", [], [], 180),
     ("plan.py", "lightning-memopt plan on a Llama-2-7B-shaped config (time, resident memory)", [], [], 300),
     # The full run trains on variable-length batches for a few minutes; --quick prints the padding table.
-    ("variable_length.py", "Variable-length data: token-budget batching, per-batch sizing, AutoCheckpoint per shape", [], ["--padding"], 1800),
+    (
+        "variable_length.py",
+        "Variable-length data: token-budget batching, per-batch sizing, AutoCheckpoint per shape",
+        [],
+        ["--padding"],
+        1800,
+    ),
 ]  # timeouts are caps for a loaded machine; on an idle 2-core one each takes far less
 
 
