@@ -123,3 +123,43 @@ def test_bert_variable_lengths_autocheckpoint_never_over_its_budget():
     assert auto.shape_plans.made >= 2  # longer batches were planned for again
     assert all(h <= b for h, b in zip(meter.held, meter.budgets)), list(zip(meter.held, meter.budgets))
     assert_same_training(model, base)
+
+
+class LlamaLM(ZooModule):
+    """The zoo's Llama (causal LM, rotary positions: any length), float32 (its loss upcasts logits with
+    ``.float()``), dropout 0."""
+
+    def __init__(self) -> None:
+        super().__init__("llama", dtype=torch.float32)
+        no_dropout(self.model)
+
+
+def test_llama_variable_lengths_no_failed_attempt_and_exact():
+    """Causal-LM batches padded with -100 labels (the one-position shift told from the model), lengths
+    8-160: per-batch sizing under a cap of a whole 64-token step, no failed attempt, exact in float32."""
+    lengths = long_tailed_lengths(STEPS * BATCH, low=8, high=160, median=32, seed=5)
+    sequences = token_sequences(lengths, vocab=VOCAB, seed=5)
+    order = [i for b in random_batches(len(sequences), BATCH, seed=5) for i in b]
+    data = [sequences[i].tolist() for i in order]
+
+    def batches() -> DataLoader:
+        return DataLoader(data, batch_size=BATCH, collate_fn=pad_collate())
+
+    base = LlamaLM()
+    quiet_trainer([], max_steps=STEPS).fit(base, batches())
+    probe = LlamaLM()
+    ids = torch.randint(1, VOCAB, (BATCH, 64), generator=torch.Generator().manual_seed(0))
+    with MemoryTracker(probe, probe.configure_optimizers()) as tracker:
+        probe.training_step(
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, 0
+        ).backward()
+    auto = AutoAccumulation(max_memory=tracker.peak, headroom=0.1)
+    steps = Steps(auto)
+    model = LlamaLM()
+    with MemoryCap(tracker.peak, modules=model) as cap:
+        quiet_trainer([auto, OOMBackoff(), steps], max_steps=STEPS).fit(model, batches())
+    assert auto.engine.oom_retries == 0 and cap.raised == 0
+    counts = dict(zip(steps.lengths, steps.counts))
+    assert counts[max(counts)] > counts[min(counts)]
+    start = {k: p.detach().clone() for k, p in LlamaLM().named_parameters()}
+    assert relative_difference(start, model, base) <= 1e-5
