@@ -92,6 +92,8 @@ class MicroBatchEngine(StrategyWrappers):
         count_fn, split_fn, length_fn: How batches are weighed, cut and measured (on :attr:`splitter`).
         log_metrics: Log ``batching/*`` keys from the training step.
         last_regime: The name of the last training attempt's regime (``Regime.name``; None before one).
+        ran_size: Samples of the largest (the last, :func:`~.split.micro_batch_sizes`) micro-batch of the
+            last training attempt that ran.
         shape_probes: ``(tokens per sample, samples, bytes above its start or None)`` of each probe that measured a new
             length for the policy's :class:`~.shapes.ShapeModel` (:func:`~.per_batch.size_batch`).
         thrash_watch: The rule that says when the CUDA allocator thrashes (:class:`~.thrash.ThrashWatch`);
@@ -127,6 +129,7 @@ class MicroBatchEngine(StrategyWrappers):
         self.last_failure: str | None = None
         self.last_regime: str | None = None
         self.shape_probes: list[tuple[int, int, int | None]] = []
+        self.ran_size: int | None = None
         self.thrash_watch = ThrashWatch()
         self.near_misses = 0
         self._warned_thrashing = False
@@ -285,6 +288,36 @@ class MicroBatchEngine(StrategyWrappers):
             record=self.shape_probes,
         )
 
+    @classmethod
+    def installed_for(cls, trainer: Any) -> MicroBatchEngine | None:
+        """The engine splitting ``trainer``'s batches, or None (never creates one)."""
+        engine = _ENGINES.get(trainer)
+        return engine if engine is not None and engine.installed else None
+
+    @classmethod
+    def planned_size(cls, trainer: Any, batch: Any) -> int | None:
+        """Samples of the largest micro-batch ``batch`` will run as on ``trainer``, from what is known now (no
+        probe, no collective, nothing changed); None where no engine splits its batches. The step may then
+        run smaller ones (a retry, the ranks' agreed count) or, after a probe of a new length, larger."""
+        engine = cls.installed_for(trainer)
+        if engine is None:
+            return None
+        policy, total = engine.policy, engine.batch_size(batch, trainer.lightning_module)
+        if policy.model is not None:
+            width = engine.splitter.length(batch)
+            size = policy.model.samples_for(width, held=engine.probe_base(batch))
+        elif policy.micro_batch_size is None:
+            size = total
+        elif regimes.is_distributed():  # sizes in samples there (per_batch.py)
+            size = policy.micro_batch_size
+        else:
+            size = max(1, policy.tokens.budget // engine.splitter.length(batch))
+        return max(
+            micro_batch_sizes(
+                total, min(size, total), smallest=smallest_micro_batch(trainer.lightning_module)
+            )
+        )
+
     def probe_base(self, batch: Any) -> int:
         """The bytes alive when a micro-step of ``batch`` starts, besides what it allocates: the allocator's
         count on CUDA; elsewhere what a probe's :class:`~lightning_memopt.memory.MemoryTracker` counts at its
@@ -325,7 +358,7 @@ class MicroBatchEngine(StrategyWrappers):
         strategy = self._trainer.strategy
         module = strategy.lightning_module
         parts, weights = self.splitter.cut(batch, sizes, module)
-        real = len(parts)
+        real, self.ran_size = len(parts), max(sizes)
         parts, weights = parts + parts[-1:] * pad, weights + [0.0] * pad
         scaler = getattr(strategy.precision_plugin, "scaler", None)
         self.num_micro_batches = len(parts)

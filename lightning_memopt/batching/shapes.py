@@ -174,9 +174,10 @@ class ShapeModel:
     def _fitted(self, width: int) -> float:
         return self.linear * width + self.quadratic * width * width
 
-    def samples_for(self, width: int) -> int:
-        """The most samples of ``width`` tokens whose micro-step fits the budget (at least 1)."""
-        room = self.budget - self.held - self.workspace
+    def samples_for(self, width: int, *, held: int | None = None) -> int:
+        """The most samples of ``width`` tokens whose micro-step fits the budget (at least 1), with ``held``
+        bytes alive besides (None: :attr:`held`)."""
+        room = self.budget - (self.held if held is None else held) - self.workspace
         cost = self.per_sample(width)
         return max(1, int(room // cost)) if cost > 0 else 2**62
 

@@ -85,18 +85,19 @@ def micro_batch_sizes(total: int, micro: int, *, smallest: int = 1, count: int |
     """Sizes of the micro-batches that run ``total`` samples at most ``micro`` at a time.
 
     The split is as even as possible with the fewest micro-batches: ``micro_batch_sizes(10, 4)`` is
-    ``[4, 3, 3]``, not ``[4, 4, 2]``, so that no micro-batch is much smaller than the others (a tiny last
-    slice wastes a step and is where BatchNorm statistics go worst). With ``smallest`` (2 for BatchNorm in
-    training mode), no micro-batch has fewer samples, even if one then exceeds ``micro``:
-    ``micro_batch_sizes(5, 2, smallest=2)`` is ``[3, 2]``. With ``count`` (the number of micro-batches the
-    ranks agreed on), that many micro-batches, as even as possible, or as many as ``total`` and
-    ``smallest`` allow: ``micro_batch_sizes(10, 4, count=4)`` is ``[3, 3, 2, 2]``.
+    ``[3, 3, 4]``, not ``[4, 4, 2]``, so that no micro-batch is much smaller than the others (a tiny
+    slice wastes a step and is where BatchNorm statistics go worst). The larger ones come last, so the
+    step's last forward is its largest micro-batch: the one ``AutoCheckpoint`` profiles. With ``smallest``
+    (2 for BatchNorm in training mode), no micro-batch has fewer samples, even if one then exceeds
+    ``micro``: ``micro_batch_sizes(5, 2, smallest=2)`` is ``[2, 3]``. With ``count`` (the number of
+    micro-batches the ranks agreed on), that many micro-batches, as even as possible, or as many as
+    ``total`` and ``smallest`` allow: ``micro_batch_sizes(10, 4, count=4)`` is ``[2, 2, 3, 3]``.
     """
     if total < 1 or micro < 1:
         raise ValueError(f"need total >= 1 and micro >= 1, got total={total}, micro={micro}")
     count = min(-(-total // micro) if count is None else count, max(total // smallest, 1))
     base, extra = divmod(total, count)
-    return [base + 1] * extra + [base] * (count - extra)
+    return [base] * (count - extra) + [base + 1] * extra
 
 
 def _split(batch: Any, sizes: Sequence[int], total: int) -> list[Any]:

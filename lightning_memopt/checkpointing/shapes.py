@@ -40,6 +40,22 @@ def shape_signature(batch) -> Signature:
     return tuple(tuple(t.shape) for t in leaves if hasattr(t, "shape") and hasattr(t, "numel"))
 
 
+def step_signature(batch, micro_batch: int | None) -> Signature:
+    """:func:`shape_signature` of ``batch``, and where the batch runs as micro-batches (``AutoAccumulation``,
+    ``OOMBackoff``), ``(micro_batch,)`` after it, the largest micro-batch's samples: the blocks hold what
+    one micro-batch makes them hold, so a plan profiled on one covers steps whose micro-batches are no
+    larger (:func:`covers`).
+
+    Example::
+
+        >>> import torch
+        >>> step_signature({"input_ids": torch.zeros(8, 9)}, 3), step_signature(torch.zeros(8, 9), None)
+        (((8, 9), (3,)), ((8, 9),))
+    """
+    shapes = shape_signature(batch)
+    return shapes if micro_batch is None else (*shapes, (micro_batch,))
+
+
 def covers(planned: Signature, batch: Signature) -> bool:
     """Whether a plan made for ``planned`` holds for ``batch``: the same tensors, none of them larger in
     any dimension.

@@ -192,7 +192,7 @@ class Planner:
         key = ("profiles", c.precision, c.micro_batch_size)
         if key not in self._cache:
             total = batch_size(self.batch)
-            batch = split_batch(self.batch, micro_batch_sizes(total, c.micro_batch_size))[0]
+            batch = split_batch(self.batch, micro_batch_sizes(total, c.micro_batch_size))[-1]
             choices = (
                 ("keep", "selective", "full", "offload")
                 if self.allow_offload

@@ -18,18 +18,19 @@ Pair = namedtuple("Pair", ["x", "y"])
 
 
 def test_micro_batch_sizes_are_even_and_fewest():
-    assert micro_batch_sizes(10, 4) == [4, 3, 3]
+    assert micro_batch_sizes(10, 4) == [3, 3, 4]  # the largest last
     assert micro_batch_sizes(10, 10) == [10]
     assert micro_batch_sizes(10, 64) == [10]
     assert micro_batch_sizes(9, 3) == [3, 3, 3]
     assert micro_batch_sizes(7, 1) == [1] * 7
-    assert micro_batch_sizes(5, 2, smallest=2) == [3, 2]  # BatchNorm: no micro-batch of one sample
-    assert micro_batch_sizes(7, 1, smallest=2) == [3, 2, 2]
+    assert micro_batch_sizes(5, 2, smallest=2) == [2, 3]  # BatchNorm: no micro-batch of one sample
+    assert micro_batch_sizes(7, 1, smallest=2) == [2, 2, 3]
     assert micro_batch_sizes(1, 1, smallest=2) == [1]
     for total in range(1, 40):
         for micro in range(1, 12):
             sizes = micro_batch_sizes(total, micro)
             assert sum(sizes) == total and max(sizes) <= micro and max(sizes) - min(sizes) <= 1
+            assert sizes == sorted(sizes)  # the largest last: the step's last forward is its largest
             assert len(sizes) == -(-total // micro)
     with pytest.raises(ValueError, match="need total >= 1 and micro >= 1, got total=5, micro=0"):
         micro_batch_sizes(5, 0)
@@ -125,7 +126,7 @@ def test_weights_reproduce_the_full_batch_mean():
     sizes = micro_batch_sizes(10, 4)
     parts = split_batch(losses, sizes)
     weights = micro_batch_weights(parts, sizes)
-    assert weights == [0.4, 0.3, 0.3]
+    assert weights == [0.3, 0.3, 0.4]
     combined = sum(w * p.mean() for w, p in zip(weights, parts))
     torch.testing.assert_close(combined, losses.mean(), rtol=1e-6, atol=0)
 

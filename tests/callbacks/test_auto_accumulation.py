@@ -26,7 +26,7 @@ def test_fixed_micro_batches_equal_unsplit_sgd(tmp_path):
     base_trainer = fit(base, [base_rec], tmp_path=tmp_path)
     trainer = fit(
         split, [AutoAccumulation(micro_batch_size=3), split_rec], tmp_path=tmp_path
-    )  # 10 -> [3, 3, 2, 2]
+    )  # 10 -> [2, 2, 3, 3]
     assert_params_close(split, base, rel=1e-6)
     # on_before_backward/on_after_backward fire once per optimizer batch, with the full gradient
     assert split.events == base.events == ["before_backward", "after_backward"] * 4
@@ -35,7 +35,7 @@ def test_fixed_micro_batches_equal_unsplit_sgd(tmp_path):
         for a, b in zip(g_split, g_base):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     # the step loss (returned and logged) is the full batch's, not the last micro-batch's
-    assert split.seen_sizes == [3, 3, 2, 2] * 4 and base.seen_sizes == [10] * 4
+    assert split.seen_sizes == [2, 2, 3, 3] * 4 and base.seen_sizes == [10] * 4
     assert split.step_losses == pytest.approx(base.step_losses, rel=1e-6)
     assert split.logged_losses == pytest.approx(base.logged_losses, rel=1e-6)
     assert split.logged_losses == pytest.approx(base.step_losses, rel=1e-6)
@@ -67,7 +67,7 @@ def test_probing_finds_the_largest_size_that_fits_and_changes_nothing(tmp_path):
     fit(model, [callback], steps=2, batch=32, tmp_path=tmp_path)
     assert max(s for s, p in callback.probes if p is not None and p <= capacity) == 13
     assert 3 <= len(callback.probes) <= 6
-    assert model.seen_sizes[-4:] == [11, 11, 10, 8]  # 32 samples as 3 micro-batches of at most 13; then 8
+    assert model.seen_sizes[-4:] == [10, 11, 11, 8]  # 32 samples as 3 micro-batches of at most 13; then 8
     # evaluation probes start from the whole batch: no activations kept, so it fits whole here
     assert callback.eval_probes[0][0] == 32
     # probing left weights, BatchNorm statistics and RNG as they were: same as a fixed size from the start
@@ -267,7 +267,7 @@ def test_split_batch_hook_on_the_module(tmp_path):
     base, split = Hooked(), Hooked()
     _fit_pairs(base, [], tmp_path)
     _fit_pairs(split, [AutoAccumulation(micro_batch_size=4)], tmp_path)
-    assert split.seen_sizes == [4, 3, 3] * 2
+    assert split.seen_sizes == [3, 3, 4] * 2
     assert_params_close(split, base, rel=1e-6)
 
 
@@ -299,7 +299,7 @@ def test_evaluation_micro_batches_join_predictions_and_average_logged_values(tmp
     sizes = []
 
     (whole, whole_val), (split, split_val) = run([]), run([AutoAccumulation(eval_micro_batch_size=3)])
-    assert sizes == [[10] * 4, [3, 3, 2, 2] * 4]
+    assert sizes == [[10] * 4, [2, 2, 3, 3] * 4]
     assert len(split) == len(whole) == 4
     for a, b in zip(split, whole):
         assert a["prediction"].shape == (10, 1)
@@ -321,7 +321,7 @@ def test_training_step_extra_keys_are_the_full_batch_values(tmp_path):
     whole, split = Extras(), Extras()
     whole.outputs, split.outputs = [], []
     fit(whole, tmp_path=tmp_path, steps=1)
-    fit(split, [AutoAccumulation(micro_batch_size=3)], tmp_path=tmp_path, steps=1)  # 10 -> [3, 3, 2, 2]
+    fit(split, [AutoAccumulation(micro_batch_size=3)], tmp_path=tmp_path, steps=1)  # 10 -> [2, 2, 3, 3]
     (a,), (b,) = split.outputs, whole.outputs
     assert set(a) == {"loss", "error", "mean_error"}
     torch.testing.assert_close(a["error"], b["error"])  # per-sample: joined, all 10 samples

@@ -168,3 +168,46 @@ def test_a_checkpoint_without_shapes_adopts_its_plan_for_the_first_batch(tmp_pat
     # The 8-token batch reuses the restored plan; the 16-token one is profiled and planned.
     assert list(resumed.shape_plans.plans) == [((4, 8),), ((4, 16),)] and resumed.shape_plans.made == 1
     assert resumed.shape_plans.plans[((4, 8),)] == auto.plan
+
+
+def test_a_larger_micro_batch_of_the_same_shape_is_planned_for(tmp_path):
+    """With OOMBackoff: step 0 runs out of memory at 8 and 4 samples and trains as 4 x 2, so its plan is
+    profiled on 2; growth brings later steps of the same shape to [2, 3, 3], which that plan does not
+    cover (3 samples hold 1.5x what it predicted): they are planned for again, and no step holds more than
+    the plan it ran predicted."""
+    from lightning_memopt import OOMBackoff
+    from lightning_memopt.testing import OOMInjector
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 32, (8, 16), generator=g) for _ in range(4)]
+
+    def fit(callbacks, injector=None):
+        torch.manual_seed(0)
+        module = GPTModule()
+        trainer = pl.Trainer(
+            max_steps=len(batches),
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        if injector is not None:
+            injector = injector(module, trainer).install()
+        trainer.fit(module, DataLoader(batches, batch_size=None))
+        return module, injector
+
+    base, _ = fit([])
+    auto = AutoCheckpoint(max_memory=2 * MAX_MEMORY, headroom=0.0)
+    with pytest.warns() as caught:
+        module, injector = fit(
+            [auto, OOMBackoff(grow_after=1)],
+            lambda m, t: OOMInjector(m.model, max_size=2, steps={0}, step_fn=lambda: t.global_step),
+        )
+    assert injector.raised == 2  # 8, then 4
+    assert sorted(shape[-1] for shape in auto.shape_plans.plans) == [(2,), (3,)]  # keyed by micro-batch
+    assert auto.shape_plans.made == 2
+    assert not [w for w in caught if "held" in str(w.message) and "predicted" in str(w.message)]
+    for p, q in zip(module.parameters(), base.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

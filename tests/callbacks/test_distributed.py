@@ -118,7 +118,7 @@ def test_validation_oom_on_rank_one_only(results, tmp_path, strategy):
     # runs each attempt to its end, then agrees. FSDP2: rank 0 learns at the last layer's sync point of
     # the first micro-batch and stops there (without it, it ran the second 5 out of step with rank 1).
     first_attempts = {"ddp": [10, 5, 5], "fsdp2": [10, 5]}[strategy]
-    assert [r["val_sizes"] for r in results] == [first_attempts + [3, 3, 2, 2], [3, 3, 2, 2]]
+    assert [r["val_sizes"] for r in results] == [first_attempts + [2, 2, 3, 3], [2, 2, 3, 3]]
     for r in results:
         assert r["validation"]["logged"] == pytest.approx(r["validation"]["expected"], rel=1e-6)
     expected = single_process_params(tmp_path)
@@ -128,8 +128,8 @@ def test_validation_oom_on_rank_one_only(results, tmp_path, strategy):
 
 
 # Small collectives per training step (both ranks call each one). Step 0 runs out of memory on rank 1 at
-# 10 and 5 samples and succeeds at 3 ([3, 3, 2, 2]); it is the first step at its size, so the ranks also
-# agree after the optimizer step. Step 1 is stable at [3, 3, 2, 2].
+# 10 and 5 samples and succeeds at 3 ([2, 2, 3, 3]); it is the first step at its size, so the ranks also
+# agree after the optimizer step. Step 1 is stable at [2, 2, 3, 3].
 # DDP: one agreement per attempt, plus one after the optimizer step while unsettled.
 # FSDP2 (2 sharded Linear layers, a root without parameters of its own), per micro-batch: 2 before the
 # layers' forward all-gathers + 1 on the loss before backward + 2 before the backward all-gathers + 1

@@ -179,11 +179,11 @@ def test_batchnorm_stops_at_two_samples_with_advice(tmp_path):
     ):
         fit(model, [OOMBackoff()], tmp_path=tmp_path)
     assert oom_injector.raised == 4  # 10, 5, 3, 2
-    # an odd batch at size 2 runs as [3, 2, 2]: never a micro-batch of one sample
+    # an odd batch at size 2 runs as [2, 2, 3]: never a micro-batch of one sample
     model = Net(batchnorm=True)
     with injector(model, max_size=3):
         fit(model, [OOMBackoff()], steps=1, batch=7, tmp_path=tmp_path)
-    assert model.seen_sizes == [7, 4, 3, 2, 2]  # 7 and 4 ran out of memory
+    assert model.seen_sizes == [7, 3, 4, 2, 2, 3]  # 7, and 4 after its first micro-batch of 3, ran out
 
 
 def test_checklist_names_only_real_options():
@@ -326,13 +326,13 @@ def test_overlap_mode_oom_in_the_last_micro_batch_raises(tmp_path, monkeypatch):
 
     def fail_fourth_forward(module, args):
         calls.append(len(args[0]))
-        if len(calls) == 4:  # the last of [3, 3, 2, 2]
+        if len(calls) == 4:  # the last of [2, 2, 3, 3]
             raise oom("last micro-batch")
 
     model.net[-1].register_forward_pre_hook(fail_fourth_forward)
     with pytest.raises(MicroBatchOOMError, match="while DDP synchronizes gradients during backward"):
         fit(model, [AutoAccumulation(micro_batch_size=3), OOMBackoff(overlap_after=0)], tmp_path=tmp_path)
-    assert calls == [3, 3, 2, 2]
+    assert calls == [2, 2, 3, 3]
 
 
 def test_fsdp2_overlap_mode_oom_raises(tmp_path, monkeypatch):
