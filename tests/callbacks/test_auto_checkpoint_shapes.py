@@ -177,6 +177,7 @@ def test_a_larger_micro_batch_of_the_same_shape_is_planned_for(tmp_path):
     the plan it ran predicted."""
     from lightning_memopt import OOMBackoff
     from lightning_memopt.testing import OOMInjector
+    from tests.batching.helpers import quiet_trainer
 
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 32, (8, 16), generator=g) for _ in range(4)]
@@ -184,15 +185,7 @@ def test_a_larger_micro_batch_of_the_same_shape_is_planned_for(tmp_path):
     def fit(callbacks, injector=None):
         torch.manual_seed(0)
         module = GPTModule()
-        trainer = pl.Trainer(
-            max_steps=len(batches),
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
-        )
+        trainer = quiet_trainer(callbacks, max_steps=len(batches))
         if injector is not None:
             injector = injector(module, trainer).install()
         trainer.fit(module, DataLoader(batches, batch_size=None))
