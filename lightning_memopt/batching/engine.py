@@ -45,7 +45,7 @@ from lightning_memopt.batching.per_batch import size_batch
 from lightning_memopt.batching.policy import SizePolicy, halve_eval
 from lightning_memopt.batching.probe import measure_peak
 from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime, drop_attempt
-from lightning_memopt.batching.report import memory_of, memory_report
+from lightning_memopt.batching.report import memory_of, memory_report, tensor_bytes
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import micro_batch_sizes
 from lightning_memopt.batching.splitter import Splitter
@@ -330,7 +330,7 @@ class MicroBatchEngine(StrategyWrappers):
         entries = sum(len(o.state) for o in optimizers)  # counted again when the optimizer creates state
         if self._held_at is None or self._held_at[0] != entries:
             self._held_at = (entries, state_bytes(self._trainer.strategy.model, optimizers))
-        return self._held_at[1] + sum(t.numel() * t.element_size() for t in self._held_tensors(batch))
+        return self._held_at[1] + tensor_bytes(self._held_tensors(batch))
 
     def _held_tensors(self, batch: Any) -> list[torch.Tensor]:
         """Tensors the device holds through a step besides the model's: the batch and the step's snapshot."""

@@ -13,7 +13,8 @@ from lightning_memopt.memory.units import format_bytes
 __all__ = ["memory_of", "memory_report"]
 
 
-def _bytes(tensors: Iterable[Any]) -> int:
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the tensors among ``tensors`` (other items are skipped)."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
@@ -26,10 +27,10 @@ def memory_report(module: torch.nn.Module, optimizers: Iterable[Any], size: int 
         size: The micro-batch size that failed (None: the whole batch).
         memory: A :func:`~lightning_memopt.memory.device.device_memory` for the device peak, or None.
     """
-    params = _bytes(module.parameters())
-    grads = _bytes(p.grad for p in module.parameters())
-    buffers = _bytes(module.buffers())
-    opt_state = _bytes(v for o in optimizers for state in o.state.values() for v in state.values())
+    params = tensor_bytes(module.parameters())
+    grads = tensor_bytes(p.grad for p in module.parameters())
+    buffers = tensor_bytes(module.buffers())
+    opt_state = tensor_bytes(v for o in optimizers for state in o.state.values() for v in state.values())
     lines = [
         f"Memory of the failed step (micro-batch size {size or 'whole batch'}):",
         f"  parameters       {format_bytes(params)}",

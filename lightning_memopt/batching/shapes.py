@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.batching.sizing import MemoryModel
+
 __all__ = ["ShapeModel", "TokenBudget", "tokens_per_sample"]
 
 
@@ -159,8 +161,7 @@ class ShapeModel:
         """Bytes one sample of ``width`` tokens adds to the peak."""
         if width in self.points:
             return self.points[width]
-        below = max((t for t in self.points if t < width), default=None)
-        above = min((t for t in self.points if t > width), default=None)
+        below, above = self._neighbours(width)
         if below is not None and above is not None:  # the chord
             s_lo, s_hi = self.points[below], self.points[above]
             return s_lo + (s_hi - s_lo) * (width - below) / (above - below)
@@ -186,9 +187,13 @@ class ShapeModel:
         widths at most a factor of 2 apart (else the next batch of it is probed first)."""
         if any(max(width / t, t / width) <= math.sqrt(2) for t in self.points):
             return True
-        below = max((t for t in self.points if t < width), default=None)
-        above = min((t for t in self.points if t > width), default=None)
+        below, above = self._neighbours(width)
         return below is not None and above is not None and above <= 2 * below
+
+    def _neighbours(self, width: int) -> tuple[int | None, int | None]:
+        """The measured widths just below and just above ``width`` (None where there is none)."""
+        below = max((t for t in self.points if t < width), default=None)
+        return below, min((t for t in self.points if t > width), default=None)
 
     def measured(self, *, width: int, samples: int, increment: float) -> None:
         """A probe of ``samples`` samples of ``width`` tokens peaked ``increment`` bytes above its start."""
@@ -255,8 +260,9 @@ class ShapeModel:
         """
         budget, held = limits["budget"], limits["held"]
         fitted = sorted((s, p) for s, p in probes if p is not None and p <= budget)
-        (s1, p1), (s2, p2) = fitted[-2:] if len(fitted) > 1 else (fitted[-1], fitted[-1])
-        intercept = p2 - (p2 - p1) / (s2 - s1) * s2 if s2 != s1 else held
+        s2, p2 = fitted[-1]
+        distinct = len(fitted) > 1 and fitted[-2][0] != s2
+        intercept = MemoryModel.through(fitted[-2], fitted[-1]).fixed if distinct else held
         model = cls(budget=budget, limit=limits["limit"], workspace=intercept - held, held=held)
         room = budget - held - model.workspace
         cost = max(p2 - held - model.workspace, 1.0) / s2  # what the largest fitting probe measured

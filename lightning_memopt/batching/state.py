@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.batching.report import tensor_bytes
+
 __all__ = ["OptimizerSnapshot", "StepState", "drop_gradients"]
 
 # What a torchmetrics Metric keeps besides its registered states (``_defaults``); only those stored on
@@ -114,7 +116,7 @@ class StepState:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor copies this snapshot holds (buffers and metric states)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return tensor_bytes(self.tensors())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
