@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 import lightning_memopt.callbacks.auto_checkpoint as ac_module
 from lightning_memopt import AutoCheckpoint
 from lightning_memopt.checkpointing import ActivationMeter, find_blocks
+from tests.batching.helpers import quiet_trainer
 from tests.checkpointing.models import TinyGPT
 
 # Padded to each batch's longest sequence: 4 samples of 8, 16, 12, 24 ... tokens; new longest: steps 0, 2, 5.
@@ -59,15 +60,8 @@ def _batches(lengths=LENGTHS):
 def _fit(tmp_path, callbacks, lengths=LENGTHS, ckpt_path=None, checkpointing=False):
     torch.manual_seed(0)
     module = GPTModule()
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path,
-        max_steps=len(lengths),
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=checkpointing,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
+    trainer = quiet_trainer(
+        callbacks, default_root_dir=tmp_path, max_steps=len(lengths), enable_checkpointing=checkpointing
     )
     trainer.fit(module, DataLoader(_batches(lengths), batch_size=None), ckpt_path=ckpt_path)
     return module, trainer
@@ -177,7 +171,6 @@ def test_a_larger_micro_batch_of_the_same_shape_is_planned_for(tmp_path):
     the plan it ran predicted."""
     from lightning_memopt import OOMBackoff
     from lightning_memopt.testing import OOMInjector
-    from tests.batching.helpers import quiet_trainer
 
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 32, (8, 16), generator=g) for _ in range(4)]
