@@ -23,7 +23,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
-_MISSING = object()
+from lightning_memopt._patch import patch
+
 # Lightning binds the module's ``log``/``log_dict`` onto every callback at the start of each run
 # (CallbackConnector._attach_model_logging_functions) and never removes them: bound methods that hold the
 # model. They are attached again at the next fit/validate, so dropping them after a run costs nothing.
@@ -38,34 +39,17 @@ def wrap_instance_hook(
     after: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """Make ``obj.name(...)`` call ``before(...)`` first and ``after()`` last; returns the function that
-    undoes it."""
-    previous = obj.__dict__.get(name, _MISSING)
-    original = getattr(obj, name)
-    active = [True]
+    undoes it (:func:`~lightning_memopt._patch.patch`)."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if active[0] and before is not None:
+    def wrapper(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if before is not None:
             before(*args, **kwargs)
         out = original(*args, **kwargs)
-        if active[0] and after is not None:
+        if after is not None:
             after()
         return out
 
-    wrapper._memopt_wrap = (active, previous)  # type: ignore[attr-defined]
-    obj.__dict__[name] = wrapper
-
-    def remove() -> None:
-        active[0] = False  # inside a chain, this wrapper now only passes the call on
-        current = obj.__dict__.get(name, _MISSING)
-        # Peel off every removed wrapper on top of the chain.
-        while (link := getattr(current, "_memopt_wrap", None)) is not None and not link[0][0]:
-            current = link[1]
-        if current is _MISSING:
-            obj.__dict__.pop(name, None)
-        else:
-            obj.__dict__[name] = current
-
-    return remove
+    return patch(obj, name, wrapper)
 
 
 class Attachments:

@@ -9,7 +9,6 @@ to ``fit``) or by wrapping the ``train_dataloader`` hook of the LightningModule 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
+
+from lightning_memopt._patch import patch
 
 __all__ = ["on_train_loaders", "dataloaders", "expected_epochs", "set_workers"]
 
@@ -69,22 +70,10 @@ def set_workers(loader: DataLoader, workers: int) -> None:
 
 def _on_result(obj: Any, name: str, inspect: Callable[[Any], None]) -> Callable[[], None]:
     """Make ``obj.name(...)`` pass its result to ``inspect`` before returning it; returns the undo."""
-    original = getattr(obj, name)
-    previous = obj.__dict__.get(name)
 
-    @functools.wraps(original)  # keeps __wrapped__: Lightning's is_overridden still sees the user's hook
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         inspect(result)
         return result
 
-    obj.__dict__[name] = wrapper
-
-    def remove() -> None:
-        if obj.__dict__.get(name) is wrapper:
-            if previous is None:
-                del obj.__dict__[name]
-            else:
-                obj.__dict__[name] = previous
-
-    return remove
+    return patch(obj, name, wrapper)
