@@ -20,6 +20,8 @@ _PUBLIC = {
     "MemoryMonitor": "lightning_memopt.callbacks.memory_monitor",
     "OOMBackoff": "lightning_memopt.callbacks.oom_backoff",
     "MicroBatchOOMError": "lightning_memopt.batching.errors",
+    "SplitNotExactError": "lightning_memopt.batching.errors",
+    "SplitNotExactWarning": "lightning_memopt.batching.errors",
 }
 
 __all__ = [
@@ -30,10 +32,12 @@ __all__ = [
     "MemoryMonitor",
     "MicroBatchOOMError",
     "OOMBackoff",
+    "SplitNotExactError",
+    "SplitNotExactWarning",
 ]
 
 if TYPE_CHECKING:
-    from lightning_memopt.batching.errors import MicroBatchOOMError
+    from lightning_memopt.batching.errors import MicroBatchOOMError, SplitNotExactError, SplitNotExactWarning
     from lightning_memopt.callbacks import (
         AutoAccumulation,
         AutoCheckpoint,

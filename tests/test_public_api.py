@@ -17,6 +17,8 @@ def test_fixed_public_names_import_and_callbacks_need_no_arguments():
         MemoryMonitor,
         MicroBatchOOMError,
         OOMBackoff,
+        SplitNotExactError,
+        SplitNotExactWarning,
     )
     from lightning_memopt.checkpointing import (  # noqa: F401
         apply_checkpointing,
@@ -35,7 +37,9 @@ def test_fixed_public_names_import_and_callbacks_need_no_arguments():
         MemoryMonitor,
         DataLoaderMonitor,
     ]
-    assert sorted(c.__name__ for c in [*callbacks, MicroBatchOOMError]) == sorted(lightning_memopt.__all__)
+    errors = [MicroBatchOOMError, SplitNotExactError, SplitNotExactWarning]
+    assert sorted(c.__name__ for c in [*callbacks, *errors]) == sorted(lightning_memopt.__all__)
+    assert issubclass(SplitNotExactWarning, UserWarning) and issubclass(SplitNotExactError, RuntimeError)
     for cls in callbacks:
         assert isinstance(cls(), pl.Callback)
         assert cls.__module__ == lightning_memopt._PUBLIC[cls.__name__]

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["BATCHNORM_ADVICE", "CHECKLIST", "MicroBatchOOMError"]
+__all__ = [
+    "BATCHNORM_ADVICE",
+    "CHECKLIST",
+    "MicroBatchOOMError",
+    "SplitNotExactError",
+    "SplitNotExactWarning",
+]
 
 # Every option named here exists (tests/batching/test_errors.py checks them against the signatures).
 CHECKLIST = """\
@@ -33,3 +39,18 @@ class MicroBatchOOMError(RuntimeError):
     A ``RuntimeError`` subclass on purpose: :func:`~lightning_memopt.batching.oom.is_out_of_memory` never
     takes it for an allocator error, so nothing retries it again.
     """
+
+
+class SplitNotExactWarning(UserWarning):
+    """Micro-batching will not give this step the unsplit batch's gradient, and the message says why.
+
+    Raised as a warning (once, on rank zero) by the micro-batching callbacks when their one-time check
+    finds that a split batch's gradient differs from another split's, or when something they see makes
+    the result depend on the split: BatchNorm in training mode, a parameter or buffer written in place
+    inside ``training_step``, a loss that couples the samples of a batch. The message names the cause
+    and the fix; ``exactness="raise"`` turns it into :class:`SplitNotExactError`.
+    """
+
+
+class SplitNotExactError(RuntimeError):
+    """What :class:`SplitNotExactWarning` reports, raised instead (``exactness="raise"``)."""
