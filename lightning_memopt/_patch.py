@@ -10,7 +10,6 @@ behind, so nothing of the package keeps the object or pickling of it busy).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +28,14 @@ def patch(obj: Any, name: str, wrapper: Callable[..., Any]) -> Callable[[], None
             arguments; its result is the call's result.
 
     Returns:
-        A function that removes this patch (safe to call twice). The patched method keeps
-        ``__wrapped__`` (Lightning's ``is_overridden`` still sees the user's own hook).
+        A function that removes this patch (safe to call twice). While patched, the method counts as
+        overridden for Lightning's ``is_overridden``, so a hook the user did not write (``configure_model``)
+        is still called.
     """
     original = getattr(obj, name)
     previous = vars(obj).get(name, _MISSING)
     state = {"active": True}
 
-    @functools.wraps(original)
     def patched(*args: Any, **kwargs: Any) -> Any:
         if state["active"]:
             return wrapper(original, *args, **kwargs)

@@ -68,18 +68,17 @@ def test_patch_over_an_instance_attribute_puts_it_back():
     assert thing.step is own
 
 
-def test_lightning_still_sees_the_users_hook():
+def test_a_patched_hook_counts_as_overridden_so_lightning_calls_it():
+    """AutoCheckpoint patches ``configure_model`` to act after it; Lightning calls that hook only if the
+    module overrides it."""
     from lightning.pytorch import LightningModule
-
-    class WithHook(LightningModule):
-        def on_train_start(self) -> None:
-            pass
 
     class Without(LightningModule):
         pass
 
-    for cls, overridden in ((WithHook, True), (Without, False)):
-        module = cls()
-        undo = patch(module, "on_train_start", lambda original, *a, **k: original(*a, **k))
-        assert is_overridden("on_train_start", module) is overridden
-        undo()
+    module = Without()
+    assert not is_overridden("configure_model", module)
+    undo = patch(module, "configure_model", lambda original, *a, **k: original(*a, **k))
+    assert is_overridden("configure_model", module)
+    undo()
+    assert not is_overridden("configure_model", module)
