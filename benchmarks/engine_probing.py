@@ -74,7 +74,7 @@ def main(batch: int = 32) -> None:
         sizes = str([s for s, _ in callback.probes])
         print(
             f"{true_max:>8} {found:>6} {found / true_max:>10.0%} {len(callback.probes):>6}  {sizes:<18}"
-            f"  {callback.engine.eval_micro_batch_size} ({len(callback.eval_probes)})"
+            f"  {callback.engine.sizes.eval_size} ({len(callback.eval_probes)})"
         )
 
 

@@ -349,7 +349,7 @@ def section_backoff(args, true_max: int) -> str:
             starts.append(torch.cuda.memory_allocated())
 
         def on_train_batch_end(self, *a, **k):
-            retries.append(backoff.engine.oom_retries if backoff.engine is not None else -1)
+            retries.append(backoff.engine.sizes.oom_retries if backoff.engine is not None else -1)
 
     fresh_memory()
     batch = 4 * max(true_max, 1)

@@ -129,7 +129,7 @@ class Recorder(Callback):
         self.shapes.append(tuple(batch["input_ids"].shape))
         engine = self.owner._engine if self.owner is not None else None
         self.micro.append(engine.num_micro_batches if engine is not None else 1)
-        self.ooms.append(engine.oom_retries if engine is not None else 0)
+        self.ooms.append(engine.sizes.oom_retries if engine is not None else 0)
 
 
 class BlockMeter(Callback):
@@ -299,7 +299,7 @@ def measure_today(steps: int, batch_size: int, max_len: int, *, padding_only: bo
             ratios = [m / f for m, f in zip(rec.micro, within)]
             print(
                 f"   probed {auto.probes} on the first batch {rec.shapes[0]}; then one probe per length the model "
-                f"did not know: {[(w, n) for w, n, _ in auto.engine.shape_probes]} (tokens, samples)"
+                f"did not know: {[(w, n) for w, n, _ in auto.engine.sizes.shape_probes]} (tokens, samples)"
             )
             print(
                 f"   vs the fewest within its budget ({format_bytes(budget)}: the capacity less headroom "

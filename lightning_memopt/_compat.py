@@ -21,6 +21,7 @@ __all__ = [
     "reset_fsdp_iteration",
     "tree_flatten",
     "tree_unflatten",
+    "untracked",
 ]
 
 #: The base of BatchNorm1d/2d/3d, SyncBatchNorm and the lazy BatchNorm classes (private, stable since 1.0).
@@ -59,3 +60,11 @@ def reset_fsdp_iteration(sharded: list[Any]) -> None:
     else:
         for m in sharded:
             m.reshard()
+
+
+def untracked() -> Any:
+    """A context in which no ``TorchDispatchMode`` sees the ops run (a host copy is not device memory, so
+    a simulated device, :class:`~lightning_memopt.testing.MemoryCap`, must not count it)."""
+    from torch.utils._python_dispatch import _disable_current_modes  # private; present on torch 2.x
+
+    return _disable_current_modes()

@@ -74,19 +74,22 @@ def max_over_ranks_each(values: list[int], device: torch.device | str = "cpu") -
     return _all_reduce([int(v) for v in values], dist.ReduceOp.MAX, torch.device(device))
 
 
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], used: list[int] | None = None) -> None:
     """Average the ``.grad`` of ``params`` over all ranks, as DDP's backward would have.
 
     Gradients are flattened into buckets of at most 25 MiB per dtype and device, so the extra memory is
     one bucket, not a copy of every gradient. A parameter without a gradient counts as zeros (DDP does
-    the same for parameters a rank did not use), so all ranks send buckets of the same shape.
+    the same for parameters a rank did not use), so all ranks send buckets of the same shape; with
+    ``used`` (per parameter that requires grad, agreed over ranks: does any rank have a gradient), one
+    that no rank used keeps ``grad=None``.
     """
     if not is_distributed():
         return
     world = dist.get_world_size()
     grads: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for p in params:
-        if not p.requires_grad:
+    trained = [p for p in params if p.requires_grad]
+    for i, p in enumerate(trained):
+        if used is not None and not used[i]:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -1,194 +1,175 @@
 """The micro-batch engine: one optimizer batch run as k micro-batches, with OOM retry on every rank.
 
-The Lightning-facing wrappers, installed on the strategy at fit start (the Lightning names they rely on,
-and why: :mod:`~lightning_memopt.batching.surface`), and the one retry loop that training, the optimizer
-step and evaluation share, :meth:`MicroBatchEngine.run_with_retry`. One training step, top to bottom:
+The one module that touches Lightning's loop and strategy (the names it relies on, and why:
+:mod:`~lightning_memopt.batching.surface`). At fit start it patches the strategy's step methods
+(``training_step``, ``backward``, ``optimizer_step``, the evaluation steps) and the LightningModule's
+``optimizer_zero_grad`` (:func:`~lightning_memopt._patch.patch`); at the end of the fit it takes them off.
 
-1. Capture the step's start state (RNGs, buffers, torchmetrics, GradScaler) if OOM retry is on.
-2. Zero gradients; size the batch's micro-batches for its length (:mod:`~.per_batch`: from the memory
-   model over shapes, agreed across ranks, or in padded tokens) and split it.
-3. For each micro-batch: the user's ``training_step`` (through the strategy, so DDP/FSDP forward and
-   autocast apply), its loss times its share of the items the loss averages over
-   (:mod:`~lightning_memopt.batching.counting`), scaled by the GradScaler, ``.backward()``. Logged
-   values are recorded, not logged yet.
-4. The attempt's regime (:mod:`~lightning_memopt.batching.regime`, chosen once per attempt) says what
-   runs around each micro-batch (``no_sync``, FSDP2 sync points), how the ranks agree whether any ran
-   out of memory, and what follows success (averaging gradients under DDP). Its docstring is the one
-   place where the small collectives per step are counted.
-5. On an out-of-memory error (in 3, on any rank): drop the attempt, restore the start state, run the
-   batch again at the size :class:`~.policy.SizePolicy` picks, or raise :class:`MicroBatchOOMError`.
-6. Log each recorded value once, as the weighted mean over micro-batches (:mod:`~.outputs`), and return
-   the full-batch loss as a fresh leaf tensor; the wrapped ``backward`` then only fires the hooks.
-7. With OOM retry on, on CUDA (in one process, or with a memory model over shapes): feed the
-   allocator's retries during the step to
-   :class:`~.thrash.ThrashWatch`; when it says the allocator thrashes, halve the size for the next steps
-   (:meth:`~.policy.SizePolicy.near_miss`) without retrying this one, which trained.
+- A training batch is a :class:`~lightning_memopt.batching.step.TrainingStep`: sized, cut, run micro-batch
+  by micro-batch, each loss weighted and backwarded inside ``training_step``; the wrapped ``backward``
+  then only fires Lightning's hooks, once, with the whole gradient in place.
+- Every phase that can run out of memory (training, the optimizer step, evaluation) goes through the one
+  retry loop, :meth:`MicroBatchEngine.run_with_retry`: an attempt, the ranks' agreement on whether any
+  rank failed (:mod:`~lightning_memopt.batching.regime`), and on a failure the attempt's recovery.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, Protocol
 
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from typing_extensions import override
 
 from lightning_memopt._compat import tree_flatten
+from lightning_memopt._patch import patch
 from lightning_memopt.batching import regime as regimes
-from lightning_memopt.batching.errors import CHECKLIST, MicroBatchOOMError
-from lightning_memopt.batching.oom import is_out_of_memory
-from lightning_memopt.batching.outputs import ChangedOrEvery, LogRecorder, StepOutputs, combine, loss_of
-from lightning_memopt.batching.per_batch import size_batch
-from lightning_memopt.batching.policy import SizePolicy, halve_eval
-from lightning_memopt.batching.probe import measure_peak
-from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime, drop_attempt
-from lightning_memopt.batching.report import memory_of, memory_report, tensor_bytes
-from lightning_memopt.batching.sizing import smallest_micro_batch
-from lightning_memopt.batching.split import micro_batch_sizes
-from lightning_memopt.batching.splitter import Splitter
-from lightning_memopt.batching.state import OptimizerSnapshot, StepState
-from lightning_memopt.batching.surface import (
-    SkipNextZeroGrad,
-    StrategyWrappers,
-    check_accumulation,
-    check_setup,
+from lightning_memopt.batching.errors import (
+    CHECKLIST,
+    MicroBatchOOMError,
+    SplitNotExactError,
+    SplitNotExactWarning,
 )
-from lightning_memopt.batching.thrash import ThrashWatch
+from lightning_memopt.batching.loss import Weigher
+from lightning_memopt.batching.oom import is_out_of_memory
+from lightning_memopt.batching.outputs import ChangedOrEvery, LogRecorder, combine
+from lightning_memopt.batching.probe import measure_peak
+from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime
+from lightning_memopt.batching.report import memory_of, memory_report, tensor_bytes
+from lightning_memopt.batching.shapes import tokens_per_sample
+from lightning_memopt.batching.sizes import MicroBatchSizes, Probes
+from lightning_memopt.batching.sizing import smallest_micro_batch
+from lightning_memopt.batching.split import batch_size, micro_batch_sizes, split_batch
+from lightning_memopt.batching.state import OptimizerSnapshot, StepState, local_tensor
+from lightning_memopt.batching.step import TrainingStep
+from lightning_memopt.batching.thrash import ThrashWatch, watch_allocator
 from lightning_memopt.memory.tracker import MemoryTracker, state_bytes
 
-__all__ = ["MicroBatchEngine", "MicroBatchOOMError"]
+__all__ = ["Exactness", "MicroBatchEngine", "MicroBatchOOMError"]
 
-_EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
-# One engine per Trainer. An engine refers to its Trainer only weakly (MicroBatchEngine._trainer): a value
-# that held its own key would keep the Trainer, and its model, alive for the whole process.
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_UNKNOWN = object()  # not looked at yet (the model's loss convention; its FSDP2 modules)
-T = TypeVar("T")
+Exactness = Literal["warn", "raise", "off"]
+_STEPS = ("training_step", "backward", "optimizer_step", "validation_step", "test_step", "predict_step")
+_UNKNOWN = object()  # the model's FSDP2 modules, before the first step looked
 
 
-def _kept(part: str, name: str) -> property:
-    """An engine attribute kept on one of its parts (``policy``, ``splitter``); the callbacks set it."""
-    return property(
-        lambda self: getattr(getattr(self, part), name), lambda self, v: setattr(getattr(self, part), name, v)
-    )
+class Attempt(Protocol):
+    """What :meth:`MicroBatchEngine.run_with_retry` repeats until it succeeds on every rank."""
+
+    def choose(self) -> Regime: ...  # before anything can fail: sizes, the regime
+
+    def run(self, regime: Regime) -> None: ...
+
+    def recover(self, failure: str | None) -> None: ...  # drop the attempt, pick a smaller size (or raise)
 
 
-class MicroBatchEngine(StrategyWrappers):
-    """Runs each optimizer batch as micro-batches; shared by ``AutoAccumulation`` and ``OOMBackoff``.
+class MicroBatchEngine:
+    """Runs each optimizer batch as micro-batches (see the module docstring).
 
-    One engine per Trainer (:meth:`for_trainer`); each callback sets the options it owns and calls
-    :meth:`install` / :meth:`uninstall`, which are counted, so two callbacks never wrap twice.
-
-    Attributes:
-        micro_batch_size: Samples per training micro-batch; None runs the whole batch at once. It and the
-            other sizes and counters of :class:`SizePolicy` live on :attr:`policy`.
-        eval_micro_batch_size: Samples per validation/test/predict micro-batch; None = whole batch.
-        retry_on_oom: Catch out-of-memory errors, restore the step and retry with half the size.
-        overlap_after: Under DDP/FSDP2 with OOM retry, after this many clean steps at one size, stop
-            agreeing before the gradient sync (:mod:`~lightning_memopt.batching.regime`). None: never.
-        count_fn, split_fn, length_fn: How batches are weighed, cut and measured (on :attr:`splitter`).
-        log_metrics: Log ``batching/*`` keys from the training step.
-        last_regime: The name of the last training attempt's regime (``Regime.name``; None before one).
-        ran_size: Samples of the largest (the last, :func:`~.split.micro_batch_sizes`) micro-batch of the
-            last training attempt that ran.
-        shape_probes: ``(tokens per sample, samples, bytes above its start or None)`` of each probe that measured a new
-            length for the policy's :class:`~.shapes.ShapeModel` (:func:`~.per_batch.size_batch`).
-        thrash_watch: The rule that says when the CUDA allocator thrashes (:class:`~.thrash.ThrashWatch`);
-            watched only with ``retry_on_oom``, on a CUDA device, in one process or with a memory model over
-            shapes (whose per-step agreement on the count lets each rank lower its own sizes).
-        near_misses: Training steps since the engine was created after which :attr:`thrash_watch` said the
-            allocator thrashed (each halved the size, unless it was at the floor already). Not retries:
-            ``oom_retries`` does not count them.
+    Args:
+        sizes: The one place that decides the micro-batch size.
+        retry_on_oom: Catch out-of-memory errors, restore the step and retry it smaller.
+        overlap_after: Under DDP/FSDP2 with retry, stop agreeing before the gradient sync after this many
+            clean steps at one size (:mod:`~lightning_memopt.batching.regime`). None: never.
+        count_fn: ``count_fn(micro_batch) -> items`` the loss averages over, or ``"sum"``; None: learned.
+        split_fn: ``split_fn(batch, sizes) -> micro-batches`` for batches the built-in splitter cannot cut.
+        length_fn: ``length_fn(batch) -> tokens per sample`` (None: :func:`~.shapes.tokens_per_sample`).
+        log_metrics: Log the ``batching/*`` keys.
+        exactness: On the first split step of each batch structure, check that the split gives the unsplit
+            gradient; ``"warn"`` / ``"raise"`` say why when it does not; ``"off"`` does not check.
     """
 
-    micro_batch_size = _kept("policy", "micro_batch_size")
-    grow_after = _kept("policy", "grow_after")
-    max_micro_batch_size = _kept("policy", "max_micro_batch_size")
-    smallest_failed_size = _kept("policy", "smallest_failed_size")
-    oom_retries = _kept("policy", "oom_retries")
-    clean_steps = _kept("policy", "clean_steps")
-    stable_steps = _kept("policy", "stable_steps")
-    count_fn = _kept("splitter", "count_fn")
-    split_fn = _kept("splitter", "split_fn")
-    length_fn = _kept("splitter", "length_fn")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.policy = SizePolicy()
-        self.eval_micro_batch_size: int | None = None
-        self.retry_on_oom = False
-        self.overlap_after: int | None = None
-        self.splitter = Splitter()
-        self.log_metrics = False
+    def __init__(
+        self,
+        sizes: MicroBatchSizes,
+        *,
+        retry_on_oom: bool = False,
+        overlap_after: int | None = None,
+        count_fn: Callable[[Any], Any] | str | None = None,
+        split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
+        log_metrics: bool = False,
+        exactness: Exactness = "warn",
+    ) -> None:
+        self.sizes = sizes
+        self.retry_on_oom, self.overlap_after, self.log_metrics = retry_on_oom, overlap_after, log_metrics
+        self.exactness = exactness
+        self._split_fn, self._length_fn = split_fn, length_fn
+        self.weights = Weigher(count_fn)
+        self.thrash_watch = ThrashWatch()
         # what happened (read by the callbacks and tests)
         self.num_micro_batches = 1
-        self.eval_oom_retries = 0
+        self.ran_size: int | None = None  # samples of the largest micro-batch of the last pass
         self.last_failure: str | None = None
         self.last_regime: str | None = None
-        self.shape_probes: list[tuple[int, int, int | None]] = []
-        self.ran_size: int | None = None
-        self.thrash_watch = ThrashWatch()
-        self.near_misses = 0
-        self._warned_thrashing = False
-        self._sharding: Any = _UNKNOWN  # regime.find_sharding of the model, found once per fit
-        self._zero_grad = SkipNextZeroGrad()
+        self.warned: set[str] = set()  # messages said once
+        self.checked_keys: set[str] = set()  # batch structures whose split was checked (saved: not again)
+        self._trainer_ref: weakref.ref | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._sharding: Any = _UNKNOWN
+        self._skip_zero_grad = False
         self._pending_backward = False
         self._state: StepState | None = None
         self._metrics = ChangedOrEvery()
         self._held_at: tuple[int, int] | None = None  # optimizer state entries, and state_bytes then
 
     # ------------------------------------------------------------------ lifecycle
-    @classmethod
-    def for_trainer(cls, trainer: Any) -> MicroBatchEngine:
-        """The engine of ``trainer``, created on first use (both callbacks share it)."""
-        return _ENGINES.get(trainer) or _ENGINES.setdefault(trainer, cls())
+    @property
+    def trainer(self) -> Any:
+        """The Trainer served, held weakly (a fit's end must not depend on the engine letting go)."""
+        return None if self._trainer_ref is None else self._trainer_ref()
 
-    def check(self, trainer: Any, pl_module: Any) -> None:
-        """Refuse set-ups the engine cannot run exactly (:func:`~.surface.check_setup`)."""
-        check_setup(trainer, pl_module)
+    @property
+    def installed(self) -> bool:
+        return bool(self._undo)
 
-    @override
-    def _wrappers(self) -> dict[str, Callable[..., Any]]:
-        steps = {"training_step": self._training_step, "backward": self._backward}
-        steps["optimizer_step"] = self._optimizer_step
-        return steps | {name: functools.partial(self._eval_step, name) for name in _EVAL_HOOKS}
+    def install(self, trainer: Any) -> None:
+        """Patch the strategy's step methods and the module's ``optimizer_zero_grad`` for this fit."""
+        if self._undo:
+            raise RuntimeError("this MicroBatchEngine is installed already; uninstall it first")
+        self._trainer_ref = weakref.ref(trainer)
+        strategy = trainer.strategy
+        for name in _STEPS:
+            if name in vars(strategy):
+                raise RuntimeError(
+                    f"strategy.{name} is already replaced on the instance; cannot wrap it twice"
+                )
+            self._originals[name] = getattr(strategy, name)
+        wrappers = {"training_step": self._training_step, "backward": self._backward}
+        wrappers["optimizer_step"] = self._optimizer_step
+        wrappers |= {name: functools.partial(self._eval_step, name) for name in _STEPS[3:]}
+        self._undo = [patch(strategy, name, wrapper) for name, wrapper in wrappers.items()]
+        self._undo.append(patch(trainer.lightning_module, "optimizer_zero_grad", self._zero_grad_hook))
 
-    @override
-    def _uninstalled(self) -> None:
-        self._zero_grad.remove()
-        self._state = None
-        self._sharding = _UNKNOWN  # the next fit may train another model
-        self.splitter.forget_model()
-        self._held_at = None
+    def uninstall(self) -> None:
+        """Take every patch off and drop what the fit left behind (safe to call twice)."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo, self._originals = [], {}
+        self._state, self._sharding, self._held_at = None, _UNKNOWN, None
 
     # ------------------------------------------------------------------ the retry loop
-    def run_with_retry(
-        self,
-        choose: Callable[[], Regime],
-        attempt: Callable[[Regime], T],
-        recover: Callable[[str | None], None],
-    ) -> tuple[T, Regime, int]:
+    def run_with_retry(self, attempt: Attempt) -> tuple[Regime, int]:
         """Run ``attempt`` until it succeeds on every rank; the one retry loop of the engine.
 
-        Each round: ``choose()`` the attempt's regime (before anything can fail), run ``attempt(regime)``,
-        catch an out-of-memory error (only with ``retry_on_oom``; every other error propagates) or another
-        rank's, learned at a sync point; let the regime agree whether any rank failed; if so,
-        ``recover(failure)`` (drop the attempt, pick a smaller size, or raise) and go again.
+        Each round: ``attempt.choose()`` the regime, ``attempt.run(regime)``, catch an out-of-memory error
+        (only with ``retry_on_oom``; every other error propagates) or another rank's, learned at a sync
+        point; let the regime agree whether any rank failed; if one did, ``attempt.recover(failure)``.
 
         Returns:
-            The successful attempt's result, its regime, and how many attempts failed before it.
+            The successful attempt's regime, and how many attempts failed before it.
         """
         retries = 0
         while True:
-            regime = choose()
-            result: Any = None
+            regime = attempt.choose()
             failure: str | None = None
             peer = False
             try:
-                result = attempt(regime)
+                attempt.run(regime)
             except PeerOutOfMemory:
                 peer = True  # learned at a sync point, which was this attempt's agreement
             except BaseException as error:
@@ -199,358 +180,398 @@ class MicroBatchEngine(StrategyWrappers):
             if failure is not None:
                 self.last_failure = failure + "\n" + self._memory_report()
             if not regime.failed(self.last_failure if failure is not None else None, peer):
-                return result, regime, retries
-            result = None
-            recover(failure)
+                return regime, retries
+            attempt.recover(failure)
             retries += 1
 
-    def _sharded(self) -> regimes.Sharding | None:
-        """The model's FSDP2 modules, found once per fit (on the first step: the strategy shards in setup)."""
-        if self._sharding is _UNKNOWN:
-            self._sharding = regimes.find_sharding(self._trainer.strategy.model)
-        return self._sharding
-
-    def _choose(self, phase: regimes.Phase, micro_batches: int = 1, size: int = 0) -> Regime:
+    def choose(self, phase: regimes.Phase, micro_batches: int = 1, size: int = 0) -> Regime:
+        """The regime of one attempt of ``phase`` (:func:`~.regime.choose_regime`)."""
         return choose_regime(
             phase,
-            self._trainer.strategy,
+            self.trainer.strategy,
             retry=self.retry_on_oom,
-            sharding=self._sharded(),
+            sharding=self.sharded(),
             micro_batches=micro_batches,
-            stable_steps=self.stable_steps,
+            stable_steps=self.sizes.stable_steps,
             overlap_after=self.overlap_after,
             size=size,
         )
 
+    def sharded(self) -> regimes.Sharding | None:
+        """The model's FSDP2 modules, found once per fit (on the first step: the strategy shards in setup)."""
+        if self._sharding is _UNKNOWN:
+            self._sharding = regimes.find_sharding(self.trainer.strategy.model)
+        return self._sharding
+
     # ------------------------------------------------------------------ training
-    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer = self._trainer
-        module = trainer.lightning_module
-        check_accumulation(trainer)  # a GradientAccumulationScheduler may change it mid-fit
-        batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        total = self.batch_size(batch, module)
+    def _training_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        module = self.trainer.lightning_module
         own_state = self.retry_on_oom and self._state is None  # not inside our optimizer_step wrapper
         if own_state:
-            self._state = self._capture(module)
+            self._state = self.capture(module)
+        self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         before = self._allocator_retries()
-        sizes: list[int] = []
-        pad = [0]
-
-        def choose() -> Regime:
-            self._zero_grad.zero_now(self._trainer, batch_idx)
-            size, count = self._size_for(batch, total)
-            sizes[:] = micro_batch_sizes(total, size, smallest=smallest_micro_batch(module), count=count)
-            # FSDP2 communicates inside every micro-batch: a rank with fewer samples than the count the ranks
-            # agreed on runs its last micro-batch again, weighted 0, until it has run as many
-            pad[0] = count - len(sizes) if count and self._sharded() is not None else 0
-            regime = self._choose("training", count or len(sizes), size)
-            self.last_regime = regime.name
-            return regime
-
-        def attempt(regime: Regime) -> tuple[torch.Tensor, dict | None, LogRecorder]:
-            return self._run_micro_batches(batch, args[1:], kwargs, sizes, regime, pad=pad[0])
-
-        def recover(failure: str | None) -> None:
-            self._recover(module, self.policy.size_for(total), total)
-
-        (loss, extras, recorder), regime, retries = self.run_with_retry(choose, attempt, recover)
+        step = TrainingStep(self, args[0], args[1:], kwargs)
+        regime, retries = self.run_with_retry(step)
         regime.succeeded()
         if own_state:
             self._state = None
-        # before growth may change them: the size, and what the watch keys its window on (the budget in
-        # tokens; with a model, its predictions, which only misses and new lengths change)
-        model = self.policy.model
-        ran_at = self.policy.size_for(total), self.policy.tokens.budget if model is None else model.revision
-        self.policy.succeeded(retried=retries > 0, total=total)
+        model = self.sizes.model
+        key = self.sizes.budget if model is None else model.revision  # what the thrash watch keys on
+        self.sizes.succeeded(retried=retries > 0, total=step.total, size=step.size)
         if before is not None:
-            self._watch_allocator(before, *ran_at, total=total, retried=retries > 0)
-        recorder.flush()
+            self._watch(before, step, key, retried=retries > 0)
+        if step.loss is None:  # training_step returned None: Lightning skips the step
+            return step.output
+        step.result.recorder.flush(step.result.losses, step.loss)
         if self.log_metrics:
-            size, k = self.micro_batch_size or total, self.num_micro_batches
-            values = {"micro_batch_size": size, "num_micro_batches": k, "oom_retries": self.oom_retries}
+            values = {"micro_batch_size": step.size, "num_micro_batches": len(step.sizes)}
+            values["oom_retries"] = self.sizes.oom_retries
             if before is not None:  # thrashing is watched
-                values["near_misses"] = self.near_misses
-            self._metrics.log(recorder.original_log, self._trainer, values)
+                values["near_misses"] = self.sizes.near_misses
+            self._metrics.log(type(module).log.__get__(module), self.trainer, values)
         self._pending_backward = True
-        loss = loss.requires_grad_(True)  # a fresh leaf: Lightning's backward call only fires the hooks
-        return loss if extras is None else {**extras, "loss": loss}
+        loss = step.loss.detach().requires_grad_(True)  # a fresh leaf: Lightning's backward only fires hooks
+        return loss if step.output is None else {**step.output, "loss": loss}
 
-    def _size_for(self, batch: Any, total: int) -> tuple[int, int | None]:
-        """Samples per micro-batch for ``batch``, and the number of micro-batches every rank runs when
-        sizes follow a :class:`~.shapes.ShapeModel` (:func:`~.per_batch.size_batch`; None otherwise)."""
-        return size_batch(
-            self.policy,
-            width=self.splitter.length(batch),
-            total=total,
-            device=self._trainer.strategy.root_device,
-            held=lambda: self.probe_base(batch),
-            probe=lambda size: self._probe_increment(batch, size),
-            record=self.shape_probes,
-        )
+    def zero_grad(self) -> None:
+        """Zero the gradients now, through the module's own hook, and skip the call Lightning makes after
+        ``training_step`` (automatic optimization zeroes after the step, not before)."""
+        trainer = self.trainer
+        module = trainer.lightning_module
+        self._skip_zero_grad = False
+        for optimizer in trainer.optimizers:
+            module.optimizer_zero_grad(trainer.current_epoch, self._batch_idx, optimizer)
+        self._skip_zero_grad = True
 
-    @classmethod
-    def installed_for(cls, trainer: Any) -> MicroBatchEngine | None:
-        """The engine splitting ``trainer``'s batches, or None (never creates one)."""
-        engine = _ENGINES.get(trainer)
-        return engine if engine is not None and engine.installed else None
-
-    @classmethod
-    def planned_size(cls, trainer: Any, batch: Any) -> int | None:
-        """Samples of the largest micro-batch ``batch`` will run as on ``trainer``, from what is known now (no
-        probe, no collective, nothing changed); None where no engine splits its batches. The step may then
-        run smaller ones (a retry, the ranks' agreed count) or, after a probe of a new length, larger."""
-        engine = cls.installed_for(trainer)
-        if engine is None:
+    def _zero_grad_hook(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._skip_zero_grad:
+            self._skip_zero_grad = False
             return None
-        policy, total = engine.policy, engine.batch_size(batch, trainer.lightning_module)
-        if policy.model is not None:
-            width = engine.splitter.length(batch)
-            size = policy.model.samples_for(width, held=engine.probe_base(batch))
-        elif policy.micro_batch_size is None:
-            size = total
-        elif regimes.is_distributed():  # sizes in samples there (per_batch.py)
-            size = policy.micro_batch_size
-        else:
-            size = max(1, policy.tokens.budget // engine.splitter.length(batch))
-        return max(
-            micro_batch_sizes(
-                total, min(size, total), smallest=smallest_micro_batch(trainer.lightning_module)
-            )
-        )
+        return original(*args, **kwargs)
 
-    def probe_base(self, batch: Any) -> int:
-        """The bytes alive when a micro-step of ``batch`` starts, besides what it allocates: the allocator's
-        count on CUDA; elsewhere what a probe's :class:`~lightning_memopt.memory.MemoryTracker` counts at its
-        start: parameters, buffers, optimizer state, the gradients the backward will create, and what
-        :meth:`probe` marks (the batch and the step's snapshot for a retry)."""
-        memory = self._device_memory()
-        if memory is not None:
-            return memory.allocated()
-        optimizers = self._trainer.optimizers
-        entries = sum(len(o.state) for o in optimizers)  # counted again when the optimizer creates state
-        if self._held_at is None or self._held_at[0] != entries:
-            self._held_at = (entries, state_bytes(self._trainer.strategy.model, optimizers))
-        return self._held_at[1] + tensor_bytes(self._held_tensors(batch))
-
-    def _held_tensors(self, batch: Any) -> list[torch.Tensor]:
-        """Tensors the device holds through a step besides the model's: the batch and the step's snapshot."""
-        snapshot = self._state.tensors() if self._state is not None else []
-        return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)] + snapshot
-
-    def _probe_increment(self, batch: Any, size: int) -> int | None:
-        """Bytes one training micro-step of ``size`` samples of ``batch`` rises above its start (None: OOM)."""
-        base = self.probe_base(batch)
-        peak = self.probe(batch, size, tracker=self.probe_tracker())
-        return None if peak is None else peak - base
-
-    def probe_tracker(self) -> Any:
-        """What measures a probe: the CUDA allocator (None), or a tracker of live tensors elsewhere."""
-        strategy = self._trainer.strategy
-        if strategy.root_device.type == "cuda":
-            return None
-        return MemoryTracker(strategy.model, self._trainer.optimizers)
-
-    def _run_micro_batches(
-        self, batch: Any, rest: tuple, kwargs: dict, sizes: list[int], regime: Regime, *, pad: int = 0
-    ) -> tuple[torch.Tensor, dict | None, LogRecorder]:
-        """Run the micro-batches of ``sizes``, then ``pad`` repeats of the last one weighted 0 (their
-        gradients are zeros; their outputs and logged values are left out)."""
-        strategy = self._trainer.strategy
-        module = strategy.lightning_module
-        parts, weights = self.splitter.cut(batch, sizes, module)
-        real, self.ran_size = len(parts), max(sizes)
-        parts, weights = parts + parts[-1:] * pad, weights + [0.0] * pad
-        scaler = getattr(strategy.precision_plugin, "scaler", None)
-        self.num_micro_batches = len(parts)
-        outputs = StepOutputs(real)
-        with LogRecorder(module) as recorder, regime.armed():
-            for i, (part, weight) in enumerate(zip(parts, weights)):
-                recorder.weight = weight
-                with regime.around(i, last=i == len(parts) - 1):
-                    out = self._originals["training_step"](part, *rest, **kwargs)
-                    loss = loss_of(out)
-                    scaled = loss * weight if len(parts) > 1 else loss  # k=1: no extra op in the graph
-                    if scaler is not None:
-                        scaled = scaler.scale(scaled)
-                    # Every micro-batch runs its backward, so DDP/FSDP communicate as expected. One that counts
-                    # no items (all labels -100) has a mean over nothing, NaN, as its loss and weighs 0: its
-                    # gradients are zeros (cross-entropy's backward writes only at counted positions).
-                    regime.wrap_loss(scaled).backward()
-                if i < real:
-                    outputs.add(out, loss, weight)
-                del out, loss, scaled
-        return outputs.loss, outputs.output(sizes, weights[:real]), recorder
+    def original_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The strategy's own ``training_step``."""
+        return self._originals["training_step"](*args, **kwargs)
 
     def _backward(
-        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
+        self, original: Callable[..., Any], closure_loss: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         if not self._pending_backward:
-            return self._originals["backward"](closure_loss, optimizer, *args, **kwargs)
+            return original(closure_loss, *args, **kwargs)
         self._pending_backward = False
         # The gradients are already there; fire on_before_backward/on_after_backward once, as Lightning would.
-        strategy = self._trainer.strategy
+        strategy = self.trainer.strategy
         module = strategy.lightning_module
         closure_loss = strategy.precision_plugin.pre_backward(closure_loss, module)
         return strategy.precision_plugin.post_backward(closure_loss, module)
 
+    # ------------------------------------------------------------------ what a step uses
+    def batch_size(self, batch: Any) -> int:
+        """Samples in ``batch``; ``len(batch)`` for batches only the user's ``split_fn`` can cut."""
+        try:
+            return batch_size(batch)
+        except (TypeError, ValueError):
+            if self.split_fn(self.trainer.lightning_module) is None:
+                raise
+            return len(batch)
+
+    def length(self, batch: Any) -> int:
+        """Tokens (or other units) per sample of ``batch``, which its memory grows with.
+
+        Raises:
+            ValueError: If ``length_fn`` returns something other than a positive int.
+        """
+        if self._length_fn is None:
+            return tokens_per_sample(batch)
+        length = self._length_fn(batch)
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(
+                f"length_fn(batch) must return a positive int (tokens per sample), got {length!r}"
+            )
+        return length
+
+    def split_fn(self, module: Any) -> Callable | None:
+        """The user's splitter: ``split_fn``, else the module's ``split_batch`` hook, else None (built-in)."""
+        hook = getattr(module, "split_batch", None)
+        return self._split_fn or (hook if callable(hook) else None)
+
+    def weigher(self, batch: Any, micro_batches: list[Any], sizes: list[int]) -> Any:
+        """The weights of one pass over ``micro_batches`` (:class:`~.loss.StepWeights`)."""
+        return self.weights.step(batch, micro_batches, sizes)
+
+    def unexplained(self, batch: Any) -> bool:
+        return self.weights.unexplained(batch)
+
+    def check_due(self, key: str) -> bool:
+        """Whether the split of a batch of structure ``key`` (:func:`~.loss.batch_key`) is still to be checked."""
+        return self.exactness != "off" and key not in self.checked_keys
+
+    def checked(self, key: str) -> None:
+        self.checked_keys.add(key)
+
+    def report_inexact(self, cause: str, *, local: bool = False) -> None:
+        """Say, once per cause, that micro-batching changes this step (``exactness="raise"``: raise).
+
+        ``local``: found by this rank alone, which the others may not reach at this step; warned (from
+        every rank that found it), never raised, so that no rank waits for one that stopped."""
+        message = f"Micro-batching does not give this step the unsplit batch's gradient: {cause}."
+        if self.exactness == "raise" and not local:
+            raise SplitNotExactError(message)
+        if message not in self.warned:
+            self.warned.add(message)
+            if local:
+                warnings.warn(message, SplitNotExactWarning, stacklevel=2)
+            else:
+                rank_zero_warn(message, category=SplitNotExactWarning)
+
+    def capture(self, module: Any) -> StepState:
+        """The state a step may change besides weights and optimizer state (RNGs, buffers, metrics)."""
+        scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
+        return StepState.capture([module], scaler)
+
+    def restore(self) -> None:
+        """Put the step's start back (after a failed attempt) and free the allocator's cache."""
+        if self._state is not None:
+            self._state.restore()
+        if (memory := self._device_memory()) is not None:
+            memory.empty_cache()
+
+    def put_gradients(self, grads: list[torch.Tensor | None]) -> None:
+        """Set every parameter's gradient to the copies in ``grads`` (:func:`~.exactness.gradients`)."""
+        for p, g in zip(self.trainer.lightning_module.parameters(), grads):
+            if g is None:
+                p.grad = None
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # a DTensor for a sharded parameter
+            local_tensor(p.grad).copy_(g)
+
+    # ------------------------------------------------------------------ the optimizer step
     def _optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+        self,
+        original: Callable[..., Any],
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
     ) -> Any:
         """The optimizer step with OOM retry: an OOM in it (clipping, ``on_before_optimizer_step``, the
-        update) restores the step's start, runs the training step again at a smaller size and steps again.
+        update) restores the step's start, runs the training step again smaller and steps again.
         Distributed: the training step (and its agreement) runs first, so every rank reaches the step's own
-        agreement (while sizes are unsettled, :mod:`~lightning_memopt.batching.regime`) from the same place.
-        """
-        original = self._originals["optimizer_step"]
+        agreement (while sizes are unsettled, :mod:`~lightning_memopt.batching.regime`) from the same place."""
         if not self.retry_on_oom:
             return original(optimizer, closure, model, **kwargs)
-        module = self._trainer.lightning_module
-        self._state = self._capture(module)
-        step = [closure, None]  # the closure the step runs, the snapshot of this attempt
-
-        def choose() -> Regime:
-            regime = self._choose("optimizer_step")  # after the training step: it counts as stable
-            step[1] = OptimizerSnapshot.capture([optimizer]) if regime.agrees else None
-            return regime
-
-        def recover(failure: str | None) -> None:
-            if step[1] is not None:
-                step[1].restore()  # every rank: undo the update the ranks that did not fail made
-            total = self.policy.last_total or 1
-            self._recover(module, self.policy.size_for(total), total)
-            # Run the training step (and its hooks) at the smaller size now, before the optimizer's own
-            # pre-step work, so that the retried step starts from the new micro-batches' state.
-            step[0] = functools.partial(_return, closure())
-
+        self._state = self.capture(self.trainer.lightning_module)
         try:
-            if regimes.is_distributed():
-                # The micro-batches (and their agreement) first, so every rank reaches the step's agreement
-                # from the same place, whether its optimizer's pre-step work or its update ran out of memory.
-                step[0] = functools.partial(_return, closure())
-            return self.run_with_retry(
-                choose, lambda _: original(optimizer, step[0], model, **kwargs), recover
-            )[0]
+            return _OptimizerStep(self, original, optimizer, closure, model, kwargs).run_all()
         finally:
             self._state = None
 
-    # ------------------------------------------------------------------ recovery
-    def _recover(self, module: Any, size: int, total: int) -> None:
-        """Drop the failed attempt, restore the step's start, and pick a smaller micro-batch."""
-        drop_attempt(self._trainer.strategy.model, self._sharded())
-        if self._state is not None:
-            self._state.restore()
-        self._empty_cache()
-        self.policy.back_off(size, total=total, floor=smallest_micro_batch(module), failure=self.last_failure)
+    # ------------------------------------------------------------------ evaluation
+    def _eval_step(self, hook: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.sizes.eval_size is None and not self.retry_on_oom:
+            return original(*args, **kwargs)
+        attempt = _EvalStep(self, hook, original, args, kwargs)
+        self.run_with_retry(attempt)
+        return attempt.result
+
+    # ------------------------------------------------------------------ probing
+    def probes(self, batch: Any) -> Probes:
+        """What the sizes need to measure ``batch`` (:class:`~.sizes.Probes`)."""
+        module = self.trainer.lightning_module
+        probes = Probes(
+            functools.partial(self.probe, batch),
+            functools.partial(self.held, batch),
+            self.trainer.strategy.root_device,
+            smallest_micro_batch(module),
+        )
+        probes.evaluates = is_overridden("validation_step", module)
+        return probes
+
+    def probe(self, batch: Any, size: int, evaluation: bool = False) -> int | None:
+        """Peak bytes of one training (``evaluation``: validation) micro-step of ``size`` samples of
+        ``batch``, None if it ran out of memory, every state left as it was (:func:`~.probe.measure_peak`)."""
+        module = self.trainer.lightning_module
+        total = self.batch_size(batch)
+        split_fn = self.split_fn(module)
+        part = split_batch(batch, [size, total - size], split_fn=split_fn)[0] if size < total else batch
+        step = functools.partial(
+            self._originals["validation_step" if evaluation else "training_step"], part, 0
+        )
+        strategy = self.trainer.strategy
+        tracker = (
+            None
+            if strategy.root_device.type == "cuda"
+            else MemoryTracker(strategy.model, self.trainer.optimizers)
+        )
+        if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
+            for tensor in self._held_tensors(batch):
+                tracker.mark(tensor, "other")
+        memory, state = self._device_memory(tracker), self.capture(module)
+        return measure_peak(
+            strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
+        )
+
+    def held(self, batch: Any) -> int:
+        """The bytes alive when a micro-step of ``batch`` starts, besides what it allocates: the allocator's
+        count on CUDA; elsewhere parameters, buffers, optimizer state, the gradients the backward will
+        create, the batch and the step's snapshot for a retry."""
+        memory = self._device_memory()
+        if memory is not None:
+            return memory.allocated()
+        optimizers = self.trainer.optimizers
+        entries = sum(len(o.state) for o in optimizers)  # counted again when the optimizer creates state
+        if self._held_at is None or self._held_at[0] != entries:
+            self._held_at = (entries, state_bytes(self.trainer.strategy.model, optimizers))
+        return self._held_at[1] + tensor_bytes(self._held_tensors(batch))
+
+    def _held_tensors(self, batch: Any) -> list[torch.Tensor]:
+        snapshot = self._state.tensors() if self._state is not None else []
+        return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)] + snapshot
+
+    def peek(self, batch: Any) -> int:
+        """Samples of the largest micro-batch ``batch`` will run as, from what is known now (no probe, no
+        collective, nothing changed). The step may then run smaller ones (a retry, the ranks' agreed
+        count) or, after a probe of a new length, larger."""
+        module = self.trainer.lightning_module
+        total = self.batch_size(batch)
+        size = self.sizes.peek(total=total, width=self.length(batch), held=self.held(batch))
+        return max(micro_batch_sizes(total, size, smallest=smallest_micro_batch(module)))
 
     # ------------------------------------------------------------------ thrashing
+    def _watch(self, before: int, step: TrainingStep, key: Any, *, retried: bool) -> None:
+        retries = self._allocator_retries() - before
+        floor = step.floor
+        if (
+            watch_allocator(
+                self.thrash_watch,
+                self.sizes,
+                retries=retries,
+                size=step.size,
+                key=key,
+                total=step.total,
+                floor=floor,
+                retried=retried,
+            )
+            and "thrashing" not in self.warned
+        ):
+            self.warned.add("thrashing")
+            rank_zero_warn(
+                f"The CUDA caching allocator keeps freeing its cache and retrying allocations (thrashing: every "
+                f"such step synchronizes the device and reallocates, a large slowdown) at {step.size} samples "
+                f"per micro-batch, the fewest this model can run. Training goes on, slowly. Against "
+                f"fragmentation, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process "
+                f"starts; to need less memory:\n{CHECKLIST}"
+            )
+
+    # ------------------------------------------------------------------ helpers
     def _allocator_retries(self) -> int | None:
-        """The CUDA allocator's cumulative retries, where thrashing is watched: with OOM retry on, on CUDA
-        (other devices have no caching allocator), in one process or with a memory model over shapes
-        (whose per-step agreement on the micro-batch count lets each rank lower its own sizes); None
-        elsewhere."""
-        if not self.retry_on_oom or (regimes.is_distributed() and self.policy.model is None):
+        """The CUDA allocator's cumulative retries, where thrashing is watched: with OOM retry on, on CUDA,
+        in one process or with a memory model over shapes (whose per-step agreement on the count lets each
+        rank lower its own sizes); None elsewhere."""
+        if not self.retry_on_oom or (regimes.is_distributed() and self.sizes.model is None):
             return None
         memory = self._device_memory()
         return None if memory is None else memory.alloc_retries()
 
-    def _watch_allocator(
-        self, before: int, size: int, budget: int | None, *, total: int, retried: bool
-    ) -> None:
-        """Feed the step's allocator retries to :attr:`thrash_watch`; on thrashing, halve the size for the
-        next steps (``size``: samples this step ran at; ``budget``: the same in padded tokens)."""
-        if retried:  # the out-of-memory error's own retries; the size was just halved: a new window
-            model = self.policy.model
-            self.thrash_watch.reset(self.policy.tokens.budget if model is None else model.revision)
-            return
-        if not self.thrash_watch.step(self._allocator_retries() - before, size=budget):
-            return
-        self.near_misses += 1
-        floor = smallest_micro_batch(self._trainer.lightning_module)
-        if self.policy.near_miss(size, total=total, floor=floor) or self._warned_thrashing:
-            return
-        self._warned_thrashing = True
-        rank_zero_warn(
-            f"The CUDA caching allocator keeps freeing its cache and retrying allocations (thrashing: every "
-            f"such step synchronizes the device and reallocates, a large slowdown) at {size} samples per "
-            f"micro-batch, the fewest this model can run. Training goes on, slowly. Against fragmentation, "
-            f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts; to need less "
-            f"memory:\n{CHECKLIST}"
-        )
-
-    def _empty_cache(self) -> None:
-        if (memory := self._device_memory()) is not None:
-            memory.empty_cache()
-
-    def _capture(self, module: Any) -> StepState:
-        scaler = getattr(self._trainer.strategy.precision_plugin, "scaler", None)
-        return StepState.capture([module], scaler)
-
-    # ------------------------------------------------------------------ evaluation
-    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        original = self._originals[hook]
-        if self.eval_micro_batch_size is None and not self.retry_on_oom:
-            return original(*args, **kwargs)
-        batch = args[0]
-        total = self.batch_size(batch, self._trainer.lightning_module)
-
-        def attempt(regime: Regime) -> Any:
-            with regime.armed():  # FSDP2: sync points before each sharded module's forward all-gather
-                return self._run_eval(original, batch, args[1:], kwargs, total)
-
-        def recover(failure: str | None) -> None:
-            if self._sharded() is not None:
-                self._sharded().reset()
-            self._empty_cache()
-            self.eval_oom_retries += 1
-            size = min(self.eval_micro_batch_size or total, total)
-            self.eval_micro_batch_size = halve_eval(size, hook=hook, failure=failure)
-
-        return self.run_with_retry(lambda: self._choose("evaluation"), attempt, recover)[0]
-
-    def _run_eval(self, original: Callable, batch: Any, rest: tuple, kwargs: dict, total: int) -> Any:
-        module = self._trainer.lightning_module
-        sizes = micro_batch_sizes(total, min(self.eval_micro_batch_size or total, total))
-        if len(sizes) == 1:
-            return original(batch, *rest, **kwargs)
-        parts, weights = self.splitter.cut(batch, sizes, module)
-        outputs = []
-        with LogRecorder(module) as recorder:
-            for part, weight in zip(parts, weights):
-                recorder.weight = weight
-                outputs.append(original(part, *rest, **kwargs))
-        recorder.flush()
-        return combine(outputs, sizes, weights)
-
-    # ------------------------------------------------------------------ probing
-    def probe(self, batch: Any, size: int, *, tracker: Any = None, evaluation: bool = False) -> int | None:
-        """Peak bytes of one training (``evaluation``: validation) micro-step of ``size`` samples of ``batch``,
-        None if it ran out of memory, leaving every state as it was (:func:`~.probe.measure_peak`).
-        ``tracker``: a :class:`~lightning_memopt.memory.MemoryTracker` where there is no CUDA allocator."""
-        module = self._trainer.lightning_module
-        total = self.batch_size(batch, module)
-        part = self.splitter.split(batch, [size, total - size], module)[0] if size < total else batch
-        step = functools.partial(
-            self._originals["validation_step" if evaluation else "training_step"], part, 0
-        )
-        memory, state = self._device_memory(tracker), self._capture(module)
-        if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
-            for tensor in self._held_tensors(batch):
-                tracker.mark(tensor, "other")
-        return measure_peak(
-            self._trainer.strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
-        )
-
-    # ------------------------------------------------------------------ helpers
-    def batch_size(self, batch: Any, module: Any) -> int:
-        """Samples in ``batch``; ``len(batch)`` for batches only the user's ``split_fn`` can cut."""
-        return self.splitter.batch_size(batch, module)
-
     def _device_memory(self, tracker: Any = None) -> Any:
-        return memory_of(self._trainer.strategy.root_device, tracker)
+        return memory_of(self.trainer.strategy.root_device, tracker)
 
     def _memory_report(self) -> str:
-        module, optimizers = self._trainer.lightning_module, self._trainer.optimizers
-        return memory_report(module, optimizers, self.micro_batch_size, self._device_memory())
+        module, optimizers = self.trainer.lightning_module, self.trainer.optimizers
+        return memory_report(module, optimizers, self.sizes.micro_batch_size, self._device_memory())
+
+
+class _OptimizerStep:
+    """The optimizer step as an :class:`Attempt`; on an out-of-memory error every rank undoes the update
+    its first step at a size may have made, and the training step runs again smaller."""
+
+    def __init__(
+        self,
+        engine: MicroBatchEngine,
+        original: Callable,
+        optimizer: Any,
+        closure: Callable,
+        model: Any,
+        kwargs: dict,
+    ) -> None:
+        self.engine, self.original, self.optimizer = engine, original, optimizer
+        self.model, self.kwargs = model, kwargs
+        self.train = closure  # the training step and its backward, as Lightning's closure runs them
+        self.closure = closure  # what the optimizer step calls: the training step, or its result
+        self.snapshot: OptimizerSnapshot | None = None
+        self.result: Any = None
+
+    def run_all(self) -> Any:
+        if regimes.is_distributed():
+            # The micro-batches (and their agreement) first, so every rank reaches the step's agreement
+            # from the same place, whether its optimizer's pre-step work or its update ran out of memory.
+            self.closure = functools.partial(_return, self.train())
+        self.engine.run_with_retry(self)
+        return self.result
+
+    def choose(self) -> Regime:
+        regime = self.engine.choose("optimizer_step")  # after the training step: it counts as stable
+        self.snapshot = OptimizerSnapshot.capture([self.optimizer]) if regime.agrees else None
+        return regime
+
+    def run(self, regime: Regime) -> None:
+        self.result = self.original(self.optimizer, self.closure, self.model, **self.kwargs)
+
+    def recover(self, failure: str | None) -> None:
+        engine = self.engine
+        if self.snapshot is not None:
+            self.snapshot.restore()  # every rank: undo the update the ranks that did not fail made
+        regimes.drop_attempt(engine.trainer.strategy.model, engine.sharded())
+        engine.restore()
+        total = engine.sizes.last_total or 1
+        floor = smallest_micro_batch(engine.trainer.lightning_module)
+        engine.sizes.failed(engine.sizes.size(total), total=total, floor=floor, failure=engine.last_failure)
+        # Run the training step (and its hooks) at the smaller size now, before the optimizer's own
+        # pre-step work, so that the retried step starts from the new micro-batches' state.
+        self.closure = functools.partial(_return, self.train())
+
+
+class _EvalStep:
+    """A validation/test/predict step as an :class:`Attempt`: micro-batches of the evaluation size, each
+    halved on an out-of-memory error."""
+
+    def __init__(
+        self, engine: MicroBatchEngine, hook: str, original: Callable, args: tuple, kwargs: dict
+    ) -> None:
+        self.engine, self.hook, self.original, self.args, self.kwargs = engine, hook, original, args, kwargs
+        self.total = engine.batch_size(args[0])
+        self.result: Any = None
+
+    def choose(self) -> Regime:
+        return self.engine.choose("evaluation")
+
+    def run(self, regime: Regime) -> None:
+        engine, batch = self.engine, self.args[0]
+        sizes = micro_batch_sizes(self.total, min(engine.sizes.eval_size or self.total, self.total))
+        with regime.armed():  # FSDP2: sync points before each sharded module's forward all-gather
+            if len(sizes) == 1:
+                self.result = self.original(*self.args, **self.kwargs)
+                return
+            module = engine.trainer.lightning_module
+            parts = split_batch(batch, sizes, split_fn=engine.split_fn(module))
+            outputs = []
+            with LogRecorder(module) as recorder:
+                for part, n in zip(parts, sizes):
+                    recorder.share = n / self.total
+                    outputs.append(self.original(part, *self.args[1:], **self.kwargs))
+            recorder.flush()
+            self.result = None if outputs[0] is None else combine(outputs, sizes)
+
+    def recover(self, failure: str | None) -> None:
+        engine = self.engine
+        if engine.sharded() is not None:
+            engine.sharded().reset()
+        engine.restore()
+        engine.sizes.halve_eval(
+            min(engine.sizes.eval_size or self.total, self.total), hook=self.hook, failure=failure
+        )
 
 
 def _return(value: Any) -> Any:

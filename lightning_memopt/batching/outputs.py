@@ -1,153 +1,238 @@
-"""One step's outputs and logged values from its micro-batches' (plain torch; Lightning only for its errors).
+"""One step's logged values and outputs from its micro-batches', as the unsplit step would have them.
 
 A step run as k micro-batches must look like the unsplit step to everything after it: one loss, one
-output dict, one logged value per name. Scalars are averaged by each micro-batch's share of the items
-the loss averages over (its weight, :mod:`lightning_memopt.batching.counting`); per-sample tensors are
-joined in order.
+output, one logged value per name. The rules (the weights are each micro-batch's share of the batch's
+samples unless said otherwise):
+
+- ``self.log`` / ``self.log_dict``: each name is logged once per step with the value the unsplit step
+  would log, chosen by its ``reduce_fx``: ``"mean"`` (the default) the weighted mean (the step's loss
+  itself where the logged value is the loss ``training_step`` returns; by the ``batch_size`` passed to
+  ``log`` where one is), ``"sum"`` the total, ``"max"``/``"min"`` the largest/smallest; another callable
+  is applied to the micro-batches' values stacked, as Lightning applies it to the steps' values at the
+  end of an epoch. A torchmetrics ``Metric`` logged on step shows the whole batch's value: during a split
+  step each metric accumulates the step alone (:class:`StepMetrics`), is computed, then merged back; a
+  metric torchmetrics cannot merge (``full_state_update=True``) shows its micro-batches' values
+  averaged by samples.
+- ``training_step``'s output dict: per-sample tensors (one row per sample of each micro-batch) are
+  joined; integer tensors and ints are summed (counts, histograms); floating values are averaged by
+  samples; anything else is the last micro-batch's. Averaged floats and kept objects are a guess (a
+  float may be a sum): each such key is named once in a warning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-__all__ = ["ChangedOrEvery", "LogRecorder", "StepOutputs", "combine", "detach", "loss_of"]
+from lightning_memopt._patch import patch
+
+__all__ = ["ChangedOrEvery", "LogRecorder", "StepMetrics", "combine", "loss_of"]
+
+_REDUCTIONS: dict[Any, str] = {
+    "mean": "mean", "avg": "mean", torch.mean: "mean",
+    "sum": "sum", torch.sum: "sum",
+    "max": "max", torch.max: "max", torch.amax: "max",
+    "min": "min", torch.min: "min", torch.amin: "min",
+}  # fmt: skip
+
+
+def _is_metric(value: Any) -> bool:
+    return hasattr(value, "_defaults") and hasattr(value, "_forward_cache") and hasattr(value, "merge_state")
+
+
+def _mergeable(metric: Any) -> bool:
+    """Whether torchmetrics can merge two states of ``metric`` (``Metric.merge_state``'s own condition)."""
+    return metric.full_state_update is False and not metric.dist_sync_on_step
 
 
 class LogRecorder:
-    """Holds back ``module.log`` calls of the micro-batches; :meth:`flush` logs each name once, as the
-    weighted mean (the full batch's value).
+    """Holds back the ``log`` calls of a step's micro-batches; :meth:`flush` logs each name once.
 
     Args:
-        module: The LightningModule whose ``log`` is held back inside the ``with`` block.
+        module: The LightningModule whose ``log`` (and so ``log_dict``) is held back inside the ``with``.
     """
 
     def __init__(self, module: Any) -> None:
         self.module = module
-        self.weight = 1.0  # the current micro-batch's share; set by the caller before each one
-        self.original_log = module.log
-        self._records: dict[str, list] = {}
+        self.share = 1.0  # the current micro-batch's share of the batch's samples; set before each one
+        self.loss: torch.Tensor | None = None  # the current micro-batch's loss, once known
+        self._records: dict[str, list[tuple[Any, float, tuple, dict]]] = {}
+        self._caches: dict[str, list[Any]] = {}
+        self._undo: Any = None
 
     def __enter__(self) -> LogRecorder:
-        recorder = self
-
-        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            recorder._records.setdefault(name, []).append((value, recorder.weight, args, kwargs))
-
-        self.module.log = log
+        self._undo = patch(self.module, "log", self._record)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        vars(self.module).pop("log", None)
+        self._undo()
 
-    def flush(self) -> None:
-        """Log every recorded name once through the module's own ``log``."""
+    def _record(self, original: Any, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if _is_metric(value):  # what the metric computed for this micro-batch alone
+            self._caches.setdefault(name, []).append(value._forward_cache)
+        self._records.setdefault(name, []).append((value, self.share, args, kwargs))
+
+    def is_loss(self, value: Any, loss: torch.Tensor) -> bool:
+        """Whether a logged ``value`` is the loss ``loss`` (itself, or detached from it)."""
+        return isinstance(value, torch.Tensor) and value.numel() == 1 and value.data_ptr() == loss.data_ptr()
+
+    def flush(self, losses: list[torch.Tensor] | None = None, full_loss: torch.Tensor | None = None) -> None:
+        """Log every recorded name once through the module's own ``log``.
+
+        Args:
+            losses: Each micro-batch's loss, in order (to tell a logged loss from other values).
+            full_loss: The whole step's loss, logged where a micro-batch's loss was.
+        """
+        log = self.module.log  # the module's own again: flushed after the `with` block
         for name, records in self._records.items():
             value, _, args, kwargs = records[-1]
-            if len(records) > 1 and all(_is_number(r[0]) for r in records):
-                value = _weighted_mean(records)
-                if "batch_size" in kwargs:  # the user counted a micro-batch; the step counts them all
-                    kwargs = {**kwargs, "batch_size": sum(r[3].get("batch_size", 0) for r in records)}
-            # one micro-batch, or values that cannot be averaged: log exactly what the user logged (the last)
-            self.original_log(name, value, *args, **kwargs)
+            if len(records) > 1:
+                value = self._reduce(name, records, kwargs.get("reduce_fx", "mean"), losses, full_loss)
+                if (
+                    kwargs.get("batch_size") is not None
+                ):  # the user counted a micro-batch; the step counts all
+                    kwargs = {**kwargs, "batch_size": sum(r[3].get("batch_size") or 0 for r in records)}
+            log(name, value, *args, **kwargs)
         self._records.clear()
+        self._caches.clear()
+
+    def _reduce(self, name: str, records: list, reduce_fx: Any, losses: list | None, full_loss: Any) -> Any:
+        values = [r[0] for r in records]
+        if _is_metric(values[-1]):
+            metric = values[-1]
+            if not _mergeable(metric):  # StepMetrics computed the others for the whole step
+                caches = self._caches.get(name, [])
+                if all(isinstance(c, torch.Tensor) for c in caches) and len(caches) == len(records):
+                    shares = [r[1] for r in records]
+                    metric._forward_cache = sum(s * c for s, c in zip(shares, caches)) / sum(shares)
+            return metric
+        if not all(isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool) for v in values):
+            return values[-1]
+        kind = _REDUCTIONS.get(reduce_fx)
+        stacked = torch.stack([torch.as_tensor(v).detach().double() for v in values])
+        if kind == "mean":
+            if losses is not None and full_loss is not None and len(losses) == len(values):
+                if all(self.is_loss(v, loss) for v, loss in zip(values, losses)):
+                    return full_loss.detach()
+            sizes = [r[3].get("batch_size") for r in records]
+            weights = [float(s) for s in sizes] if None not in sizes else [r[1] for r in records]
+            result = sum(w * x for w, x in zip(weights, stacked)) / sum(weights)
+        elif kind == "sum":
+            result = stacked.sum(0)
+        elif kind in ("max", "min"):
+            result = stacked.amax(0) if kind == "max" else stacked.amin(0)
+        else:
+            result = reduce_fx(stacked)
+        first = values[-1]
+        return result.to(first.dtype) if isinstance(first, torch.Tensor) else result.item()
 
 
-class StepOutputs:
-    """The full batch's loss and output, built from its micro-batches' as they run.
+class StepMetrics:
+    """During a split step, every torchmetrics ``Metric`` of the module accumulates the step alone, so that
+    the value logged on step is the whole batch's; at the end, the step's state is merged into the metric's.
 
     Args:
-        micro_batches: How many micro-batches the step runs as.
+        module: The LightningModule (its ``Metric`` submodules are found by their attributes).
     """
 
-    def __init__(self, micro_batches: int) -> None:
-        self.k = micro_batches
-        self.loss: Any = None  # the full batch's loss: the micro-batches' weighted by share, detached
-        self._extras: list[dict] = []  # the other keys of each micro-batch's output, detached
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.metrics = [m for m in module.modules() if _is_metric(m) and _mergeable(m)]
+        self._saved: list[tuple[Any, dict, int]] = []
 
-    def add(self, output: Any, loss: torch.Tensor, weight: float) -> None:
-        """One micro-batch's ``training_step`` output, its loss, and its share of the batch."""
-        if weight > 0 or self.k == 1:  # NaN * 0 is NaN: leave a micro-batch that counts nothing out
-            part = loss.detach().float()
-            part = part * weight if self.k > 1 else part
-            self.loss = part if self.loss is None else self.loss + part
-        if isinstance(output, Mapping):
-            self._extras.append({k: detach(v) for k, v in output.items() if k != "loss"})
-
-    def output(self, sizes: list[int], weights: list[float]) -> dict | None:
-        """The other keys of the full batch's output (scalars weighted by share, per-sample tensors
-        joined), or None when ``training_step`` returned the loss alone."""
-        if not self._extras:
-            return None
-        return self._extras[0] if len(self._extras) == 1 else combine(self._extras, sizes, weights)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool)
-
-
-def _weighted_mean(records: list) -> Any:
-    weight = sum(r[1] for r in records)
-    # weight 0: a micro-batch that counts no items, whose means are NaN
-    mean = sum(_as_tensor(r[0]).detach().float() * r[1] for r in records if r[1] > 0) / weight
-    return mean if isinstance(records[-1][0], torch.Tensor) else float(mean)
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        self._saved = [(m, {a: getattr(m, a) for a in m._defaults}, m._update_count) for m in self.metrics]
+        for m, _, _ in self._saved:
+            m.reset()
+        try:
+            yield
+            for m, _, _ in self._saved:
+                if m._update_count:
+                    sync = m._to_sync
+                    m._to_sync = m.dist_sync_on_step  # the step's value, as Metric.forward computes it
+                    try:
+                        m._forward_cache = m.compute()
+                    finally:
+                        m._to_sync = sync
+        finally:
+            for m, saved, count in self._saved:
+                updates = m._update_count
+                m._update_count = count + 1  # merge_state averages "mean" states by the count
+                m.merge_state(saved)
+                m._update_count = count + updates
+                m._computed = None
+            self._saved = []
 
 
-def _as_tensor(value: Any) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The scalar loss of a ``training_step`` output (the tensor, or a dict's ``"loss"``).
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The scalar loss of a ``training_step`` output (the tensor, or a dict's ``"loss"``); None if it has none.
 
     Raises:
-        MisconfigurationException: For a non-scalar loss, or an output without a loss tensor (None to skip
-            a step cannot skip one micro-batch of it).
+        MisconfigurationException: For a loss that is not a scalar.
     """
     loss = output.get("loss") if isinstance(output, Mapping) else output
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise MisconfigurationException(
-                f"training_step must return a scalar loss, got a tensor of shape {tuple(loss.shape)}; reduce it "
-                "to one number, e.g. loss.mean() (a mean over samples) or loss.sum() / n, before returning it"
-            )
-        return loss
-    raise MisconfigurationException(
-        f"with micro-batching, training_step must return the loss tensor or a dict with a 'loss' tensor, got "
-        f"{type(output).__name__}; returning None to skip a step cannot skip one micro-batch of it"
-    )
+    if not isinstance(loss, torch.Tensor):
+        return None
+    if loss.numel() != 1:
+        raise MisconfigurationException(
+            f"training_step must return a scalar loss, got a tensor of shape {tuple(loss.shape)}; reduce it "
+            "to one number, e.g. loss.mean() (a mean over samples) or loss.sum() / n, before returning it"
+        )
+    return loss
 
 
-def detach(value: Any) -> Any:
-    """``value.detach()`` for a tensor, else ``value``."""
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def combine(outputs: list[Any], sizes: list[int], weights: list[float]) -> Any:
-    """One step output from the micro-batches': per-sample tensors joined, scalars averaged by share.
+def combine(
+    outputs: list[Any], sizes: list[int], *, warn: Callable[[str], None] | None = None, key: str = ""
+) -> Any:
+    """One step output from the micro-batches' outputs (the rules of the module docstring).
 
     Example::
 
-        >>> combine([torch.tensor(1.0), torch.tensor(3.0)], [2, 2], [0.5, 0.5])
-        tensor(2.)
+        >>> combine([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], [2, 1])
+        tensor([1., 2., 3.])
+        >>> combine([torch.tensor(2), torch.tensor(3)], [2, 1])
+        tensor(5)
     """
-    first = outputs[0]
-    if first is None:
-        return None
+    first = outputs[-1]
     if isinstance(first, torch.Tensor):
+        outputs = [o.detach() for o in outputs]
         if first.dim() > 0 and all(o.dim() > 0 and o.shape[0] == s for o, s in zip(outputs, sizes)):
             return torch.cat(outputs)
-        if first.dim() == 0:
-            return sum(o.float() * w for o, w in zip(outputs, weights))
-        return outputs[-1]
+        if not (first.is_floating_point() or first.is_complex()):
+            return torch.stack(outputs).sum(0)
+        return _mean(outputs, sizes, warn, key)
+    if isinstance(first, bool) or first is None:
+        return first
+    if isinstance(first, int):
+        return sum(outputs)
+    if isinstance(first, float):
+        return float(_mean([torch.tensor(o, dtype=torch.float64) for o in outputs], sizes, warn, key))
     if isinstance(first, Mapping):
-        return type(first)({k: combine([o[k] for o in outputs], sizes, weights) for k in first})
+        return type(first)(
+            {k: combine([o[k] for o in outputs], sizes, warn=warn, key=f"{key}[{k!r}]") for k in first}
+        )
     if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
-        return type(first)(combine(list(items), sizes, weights) for items in zip(*outputs))
-    return outputs[-1]
+        parts = [
+            combine(list(items), sizes, warn=warn, key=f"{key}[{i}]") for i, items in enumerate(zip(*outputs))
+        ]
+        return type(first)(parts)
+    if warn is not None:
+        warn(f"outputs{key} ({type(first).__name__}) is the last micro-batch's")
+    return first
+
+
+def _mean(outputs: list[torch.Tensor], sizes: list[int], warn: Callable[[str], None] | None, key: str) -> Any:
+    if warn is not None:
+        warn(
+            f"outputs{key} is the micro-batches' values averaged by samples (if it is a sum, return it as an integer tensor)"
+        )
+    total = sum(sizes)
+    return sum(o * (s / total) for o, s in zip(outputs, sizes))
 
 
 class ChangedOrEvery:
@@ -166,3 +251,14 @@ class ChangedOrEvery:
             self._logged = values
             for name, value in values.items():
                 log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+
+def warn_once(seen: set[str]) -> Callable[[str], None]:
+    """A warning function that names each message once (``seen`` keeps what was said)."""
+
+    def warn(message: str) -> None:
+        if message not in seen:
+            seen.add(message)
+            rank_zero_warn(f"micro-batching combined training_step's output: {message}")
+
+    return warn

@@ -38,7 +38,7 @@ from its recovery path. Small collectives per training step (tested exactly in
 - **Per-batch sizing** (both, when ``AutoAccumulation`` fitted a memory model over shapes): one more
   16-byte all-reduce per step, before the attempt, agreeing on the number of micro-batches; on the few
   steps that probe a new length, one per probe round and one more for the count
-  (:mod:`~lightning_memopt.batching.per_batch`).
+  (:mod:`~lightning_memopt.batching.sizes`).
 - **Evaluation** (``validation_step`` etc., both): one agreement per attempt; under FSDP2 also the
   forward sync points (``P`` per micro-batch).
 - **Optimizer step** (both): the first step at each micro-batch size — the fit's first, when optimizer
@@ -70,7 +70,12 @@ from lightning_memopt._compat import (
     tree_flatten,
     tree_unflatten,
 )
-from lightning_memopt.batching.distributed import all_reduce_gradients, any_rank, is_distributed
+from lightning_memopt.batching.distributed import (
+    all_reduce_gradients,
+    any_rank,
+    is_distributed,
+    max_over_ranks_each,
+)
 from lightning_memopt.batching.errors import CHECKLIST, MicroBatchOOMError
 from lightning_memopt.batching.state import drop_gradients
 
@@ -167,7 +172,11 @@ class Regime:
 
 
 class Agreed(Regime):
-    """Every micro-batch under ``no_sync``, one agreement, then gradients averaged (if ``average``)."""
+    """Every micro-batch under ``no_sync``, one agreement, then gradients averaged (if ``average``).
+
+    The agreement also carries which parameters have a gradient on each rank, so that one no rank used
+    keeps ``grad=None`` after the average, as under plain DDP (``find_unused_parameters=True``).
+    """
 
     name = "agreed"
     distributed = agrees = True
@@ -176,16 +185,22 @@ class Agreed(Regime):
         super().__init__(strategy)
         self.average = average
         self.sync = functools.partial(sync_point, strategy.root_device)
+        self.used: list[int] | None = None
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         return no_sync(self.strategy)
 
     def failed(self, failure: str | None, peer: bool) -> bool:
-        return peer or any_rank(failure is not None, self.strategy.root_device)
+        if not self.average:
+            return peer or any_rank(failure is not None, self.strategy.root_device)
+        grads = [int(p.grad is not None) for p in self.strategy.model.parameters() if p.requires_grad]
+        agreed = max_over_ranks_each([int(failure is not None), *grads], self.strategy.root_device)
+        self.used = agreed[1:]
+        return peer or bool(agreed[0])
 
     def succeeded(self) -> None:
         if self.average:
-            all_reduce_gradients(self.strategy.model.parameters())
+            all_reduce_gradients(self.strategy.model.parameters(), used=self.used)
 
 
 class Overlapped(Agreed):

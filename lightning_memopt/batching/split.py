@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_size", "micro_batch_sizes", "micro_batch_weights", "split_batch"]
+__all__ = ["batch_size", "micro_batch_sizes", "micro_batch_weights", "split_batch", "tensors_of"]
 
 _SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
 
@@ -32,21 +32,33 @@ def _hook_hint(obj: Any) -> str:
     )
 
 
-def _tensors(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
-    """All tensors in ``batch`` with their paths (``batch['x']``, ``batch[1]``, ``batch.x``), in a fixed order."""
+def tensors_of(batch: Any, path: str = "batch", *, strict: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """All tensors in ``batch`` with their paths (``batch['x']``, ``batch[1]``, ``batch.x``), in a fixed order.
+
+    Raises:
+        TypeError: For an object this module cannot look into (``strict=False``: it is skipped).
+    """
     if isinstance(batch, torch.Tensor):
         return [(path, batch)]
     if isinstance(batch, Mapping):
-        return [t for key, value in batch.items() for t in _tensors(value, f"{path}[{key!r}]")]
+        return [
+            t for key, value in batch.items() for t in tensors_of(value, f"{path}[{key!r}]", strict=strict)
+        ]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return [t for name, value in zip(batch._fields, batch) for t in _tensors(value, f"{path}.{name}")]
+        return [
+            t
+            for name, value in zip(batch._fields, batch)
+            for t in tensors_of(value, f"{path}.{name}", strict=strict)
+        ]
     if isinstance(batch, (list, tuple)):
-        return [t for i, value in enumerate(batch) for t in _tensors(value, f"{path}[{i}]")]
+        return [t for i, value in enumerate(batch) for t in tensors_of(value, f"{path}[{i}]", strict=strict)]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return [
-            t for f in dataclasses.fields(batch) for t in _tensors(getattr(batch, f.name), f"{path}.{f.name}")
+            t
+            for f in dataclasses.fields(batch)
+            for t in tensors_of(getattr(batch, f.name), f"{path}.{f.name}", strict=strict)
         ]
-    if isinstance(batch, _SCALARS):
+    if isinstance(batch, _SCALARS) or not strict:
         return []
     raise TypeError(_hook_hint(batch))
 
@@ -58,7 +70,7 @@ def batch_size(batch: Any) -> int:
         TypeError: If the batch holds an object this module cannot look into.
         ValueError: If it holds no tensor with a dim 0.
     """
-    for _, t in _tensors(batch):
+    for _, t in tensors_of(batch):
         if t.dim() > 0:
             return t.shape[0]
     raise ValueError(
@@ -69,7 +81,7 @@ def batch_size(batch: Any) -> int:
 
 def _check_rows(batch: Any, total: int) -> None:
     """Raise unless every tensor with dims in ``batch`` has ``total`` rows (one per sample)."""
-    rows = [(path, t.shape[0]) for path, t in _tensors(batch) if t.dim() > 0]
+    rows = [(path, t.shape[0]) for path, t in tensors_of(batch) if t.dim() > 0]
     odd = [f"{path} has {n}" for path, n in rows if n != total]
     if not odd:
         return
@@ -115,7 +127,7 @@ def _split(batch: Any, sizes: Sequence[int], total: int) -> list[Any]:
         parts = [_split(value, sizes, total) for value in batch]
         return [type(batch)(*(p[i] for p in parts)) for i in range(n)]
     if isinstance(batch, (list, tuple)):
-        if len(batch) == total and not _tensors(batch):  # one plain value per sample (e.g. strings)
+        if len(batch) == total and not tensors_of(batch):  # one plain value per sample (e.g. strings)
             starts = [sum(sizes[:i]) for i in range(n)]
             return [type(batch)(batch[a : a + s]) for a, s in zip(starts, sizes)]
         parts = [_split(value, sizes, total) for value in batch]
@@ -177,7 +189,7 @@ def micro_batch_weights(
     for a loss that is a mean over samples, an uneven last micro-batch included. For a loss that is a
     mean over something else, such as non-padding tokens, ``count_fn(micro_batch)`` returns how many of
     those the micro-batch holds and the weights are its share of the total count (see
-    :mod:`lightning_memopt.batching.counting` for what this makes exact, and the default counts). A
+    :mod:`lightning_memopt.batching.loss` for what this makes exact, and how the engine learns the counts). A
     micro-batch may count 0 items: its weight is 0.
 
     Raises:
@@ -190,6 +202,7 @@ def micro_batch_weights(
     if total <= 0 or min(counts) < 0:
         raise ValueError(
             f"count_fn must return non-negative counts with a positive sum, got {counts}; it returns the "
-            "number of items (samples, tokens) a micro-batch's mean loss averages over"
+            "number of items (samples, tokens) a micro-batch's mean loss averages over (or pass "
+            "count_fn='sum' for a loss that is a sum)"
         )
     return [c / total for c in counts]

@@ -13,15 +13,16 @@ Plain torch; torchmetrics metrics are recognized by their attributes, not import
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from lightning_memopt._compat import untracked
+from lightning_memopt._rng import RngState
 from lightning_memopt.batching.report import tensor_bytes
 
-__all__ = ["OptimizerSnapshot", "StepState", "drop_gradients"]
+__all__ = ["OptimizerSnapshot", "StepState", "drop_gradients", "host_copy", "local_tensor"]
 
 # What a torchmetrics Metric keeps besides its registered states (``_defaults``); only those stored on
 # the instance are restored (some versions make ``_update_called`` a read-only property).
@@ -61,7 +62,7 @@ class StepState:
     """
 
     def __init__(self) -> None:
-        self._rng: dict[str, Any] = {}
+        self._rng: RngState | None = None
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._metrics: list[tuple[torch.nn.Module, dict[str, Any]]] = []
         self._scaler: tuple[Any, dict[str, Any]] | None = None
@@ -70,7 +71,7 @@ class StepState:
     def capture(cls, modules: Iterable[torch.nn.Module], scaler: Any = None) -> StepState:
         """Capture the current state of ``modules`` and the process's random number generators."""
         state = cls()
-        state._rng = _rng_state()
+        state._rng = RngState.capture()
         seen: set[int] = set()
         for module in modules:
             for buffer in module.buffers():
@@ -90,7 +91,8 @@ class StepState:
 
     def restore(self) -> None:
         """Put everything captured back in place (the captured copies stay valid for another restore)."""
-        _set_rng_state(self._rng)
+        if self._rng is not None:
+            self._rng.restore()
         with torch.no_grad():
             for buffer, saved in self._buffers:
                 buffer.copy_(saved)
@@ -106,6 +108,10 @@ class StepState:
             if per_optimizer is not None:
                 per_optimizer.clear()
 
+    def same_rng(self, other: StepState) -> bool:
+        """Whether no random number was drawn between ``other``'s capture and this one's."""
+        return self._rng is not None and other._rng is not None and self._rng.same(other._rng)
+
     def tensors(self) -> list[torch.Tensor]:
         """The tensor copies this snapshot holds (buffers and metric states)."""
         copies = [saved for _, saved in self._buffers]
@@ -119,7 +125,7 @@ class StepState:
         return tensor_bytes(self.tensors())
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor itself, or a sharded DTensor's local shard (its storage: copying into it writes the shard)."""
     to_local = getattr(tensor, "to_local", None)
     if to_local is None:
@@ -128,16 +134,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
         return to_local()
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return _local(tensor).detach().to("cpu", copy=True)
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (a DTensor's local shard) in host memory, which does not count as the device's,
+    not even on a simulated one (:func:`~lightning_memopt._compat.untracked`)."""
+    with untracked():
+        return local_tensor(tensor).detach().to("cpu", copy=True)
 
 
 class _Saved:
     """A host copy of an optimizer state tensor and the device it lives on."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.copy = _host_copy(tensor)
-        self.device = _local(tensor).device
+        self.copy = host_copy(tensor)
+        self.device = local_tensor(tensor).device
 
 
 class OptimizerSnapshot:
@@ -181,7 +190,7 @@ class OptimizerSnapshot:
                 for p in group["params"]:
                     if id(p) not in seen:
                         seen.add(id(p))
-                        snapshot._params.append((p, _host_copy(p)))
+                        snapshot._params.append((p, host_copy(p)))
             state = {
                 p: {k: _Saved(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in st.items()}
                 for p, st in optimizer.state.items()
@@ -193,7 +202,7 @@ class OptimizerSnapshot:
         """Put the parameters and optimizer state back (the copies stay valid for another restore)."""
         with torch.no_grad():
             for p, saved in self._params:
-                _local(p).copy_(saved)
+                local_tensor(p).copy_(saved)
             for optimizer, state in self._states:
                 for p in [p for p in optimizer.state if p not in state]:
                     del optimizer.state[p]  # created by the undone step
@@ -204,7 +213,7 @@ class OptimizerSnapshot:
                     for key, saved in saved_state.items():
                         value = current.get(key)
                         if isinstance(saved, _Saved) and isinstance(value, torch.Tensor):
-                            _local(value).copy_(saved.copy)
+                            local_tensor(value).copy_(saved.copy)
                         elif isinstance(saved, _Saved):  # replaced by a non-tensor: put a tensor back
                             current[key] = saved.copy.to(saved.device, copy=True)
                         else:
@@ -227,31 +236,3 @@ def drop_gradients(modules: Iterable[torch.nn.Module]) -> None:
     for module in modules:
         for p in module.parameters():
             p.grad = None
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy
-
-        state["numpy"] = numpy.random.get_state()
-    except ImportError:  # numpy is optional
-        pass
-    if (
-        torch.cuda.is_available() and torch.cuda.is_initialized()
-    ):  # RNG, not memory: device.py is not concerned
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    if not state:
-        return
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -80,3 +80,34 @@ class ThrashWatch:
         """Forget the recent steps; the next ones run at ``size`` (see :meth:`step`)."""
         self._retried.clear()
         self._size = size
+
+
+def watch_allocator(
+    watch: ThrashWatch,
+    sizes: Any,
+    *,
+    retries: int,
+    size: int,
+    key: Any,
+    total: int,
+    floor: int,
+    retried: bool,
+) -> bool:
+    """Feed one training step's allocator ``retries`` to ``watch``; when it says the allocator thrashes,
+    lower the size for the next steps (``sizes.near_miss``, a :class:`~.sizes.MicroBatchSizes`).
+
+    Args:
+        size: Samples per micro-batch the step ran at.
+        key: What changes exactly when the size does (the budget, or the memory model's revision).
+        retried: The step backed off after an out-of-memory error: the size just changed, a new window.
+
+    Returns:
+        True when the allocator thrashes at the floor, where the size cannot go lower (warn the user).
+    """
+    if retried:
+        watch.reset(key)
+        return False
+    if not watch.step(retries, size=key):
+        return False
+    sizes.near_misses += 1
+    return not sizes.near_miss(size, total=total, floor=floor)

@@ -1,34 +1,45 @@
-"""What AutoAccumulation and OOMBackoff share: driving the one micro-batch engine of a Trainer."""
+"""The one owner of a fit's micro-batch engine; AutoAccumulation and OOMBackoff are its two configurations.
+
+Several micro-batching callbacks in one Trainer share one engine and one saved state: the first of them
+in ``trainer.callbacks`` owns both, and each adds its own options to it at ``setup`` (no registry: the
+Trainer's callback list is where they find each other). ``AutoAccumulation`` sizes micro-batches to a
+memory limit; ``OOMBackoff`` retries a step that ran out of memory; together, both. The options both take
+(``count_fn``, ``split_fn``, ``length_fn``, ``exactness``) must agree where both are given.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
-from lightning_memopt.batching.engine import MicroBatchEngine
+from lightning_memopt.batching.engine import Exactness, MicroBatchEngine
+from lightning_memopt.batching.sizes import MicroBatchSizes
+from lightning_memopt.batching.surface import check_setup
 from lightning_memopt.callbacks._hooks import ReleasingCallback
+from lightning_memopt.memory.budget import usable_bytes
+from lightning_memopt.memory.device import device_memory
 
-# The options both callbacks take, with the call each must accept (for error messages).
+__all__ = ["MicroBatching", "engine_of"]
+
+# The options every micro-batching callback takes, with the call each must accept (for error messages).
 _SHARED = {
-    "count_fn": "count_fn(micro_batch) -> number of items the loss averages over",
+    "count_fn": "count_fn(micro_batch) -> number of items the loss averages over, or 'sum'",
     "split_fn": "split_fn(batch, sizes) -> list of micro-batches",
     "length_fn": "length_fn(batch) -> tokens per sample",
 }
+_EXACTNESS = ("warn", "raise", "off")
+_VERSION = 2  # of the saved state; checkpoints without one hold the two callbacks' own (before one owner)
 
 
-class MicroBatchingCallback(ReleasingCallback):
-    """Base of the callbacks that split batches: installs the Trainer's shared engine in ``setup`` and
-    removes it in ``teardown``, or in ``on_exception`` when the fit raised (Lightning then skips the
-    callbacks' ``teardown``); subclasses configure it in :meth:`_configure`.
-
-    ``count_fn``, ``split_fn`` and ``length_fn`` are options of the one engine both callbacks drive: either callback may
-    take them; given to both, they must be the same object.
-    """
+class MicroBatching(ReleasingCallback):
+    """Base of the callbacks that split batches (see the module docstring)."""
 
     splits_batches = True  # read (duck-typed) by BatchNormToGroupNorm
 
@@ -36,66 +47,170 @@ class MicroBatchingCallback(ReleasingCallback):
         self,
         *,
         log: bool,
-        count_fn: Callable[[Any], float] | None = None,
+        count_fn: Callable[[Any], float] | Literal["sum"] | None = None,
         split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
         length_fn: Callable[[Any], int] | None = None,
+        exactness: Exactness = "warn",
     ) -> None:
         check_bool("log", log)
         for name, fn in (("count_fn", count_fn), ("split_fn", split_fn), ("length_fn", length_fn)):
-            if fn is not None and not callable(fn):
+            if fn is not None and not callable(fn) and not (name == "count_fn" and fn == "sum"):
                 raise TypeError(f"{name} must be a callable, {_SHARED[name]}, or None; got {fn!r}")
+        if exactness not in _EXACTNESS:
+            raise ValueError(
+                f"exactness must be one of {_EXACTNESS} (check once that a split step gives the unsplit gradient "
+                f"and warn / raise when it does not, or do not check), got {exactness!r}"
+            )
         self.log_metrics = log  # not `self.log`: Lightning binds the module's log method to every callback
-        self.count_fn = count_fn
-        self.split_fn = split_fn
-        self.length_fn = length_fn
-        self._engine: MicroBatchEngine | None = None
-        self._holds_install = False  # this callback's install is not undone yet
+        self.count_fn, self.split_fn, self.length_fn = count_fn, split_fn, length_fn
+        self.exactness = exactness
+        self._engine: MicroBatchEngine | None = None  # the group's one engine (kept readable after the fit)
+        self._owner: MicroBatching | None = None  # during a run: the callback that owns the engine
+        self._loaded: list[dict[str, Any]] = []  # states restored before the engine existed
 
+    # ------------------------------------------------------------------ what each configuration adds
+    def _sizes(self) -> dict[str, Any]:
+        """This callback's options of :class:`~lightning_memopt.batching.sizes.MicroBatchSizes`."""
+        return {}
+
+    def _engine_options(self) -> dict[str, Any]:
+        """This callback's options of :class:`~lightning_memopt.batching.engine.MicroBatchEngine`."""
+        return {}
+
+    def _limit(self, trainer: pl.Trainer) -> int | None:
+        """The memory limit to probe micro-batch sizes for, in bytes; None: do not probe."""
+        return None
+
+    # ------------------------------------------------------------------ the run
     @property
     def engine(self) -> MicroBatchEngine | None:
-        """The engine this callback drives (set in ``setup``)."""
+        """The engine that splits this fit's batches (the owner's), once set up."""
         return self._engine
-
-    def _configure(self, engine: MicroBatchEngine) -> None:
-        """Set this callback's options on the engine, before it is installed."""
-
-    def _installed(self) -> None:
-        """Called once the engine is installed (restore sizes from a checkpoint, ...)."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        engine = MicroBatchEngine.for_trainer(trainer)
+        group = [cb for cb in trainer.callbacks if isinstance(cb, MicroBatching)]
         if stage == "fit":
-            engine.check(trainer, pl_module)
-        for name in _SHARED:
-            setattr(engine, name, _shared_option(trainer, name))
-        self._configure(engine)
-        engine.log_metrics = engine.log_metrics or self.log_metrics
-        engine.install(trainer)
-        self._engine = engine
-        self._holds_install = True
-        self._installed()
+            check_setup(trainer, pl_module)
+            _refuse_schedulers(trainer)
+        owner = self._owner = group[0]
+        if self is owner:
+            if self._engine is None:
+                self._engine = self._build(trainer, group)
+            for cb in group:  # states restored before the engine existed
+                for state in cb._loaded:
+                    self._load(state)
+                cb._loaded = []
+            if stage != "fit":
+                self._engine.install(trainer)
+        else:
+            self._engine = owner._engine  # the owner is set up first: it comes first in trainer.callbacks
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # At fit start, not in setup: Lightning runs a BatchSizeFinder's trial steps in its on_fit_start,
+        # before ours (tuner callbacks come first), and they must see their out-of-memory errors.
+        if self._owner is self and self._engine is not None and not self._engine.installed:
+            self._engine.install(trainer)
+
+    def _build(self, trainer: pl.Trainer, group: list[MicroBatching]) -> MicroBatchEngine:
+        sizes: dict[str, Any] = {}
+        options: dict[str, Any] = {"log_metrics": any(cb.log_metrics for cb in group)}
+        for cb in group:
+            sizes.update(cb._sizes())
+            options.update(cb._engine_options())
+            limit = cb._limit(trainer)
+            if limit is not None:
+                sizes["limit"] = limit
+        for name in (*_SHARED, "exactness"):
+            options[name] = _agreed(group, name)
+        return MicroBatchEngine(MicroBatchSizes(**sizes), **options)
 
     @override
     def _release(self) -> None:
-        """Undo this callback's install once, whichever of ``teardown`` / ``on_exception`` comes first."""
-        if self._engine is not None and self._holds_install:
-            self._holds_install = False
+        if self._owner is self and self._engine is not None:
             self._engine.uninstall()
+        self._owner = None
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._engine is None or self._owner not in (None, self):
+            return {}  # the owner saves the group's one state
+        sizes = self._engine.sizes
+        return {
+            "version": _VERSION,
+            "micro_batch_size": sizes.samples("budget"),  # in samples of the last batch (for reading)
+            "tokens_per_sample": sizes.probed_width,  # of the probed batch
+            "sizes": sizes.state(),
+            "checked": sorted(self._engine.checked_keys),  # a resumed fit does not check them again
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = {**state_dict, "_from": type(self).__name__}
+        owner = self._owner or self
+        if owner._engine is None:
+            self._loaded.append(state)
+        else:
+            owner._load(state)
+
+    def _load(self, state: dict[str, Any]) -> None:
+        sizes = self._engine.sizes
+        if state.get("version") == _VERSION:
+            sizes.load(state["sizes"])
+            self._engine.checked_keys.update(state.get("checked", []))
+        elif len(state) > 1:  # written before the callbacks shared one owner
+            sizes.load_legacy(state, kind="backoff" if state["_from"] == "OOMBackoff" else "auto")
 
 
-def _shared_option(trainer: pl.Trainer, name: str) -> Any:
-    """The one value of ``name`` given to the Trainer's micro-batching callbacks (None if none was)."""
-    given = [
-        (type(cb).__name__, getattr(cb, name))
-        for cb in trainer.callbacks
-        if isinstance(cb, MicroBatchingCallback)
-    ]
-    given = [(owner, value) for owner, value in given if value is not None]
-    if len({id(value) for _, value in given}) > 1:
+def _agreed(group: list[MicroBatching], name: str) -> Any:
+    """The one value of the shared option ``name`` given to the callbacks (its default if none was)."""
+    default = "warn" if name == "exactness" else None
+    given = [(type(cb).__name__, getattr(cb, name)) for cb in group]
+    given = [(owner, value) for owner, value in given if value != default]
+    if len({id(value) if callable(value) else value for _, value in given}) > 1:
         listed = ", ".join(f"{owner}({name}={value!r})" for owner, value in given)
         raise MisconfigurationException(
             f"{listed}: the micro-batching callbacks share one engine and one {name}; pass it to one of them "
-            "(or the same function to both)"
+            "(or the same value to both)"
         )
-    return given[0][1] if given else None
+    return given[0][1] if given else default
+
+
+def _refuse_schedulers(trainer: pl.Trainer) -> None:
+    """Refuse at setup an accumulation schedule, which would otherwise fail only when it is reached."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, GradientAccumulationScheduler):
+            raise MisconfigurationException(
+                f"GradientAccumulationScheduler(scheduling={cb.scheduling}) with micro-batching: the engine "
+                "accumulates within each batch and Lightning's accumulation must stay 1. Make the DataLoader "
+                "batch the optimizer batch for each phase instead (micro-batching splits it to fit memory)"
+            )
+
+
+def engine_of(trainer: pl.Trainer) -> MicroBatchEngine | None:
+    """The engine splitting ``trainer``'s training batches, if a micro-batching callback installed one."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, MicroBatching):
+            engine = cb.engine
+            return engine if engine is not None and engine.installed else None
+    return None
+
+
+def memory_limit(max_memory: Any, trainer: pl.Trainer, owner: str) -> int | None:
+    """``max_memory`` in bytes (None: the CUDA device's capacity; a fraction: of it); None with a warning
+    where the device cannot say how much it has (CPU without ``max_memory``).
+
+    Raises:
+        ValueError: For a fraction of a device whose capacity is unknown.
+    """
+    device = trainer.strategy.root_device
+    capacity = device_memory(device).capacity() if device.type == "cuda" else None
+    if max_memory is not None or capacity is not None:
+        return usable_bytes(max_memory, 0.0, capacity)  # the limit itself; the search applies the headroom
+    rank_zero_warn(
+        f"{owner} cannot ask a {device.type!r} device how much memory it has; pass max_memory= (e.g. '6GiB') "
+        "to pick a micro-batch size. Running whole batches."
+    )
+    return None

@@ -13,8 +13,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
-from lightning_memopt.batching.engine import MicroBatchEngine
 from lightning_memopt.callbacks._hooks import ReleasingCallback, wrap_instance_hook
+from lightning_memopt.callbacks._micro_batching import engine_of
 from lightning_memopt.checkpointing import (
     ActivationMeter,
     CostModel,
@@ -204,7 +204,8 @@ class AutoCheckpoint(ReleasingCallback):
     ) -> None:
         if not self._blocks or self.plan is None:
             return
-        self._signature = step_signature(batch, MicroBatchEngine.planned_size(trainer, batch))
+        engine = engine_of(trainer)
+        self._signature = step_signature(batch, None if engine is None else engine.peek(batch))
         if self._by_shape and self.plan.predicted:  # a plan covering every rank's batch, or profile them
             most = lambda flags: most_over_ranks(trainer.strategy, flags)  # noqa: E731
             plan = self.shape_plans.next_plan(self._signature, self.plan, most)
@@ -236,7 +237,7 @@ class AutoCheckpoint(ReleasingCallback):
             states = (
                 state_bytes(pl_module, trainer.optimizers) if self._policy.limit.usable is not None else 0
             )
-            if engine := MicroBatchEngine.installed_for(trainer):  # profiled: the last (largest) micro-batch
+            if engine := engine_of(trainer):  # profiled: the last (largest) micro-batch
                 self._signature = step_signature(batch, engine.ran_size)
             # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.
             mine = Measured(self._signature, profiles, states, probe.outside_bytes)

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from typing_extensions import override
 
-from lightning_memopt.batching.engine import MicroBatchEngine
-from lightning_memopt.batching.policy import SIZES
-from lightning_memopt.callbacks._micro_batching import MicroBatchingCallback
+from lightning_memopt.batching.engine import Exactness
+from lightning_memopt.callbacks._micro_batching import MicroBatching
 
 __all__ = ["OOMBackoff"]
 
-_WIDTH = "tokens_per_sample"
 
-
-class OOMBackoff(MicroBatchingCallback):
+class OOMBackoff(MicroBatching):
     """Catch out-of-memory errors in a step, restore the step's start, split the batch further and retry.
 
     The DataLoader batch stays the optimizer batch: a step that runs out of memory (forward, backward or
@@ -33,9 +30,11 @@ class OOMBackoff(MicroBatchingCallback):
     and a checklist of what to do.
 
     The retried step is exact: micro-batch losses are weighted as ``AutoAccumulation`` weighs them (by
-    their share of the items the loss averages over, Hugging Face ``labels != -100`` included; see
-    :mod:`lightning_memopt.batching.counting`), so after a back-off the update equals the unsplit
-    batch's up to rounding, except for dropout, which draws different masks in a split batch.
+    their share of what the loss divides by, learned from the loss functions ``training_step`` calls;
+    see :mod:`lightning_memopt.batching.loss`) and the first split step is checked against another split
+    (``exactness``), so after a back-off the update equals the unsplit batch's up to rounding or a
+    :class:`~lightning_memopt.SplitNotExactWarning` says why not; dropout draws different masks in a
+    split batch.
 
     In one process, an out-of-memory error lowers a budget in padded tokens (samples x tokens per
     sample; :mod:`lightning_memopt.batching.shapes`), not a size in samples: later batches of the length
@@ -68,15 +67,17 @@ class OOMBackoff(MicroBatchingCallback):
             run without sync points and without agreement (no extra collective at all); any OOM then
             ends the run with ``MicroBatchOOMError`` on that rank, and the other ranks fail at their
             next collective. Default None: always agree first (safe).
-        count_fn: ``count_fn(micro_batch) -> number`` of items the loss averages over, for a loss that
-            is a mean over something other than samples and not in the Hugging Face convention. Default
-            None. Shared with ``AutoAccumulation`` (give it to one of them).
+        count_fn: ``count_fn(micro_batch) -> number`` of items the loss averages over, or ``"sum"``;
+            replaces what the engine learns from the loss. Default None: learned. Shared with
+            ``AutoAccumulation`` (give it to one of them).
         split_fn: ``split_fn(batch, sizes) -> list`` for batch types the built-in splitter cannot cut.
             Default None. Shared with ``AutoAccumulation``.
         length_fn: ``length_fn(batch) -> int``, the length every sample of the batch is padded to (the
             dimension its memory grows with), for batches where it is not dim 1 of the batch's tensors.
             Default None: :func:`~lightning_memopt.batching.shapes.tokens_per_sample`. Shared with
             ``AutoAccumulation``.
+        exactness: ``"warn"``, ``"raise"`` or ``"off"``: the one-time check of ``AutoAccumulation``'s
+            ``exactness``. Shared with ``AutoAccumulation``.
         log: Log the ``batching/*`` keys from the training step. Default True. They are the same keys
             as :class:`~lightning_memopt.AutoAccumulation`'s (one engine drives both; its docstring has
             the table), and on one CUDA device ``batching/near_misses``: steps after which the allocator
@@ -103,9 +104,10 @@ class OOMBackoff(MicroBatchingCallback):
         *,
         grow_after: int | None = None,
         overlap_after: int | None = None,
-        count_fn: Callable[[Any], float] | None = None,
+        count_fn: Callable[[Any], float] | Literal["sum"] | None = None,
         split_fn: Callable[[Any, list[int]], list[Any]] | None = None,
         length_fn: Callable[[Any], int] | None = None,
+        exactness: Exactness = "warn",
         log: bool = True,
     ) -> None:
         if grow_after is not None and (
@@ -122,59 +124,23 @@ class OOMBackoff(MicroBatchingCallback):
                 f"overlap_after must be an int >= 0 (clean steps before overlapping DDP's gradient sync with "
                 f"the last micro-batch's backward) or None, got {overlap_after!r}"
             )
-        super().__init__(log=log, count_fn=count_fn, split_fn=split_fn, length_fn=length_fn)
+        super().__init__(
+            log=log, count_fn=count_fn, split_fn=split_fn, length_fn=length_fn, exactness=exactness
+        )
         self.grow_after = grow_after
         self.overlap_after = overlap_after
-        self._loaded: dict[str, Any] = {}
+
+    retry_on_oom = True
 
     @property
     def micro_batch_size(self) -> int | None:
         """Samples per training micro-batch now; None runs the whole batch."""
-        return (
-            self._engine.micro_batch_size
-            if self._engine is not None
-            else self._loaded.get("micro_batch_size")
-        )
+        return None if self.engine is None else self.engine.sizes.micro_batch_size
 
     @override
-    def _configure(self, engine: MicroBatchEngine) -> None:
-        engine.retry_on_oom = True
-        engine.grow_after = self.grow_after
-        engine.overlap_after = self.overlap_after
+    def _sizes(self) -> dict[str, Any]:
+        return {"grow_after": self.grow_after}
 
     @override
-    def _installed(self) -> None:
-        self._apply_loaded()
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        engine = self._engine
-        if engine is None:
-            return dict(self._loaded)
-        return {
-            "micro_batch_size": engine.micro_batch_size,
-            "eval_micro_batch_size": engine.eval_micro_batch_size,
-            "max_micro_batch_size": engine.max_micro_batch_size,
-            "smallest_failed_size": engine.smallest_failed_size,
-            "oom_retries": engine.oom_retries,
-            "near_misses": engine.near_misses,
-            # grow_after counts clean steps; overlap_after and the first-step agreement count stable ones
-            "clean_steps": engine.clean_steps,
-            "stable_steps": engine.stable_steps,
-            _WIDTH: engine.policy.tokens.width,  # of the last batch: the sizes above are its samples
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = dict(state_dict)
-        self._apply_loaded()
-
-    def _apply_loaded(self) -> None:
-        if self._engine is None or not self._loaded:
-            return
-        width = self._loaded.get(_WIDTH)  # the length the sizes were saved at (sizes are kept in tokens)
-        for key, value in self._loaded.items():
-            if key in SIZES:
-                self._engine.policy.set_size(key, value, width)
-            elif key != _WIDTH:
-                setattr(self._engine, key, value)
+    def _engine_options(self) -> dict[str, Any]:
+        return {"retry_on_oom": True, "overlap_after": self.overlap_after}

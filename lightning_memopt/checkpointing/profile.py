@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_memopt._compat import in_backward
+from lightning_memopt._replay import is_replaying
 from lightning_memopt.checkpointing.apply import (
     _STATE,
     CHOICES,
@@ -176,9 +177,10 @@ def record_block_inputs(
 ) -> Iterator[dict[str, BlockInputs]]:
     """Keep each block's inputs (detached) from the forwards run while entered; yields the dict it fills.
 
-    The last forward call of each block is kept, never a recomputation in backward: when a micro-batching
-    engine runs probes and then the real micro-batches in one step, the profile is of the micro-batch
-    size that training uses. ``is_held(tensor)`` tells whether
+    The last forward call of each block is kept, never a recomputation in backward nor a replay
+    (:mod:`lightning_memopt._replay`): when a micro-batching engine runs probes, then the real
+    micro-batches, then its one-time check in one step, the profile is of the micro-batch size that
+    training uses. ``is_held(tensor)`` tells whether
     autograd already holds a tensor (used for a block's input that is not the previous block's output).
     Used by :func:`capture_block_inputs` and, around a real training step, by ``AutoCheckpoint``.
     """
@@ -188,7 +190,7 @@ def record_block_inputs(
 
     def pre_hook(name):
         def hook(module, a, kw):
-            if not in_backward():
+            if not in_backward() and not is_replaying():
                 first = next(iter(_tensors((a, kw))), None)
                 last = last_output[0]
                 chained = first is not None and last is not None and _storage_key(first) == _storage_key(last)
@@ -208,7 +210,7 @@ def record_block_inputs(
         return hook
 
     def post_hook(module, a, kw, out):
-        if not in_backward():
+        if not in_backward() and not is_replaying():
             last_output[0] = next(iter(_tensors(out)), None)
 
     handles = []

@@ -32,6 +32,8 @@ __all__ = [
     "pinned_empty",
     "measure_transfer_rate",
     "measure_matmul_rate",
+    "cuda_rng_states",
+    "set_cuda_rng_states",
 ]
 
 
@@ -278,3 +280,14 @@ def _matmul_rate(a: torch.Tensor, repeats: int) -> float:
         with _timed(a.device, elapsed):
             a @ a
     return 2 * a.shape[0] ** 3 / min(elapsed)
+
+
+def cuda_rng_states() -> list[torch.Tensor] | None:
+    """Every CUDA device's RNG state, or None where CUDA is not in use (nothing to save)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state_all()
+    return None
+
+
+def set_cuda_rng_states(states: list[torch.Tensor]) -> None:
+    torch.cuda.set_rng_state_all(states)

@@ -57,7 +57,7 @@ class Steps(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self.sized.engine if self.sized else None
         self.counts.append(engine.num_micro_batches if engine else 1)
-        self.sizes.append(engine.micro_batch_size if engine else None)
+        self.sizes.append(engine.sizes.micro_batch_size if engine else None)
         self.collectives.append(self.calls - self._start)
 
     def teardown(self, trainer, pl_module, stage):
@@ -95,8 +95,8 @@ def run(strategy_name: str, mode: str, out: str) -> None:
         "sizes": steps.sizes,
         "collectives": steps.collectives,
         "probes": callbacks[0].probes if callbacks else [],
-        "shape_probes": engine.shape_probes if engine else [],
-        "oom_retries": engine.oom_retries if engine else 0,
+        "shape_probes": engine.sizes.shape_probes if engine else [],
+        "oom_retries": engine.sizes.oom_retries if engine else 0,
         "params": params,
     }
     with open(out, "w") as f:

@@ -45,6 +45,8 @@ def test_check_refuses_deepspeed_and_double_wrapping():
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
     from lightning_memopt.batching.engine import MicroBatchEngine
+    from lightning_memopt.batching.sizes import MicroBatchSizes
+    from lightning_memopt.batching.surface import check_setup
 
     class DeepSpeedStrategy:
         pass
@@ -52,7 +54,7 @@ def test_check_refuses_deepspeed_and_double_wrapping():
     trainer = types.SimpleNamespace(strategy=DeepSpeedStrategy(), accumulate_grad_batches=1)
     module = types.SimpleNamespace(automatic_optimization=True)
     with pytest.raises(MisconfigurationException, match="DeepSpeed owns gradient accumulation"):
-        MicroBatchEngine().check(trainer, module)
+        check_setup(trainer, module)
 
     class Strategy:
         def training_step(self):
@@ -60,14 +62,21 @@ def test_check_refuses_deepspeed_and_double_wrapping():
 
         backward = optimizer_step = validation_step = test_step = predict_step = training_step
 
+    class Module:
+        def optimizer_zero_grad(self):
+            pass
+
     strategy = Strategy()
     strategy.training_step = lambda: None  # someone else replaced it on the instance already
     with pytest.raises(RuntimeError, match="strategy.training_step is already replaced"):
-        MicroBatchEngine().install(_Trainer(strategy=strategy))
-    engine = MicroBatchEngine()
-    engine.install(_Trainer(strategy=Strategy()))
-    with pytest.raises(RuntimeError, match="a MicroBatchEngine serves one Trainer"):
-        engine.install(_Trainer(strategy=Strategy()))
+        MicroBatchEngine(MicroBatchSizes()).install(_Trainer(strategy=strategy, lightning_module=Module()))
+    engine = MicroBatchEngine(MicroBatchSizes())
+    trainer = _Trainer(strategy=Strategy(), lightning_module=Module())
+    engine.install(trainer)
+    with pytest.raises(RuntimeError, match="this MicroBatchEngine is installed already"):
+        engine.install(_Trainer(strategy=Strategy(), lightning_module=Module()))
+    engine.uninstall()
+    assert vars(trainer.strategy) == {} and vars(trainer.lightning_module) == {}
 
 
 def test_fsdp2_sync_points_come_before_every_fsdp_collective(monkeypatch):

@@ -131,7 +131,7 @@ class Record(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         engine = self.sized.engine if self.sized else None
         self.counts.append(engine.num_micro_batches if engine else 1)
-        self.sizes.append(engine.micro_batch_size if engine else None)
+        self.sizes.append(engine.sizes.micro_batch_size if engine else None)
 
 
 def run(lengths, callbacks=(), *, capacity=2**40, steps=None, ckpt_path=None, **kwargs):
@@ -167,15 +167,15 @@ def test_each_batch_runs_as_few_micro_batches_as_its_length_allows_exactly():
     auto = AutoAccumulation(max_memory=capacity, headroom=0.05)
     model, counts, cap = run(LENGTHS, [auto, OOMBackoff()], capacity=capacity)
     engine = auto.engine
-    assert engine.oom_retries == 0  # no step ran out of memory
+    assert engine.sizes.oom_retries == 0  # no step ran out of memory
     # the first batch's search, then one probe per new power-of-two length: 12 (8-15), 96 (64-127), 24,
     # 160 (128-255); 200, 64, ... fall in buckets measured before
-    assert [w for w, _, _ in engine.shape_probes] == [12, 96, 24, 160]
+    assert [w for w, _, _ in engine.sizes.shape_probes] == [12, 96, 24, 160]
     assert counts[LENGTHS.index(12)] == 1 and counts[LENGTHS.index(200)] > counts[LENGTHS.index(96)] > 1
     # each step runs the fewest micro-batches of at most the size the model predicted for its length
     assert counts == [math.ceil(8 / min(8, size)) for size in run.sizes]
     # and the model is right: bytes per sample at every length within 3% of a measurement outside Lightning
-    shapes = engine.policy.model
+    shapes = engine.sizes.model
     for t in sorted(set(LENGTHS)):
         measured = (micro_step_peak(4, t) - micro_step_peak(2, t)) / 2
         assert shapes.per_sample(t) == pytest.approx(measured, rel=0.03), t
@@ -202,7 +202,9 @@ def test_a_resumed_run_sizes_as_the_uninterrupted_one_without_probing(tmp_path):
     full, full_counts, _ = fit()
     resumed, counts, auto = fit(str(tmp_path / "epoch=0-step=6.ckpt"))
     assert counts == full_counts[6:]
-    assert auto.probes == [] and auto.engine.shape_probes == []  # the model came back with the checkpoint
+    assert (
+        auto.probes == [] and auto.engine.sizes.shape_probes == []
+    )  # the model came back with the checkpoint
     assert_params_close(resumed, full, rel=0.0)
 
 
@@ -230,7 +232,7 @@ def test_thrashing_lowers_the_prediction_for_that_length_only(monkeypatch):
     model, counts, _ = run(lengths, [auto, OOMBackoff(), Thrashing()], capacity=capacity)
     sizes = run.sizes
     engine = auto.engine
-    assert (engine.near_misses, engine.oom_retries) == (1, 0)
+    assert (engine.sizes.near_misses, engine.sizes.oom_retries) == (1, 0)
     assert sizes[1] == sizes[2] == sizes[3] > sizes[4]  # lowered after steps 2 and 3 thrashed
     assert sizes[5] == sizes[0]  # another length: as before
     assert counts[4] > counts[3]
@@ -288,13 +290,17 @@ def test_two_ranks_with_different_lengths_run_the_same_number_of_micro_batches(t
 
 
 def test_length_fn_tells_the_length_and_a_bad_one_is_named():
-    from lightning_memopt.batching.splitter import Splitter
+    from lightning_memopt.batching.engine import MicroBatchEngine
+    from lightning_memopt.batching.sizes import MicroBatchSizes
+
+    def length(length_fn=None):
+        return MicroBatchEngine(MicroBatchSizes(), length_fn=length_fn).length
 
     batch = lm_batch(12, 0)
-    assert Splitter().length(batch) == 12
-    assert Splitter(length_fn=lambda b: int(b["labels"].ne(-100).sum(1).max())).length(batch) <= 12
+    assert length()(batch) == 12
+    assert length(lambda b: int(b["labels"].ne(-100).sum(1).max()))(batch) <= 12
     with pytest.raises(ValueError, match=r"length_fn\(batch\) must return a positive int.*got 0"):
-        Splitter(length_fn=lambda b: 0).length(batch)
+        length(lambda b: 0)(batch)
     with pytest.raises(TypeError, match="length_fn must be a callable"):
         OOMBackoff(length_fn=12)
 
@@ -310,5 +316,5 @@ def test_length_fn_is_the_length_sizing_follows():
     )
     run(lengths, [longer, OOMBackoff()], capacity=capacity)
     assert longer.state_dict()["tokens_per_sample"] == 192 and plain.state_dict()["tokens_per_sample"] == 48
-    assert [w for w, _, _ in plain.engine.shape_probes] == [12]
-    assert [w for w, _, _ in longer.engine.shape_probes] == [48]  # the 12-token batch, as 48
+    assert [w for w, _, _ in plain.engine.sizes.shape_probes] == [12]
+    assert [w for w, _, _ in longer.engine.sizes.shape_probes] == [48]  # the 12-token batch, as 48

@@ -7,8 +7,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
-from lightning_memopt.batching.policy import SizePolicy
-from lightning_memopt.batching.shapes import TokenBudget, tokens_per_sample
+from lightning_memopt.batching.shapes import tokens_per_sample
+from lightning_memopt.batching.sizes import MicroBatchSizes
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import MemoryCap
 from tests.batching.helpers import assert_params_close, quiet_trainer
@@ -87,29 +87,33 @@ def test_tokens_per_sample():
     assert tokens_per_sample((torch.zeros(4), [torch.zeros(4, 7, dtype=torch.bool)], "text")) == 1
 
 
+def size_for(sizes: MicroBatchSizes, total: int, width: int) -> int:
+    sizes.see(width)
+    return sizes.size(total)
+
+
 def test_policy_budget_follows_the_length():
-    policy = SizePolicy(grow_after=1)
-    assert policy.size_for(8, 32) == 8  # no size yet: the whole batch
-    policy.back_off(8, total=8, floor=1, failure="OOM")  # 8 x 32 = 256 tokens failed
-    assert (policy.micro_batch_size, policy.tokens.budget, policy.tokens.failed) == (4, 128, 256)
-    assert policy.size_for(8, 8) == 8  # 128 tokens: 16 samples of 8, capped by the batch
-    assert policy.size_for(64, 8) == 16
-    assert policy.size_for(8, 64) == 2  # 128 tokens: 2 samples of 64
-    assert policy.size_for(8, 200) == 1  # at least one sample
-    assert policy.size_for(64, 16) == 8
+    policy = MicroBatchSizes(grow_after=1)
+    assert size_for(policy, 8, 32) == 8  # no size yet: the whole batch
+    policy.failed(8, total=8, floor=1, failure="OOM")  # 8 x 32 = 256 tokens failed
+    assert (policy.micro_batch_size, policy.budget, policy.failed_at) == (4, 128, 256)
+    assert size_for(policy, 8, 8) == 8  # 128 tokens: 16 samples of 8, capped by the batch
+    assert size_for(policy, 64, 8) == 16
+    assert size_for(policy, 8, 64) == 2  # 128 tokens: 2 samples of 64
+    assert size_for(policy, 8, 200) == 1  # at least one sample
+    assert size_for(policy, 64, 16) == 8
     policy.succeeded(retried=False, total=64)  # grows from 8 samples of 16 (128 tokens) ...
-    assert policy.tokens.budget == 15 * 16  # ... to below the 256 tokens that failed: 240
-    policy.size_for(8, 32)
+    assert policy.budget == 15 * 16  # ... to below the 256 tokens that failed: 240
+    size_for(policy, 8, 32)
     assert policy.micro_batch_size == 7  # 224 tokens < 256
 
 
 def test_sizes_given_before_the_first_batch_are_its_samples():
-    budget = TokenBudget()
-    budget.set("budget", 2)
+    budget = MicroBatchSizes(micro_batch_size=2)
     budget.see(16)
-    assert (budget.budget, budget.get("budget")) == (32, 2)
+    assert (budget.budget, budget.samples("budget")) == (32, 2)
     budget.see(4)
-    assert budget.get("budget") == 8
+    assert budget.samples("budget") == 8
 
 
 def test_fixed_size_is_in_samples_of_the_first_batch_and_exact(tmp_path):

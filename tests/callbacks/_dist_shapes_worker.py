@@ -204,7 +204,11 @@ def main(out: str) -> None:
             "backoff_steps": both_steps.rows,
             "backoff_plans": both.shape_plans.state(),
             "backoff_collectives": backoff_calls,
-            "backoff_state": [backoff.micro_batch_size, backoff.engine.oom_retries, inject.injector.raised],
+            "backoff_state": [
+                backoff.micro_batch_size,
+                backoff.engine.sizes.oom_retries,
+                inject.injector.raised,
+            ],
         }
     # Last (a failed fit leaves the process group as it is): at step 1 only rank 1's batch is too long for
     # any plan. Every rank plans on the same figures, so every rank raises, and none waits for the other.

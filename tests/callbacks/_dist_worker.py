@@ -110,7 +110,11 @@ def main(out: str) -> None:
             result["size_one"], _, _ = run(
                 kind, [AutoAccumulation(micro_batch_size=1), OOMBackoff()], checkpoint_first=True
             )
-            result["backoff"] = [backoff.micro_batch_size, backoff.engine.oom_retries, inject.injector.raised]
+            result["backoff"] = [
+                backoff.micro_batch_size,
+                backoff.engine.sizes.oom_retries,
+                inject.injector.raised,
+            ]
         torch.save(result, os.path.join(out, f"{kind}_params{rank}.pt"))
         with open(os.path.join(out, f"{kind}_plan{rank}.json"), "w") as f:
             json.dump({"seen": seen, "choices": cb.plan.choices, "predicted": cb.plan.predicted}, f)

@@ -123,9 +123,9 @@ def run(strategy_name: str, phase: str, out: str) -> None:
     result = {
         "rank": trainer.global_rank,
         "micro_batch_size": callback.micro_batch_size,
-        "oom_retries": callback.engine.oom_retries if callback.engine else 0,
-        "eval_micro_batch_size": callback.engine.eval_micro_batch_size if callback.engine else None,
-        "eval_oom_retries": callback.engine.eval_oom_retries if callback.engine else 0,
+        "oom_retries": callback.engine.sizes.oom_retries if callback.engine else 0,
+        "eval_micro_batch_size": callback.engine.sizes.eval_size if callback.engine else None,
+        "eval_oom_retries": callback.engine.sizes.eval_oom_retries if callback.engine else 0,
         "raised": injector.raised if injector is not None else 0,
         "probes": getattr(callback, "probes", []),
         "overlapped": callback.engine.last_regime in ("overlapped", "unagreed"),

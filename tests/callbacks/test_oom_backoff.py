@@ -22,7 +22,7 @@ def test_retry_equals_unsplit_sgd(tmp_path, phase):
     with injector(model, max_size=4, phase=phase) as oom_injector:
         trainer = fit(model, [callback], tmp_path=tmp_path)
     assert oom_injector.raised == 2  # 10 and 5 samples ran out of memory, then 3 fit
-    assert callback.micro_batch_size == 3 and callback.engine.oom_retries == 2
+    assert callback.micro_batch_size == 3 and callback.engine.sizes.oom_retries == 2
     assert_params_close(model, base, rel=1e-6)
     assert model.step_losses == pytest.approx(base.step_losses, rel=1e-6)
     assert model.events == ["before_backward", "after_backward"] * 4
@@ -76,7 +76,7 @@ class ResetSize(pl.Callback):
         self.live = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.callbacks[0].engine.micro_batch_size = None
+        trainer.callbacks[0].engine.sizes.budget = None
         self.live.append(self.tracker.current)
 
 
@@ -130,7 +130,6 @@ def test_a_fit_that_raised_leaves_the_strategy_unwrapped(tmp_path):
     """Lightning calls ``on_exception``, not ``teardown``, when fit raises: the engine must still go."""
     from torch.utils.data import DataLoader
 
-    from lightning_memopt.batching.engine import MicroBatchEngine
     from tests.batching.helpers import dataset, quiet_trainer
 
     class FailsOnSecondStep(Net):
@@ -147,11 +146,11 @@ def test_a_fit_that_raised_leaves_the_strategy_unwrapped(tmp_path):
     hooks = ("training_step", "backward", "optimizer_step", "validation_step", "test_step", "predict_step")
     assert [name for name in hooks if name in vars(trainer.strategy)] == []
     assert "optimizer_zero_grad" not in vars(model)
-    assert not MicroBatchEngine.for_trainer(trainer).installed
+    assert not callbacks[0].engine.installed and callbacks[1].engine is callbacks[0].engine
     # a teardown after on_exception (or a second on_exception) does not uninstall another user's install
     for callback in callbacks:
         callback.teardown(trainer, model, "fit")
-    assert not MicroBatchEngine.for_trainer(trainer).installed
+    assert not callbacks[0].engine.installed
 
 
 def test_one_sample_per_micro_batch_raises_with_checklist(tmp_path):
@@ -264,7 +263,7 @@ def test_nothing_keeps_the_trainer_or_model_alive(tmp_path, fails):
     del trainer, model, info
     gc.collect()
     assert [ref() for ref in alive] == [None, None]
-    assert callbacks[1].engine.oom_retries == 1  # what happened stays readable
+    assert callbacks[1].engine.sizes.oom_retries == 1  # what happened stays readable
 
 
 def _none():
@@ -362,7 +361,7 @@ def test_training_step_returning_none_is_refused(tmp_path):
         def training_step(self, batch, batch_idx):
             return None
 
-    with pytest.raises(Exception, match="training_step must return the loss tensor or a dict"):
+    with pytest.raises(Exception, match="training_step returned None .* of a batch that runs as several"):
         fit(Skips(), [AutoAccumulation(micro_batch_size=3)], tmp_path=tmp_path)
 
 

@@ -202,7 +202,7 @@ def test_every_public_callback_is_configurable_from_yaml(tmp_path, gpt_train):
     assert ckpt_fraction.max_memory == 0.5
     assert (ckpt_every.mode, ckpt_every.every_n) == ("every_n", 3)
     assert (accumulation.max_memory, accumulation.headroom) == (1_500_000_000, 0.05)
-    assert accumulation._sizes["eval_micro_batch_size"] == 64
+    assert accumulation.eval_micro_batch_size == 64
     assert backoff.grow_after == 100
     assert (swap.group_size, swap.when, swap.micro_batch_size_below) == (4, "micro_batching", 16)
     assert (monitor.breakdown, monitor.report, monitor.max_history) == ("never", False, 64)

@@ -278,25 +278,15 @@ def test_bad_arguments(kwargs, match):
         OOMInjector(module, **kwargs)
 
 
-def test_old_locations_still_import_with_a_deprecation_warning():
+def test_the_pre_release_locations_are_gone():
+    """No release ever had them (issue 20): the testing tools live in lightning_memopt.testing only."""
     import importlib
-    import sys
 
     import lightning_memopt.batching as batching
-    import lightning_memopt.testing as testing
 
-    with pytest.warns(DeprecationWarning, match=r"import it from lightning_memopt.testing"):
-        assert batching.OOMInjector is testing.OOMInjector
-    with pytest.warns(DeprecationWarning, match=r"import it from lightning_memopt.testing"):
-        assert batching.InjectedOOM is testing.InjectedOOM
-    sys.modules.pop("lightning_memopt.batching.inject", None)
-    with pytest.warns(
-        DeprecationWarning, match=r"import OOMInjector and InjectedOOM from lightning_memopt.testing"
-    ):
-        old = importlib.import_module("lightning_memopt.batching.inject")
-    assert (old.OOMInjector, old.InjectedOOM) == (OOMInjector, InjectedOOM)
-    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
-        batching.Nope  # noqa: B018
+    assert not hasattr(batching, "OOMInjector") and not hasattr(batching, "InjectedOOM")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lightning_memopt.batching.inject")
 
 
 def test_docs_recipe_oom_backoff_recovers_to_the_same_parameters():

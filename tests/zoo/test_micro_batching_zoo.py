@@ -4,7 +4,7 @@ For every model of the zoo: ``AutoAccumulation(micro_batch_size=2)`` on batches 
 after a back-off (an injected OOM above 3 samples: 6 fails, then 2 x 3), two SGD steps each, end with the
 parameters of the unsplit run. Hugging Face language models put -100 at padded ``labels``: their losses
 are means over the labels != -100 (after a one-position shift for causal LMs), which only a split
-weighted by those counts reproduces. Dropout is off (a split batch draws other masks) and BatchNorm is
+weighted by those counts reproduces; the engine learns which from the loss each model computes. Dropout is off (a split batch draws other masks) and BatchNorm is
 converted to GroupNorm (BatchNorm's statistics depend on the micro-batch).
 
 ``python -m tests.zoo.test_micro_batching_zoo`` prints the table of relative differences.
@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
-from lightning_memopt.batching.counting import LabelCount, causal_shift
 from lightning_memopt.norm import convert_batchnorm
 from lightning_memopt.testing import OOMInjector
 from tests.batching.helpers import quiet_trainer
@@ -82,10 +81,21 @@ def test_split_equals_unsplit(name: str, callback: str, references: dict) -> Non
     assert relative_difference(start, split, reference) <= TOLERANCE[dtype_of(name)]
 
 
-def test_the_model_decides_the_causal_shift() -> None:
-    shifts = {name: causal_shift(ZOO[name].build()) for name in ("gpt2", "llama", "bert", "t5", "vit")}
-    assert shifts == {"gpt2": True, "llama": True, "bert": False, "t5": False, "vit": False}
-    assert causal_shift(torch.nn.Linear(2, 2)) is False  # no Hugging Face model: labels count as they are
+def test_the_engine_learns_what_each_model_counts() -> None:
+    learned = {}
+    for name in ("gpt2", "llama", "bert", "t5", "vit"):
+        callback = AutoAccumulation(micro_batch_size=2, log=False, exactness="off")
+        module = ZooModule(name, dtype=dtype_of(name))
+        quiet_trainer([callback], max_steps=1).fit(module, loader(name, 6, batches=1, dtype=dtype_of(name)))
+        (weighting,) = callback.engine.weights.learned.values()
+        learned[name] = str(weighting.single)
+    assert learned == {
+        "gpt2": "(batch['labels'][:, 1:] != -100).sum()",  # the causal shift, from the loss itself
+        "llama": "(batch['labels'][:, 1:] != -100).sum()",
+        "bert": "(batch['labels'] != -100).sum()",
+        "t5": "(batch['labels'] != -100).sum()",
+        "vit": "(batch['labels'] != -100).sum()",  # one label per image: the same shares as samples
+    }
 
 
 @pytest.mark.parametrize(
@@ -96,7 +106,7 @@ def test_the_model_decides_the_causal_shift() -> None:
             lambda mb: len(mb["input_ids"]),
         ),  # what the callbacks did before: samples (24% of the update)
         ("gpt2", lambda mb: len(mb["input_ids"])),  # 24%
-        ("gpt2", LabelCount(shift=False)),  # labels != -100 without the causal shift: 2.4%
+        ("gpt2", lambda mb: (mb["labels"] != -100).sum()),  # labels != -100 without the causal shift: 2.4%
     ],
 )
 def test_other_weightings_are_not_exact_with_padding(name: str, count_fn) -> None:

@@ -87,7 +87,7 @@ def test_bert_variable_lengths_no_failed_attempt_and_exact():
     model = LongBert()
     with MemoryCap(capacity, modules=model):
         quiet_trainer([auto, OOMBackoff(), sized_steps], max_steps=STEPS).fit(model, loader())
-    assert auto.engine.oom_retries == 0  # no failed attempt, the first steps included
+    assert auto.engine.sizes.oom_retries == 0  # no failed attempt, the first steps included
     longest, shortest = max(steps.lengths), min(steps.lengths)
     counts = dict(zip(sized_steps.lengths, sized_steps.counts))
     assert counts[longest] > counts[shortest] == 1  # the count follows the length
@@ -158,7 +158,7 @@ def test_llama_variable_lengths_no_failed_attempt_and_exact():
     model = LlamaLM()
     with MemoryCap(tracker.peak, modules=model) as cap:
         quiet_trainer([auto, OOMBackoff(), steps], max_steps=STEPS).fit(model, batches())
-    assert auto.engine.oom_retries == 0 and cap.raised == 0
+    assert auto.engine.sizes.oom_retries == 0 and cap.raised == 0
     counts = dict(zip(steps.lengths, steps.counts))
     assert counts[max(counts)] > counts[min(counts)]
     start = {k: p.detach().clone() for k, p in LlamaLM().named_parameters()}

@@ -1,0 +1,146 @@
+"""Whether a split step gives the unsplit gradient: the one-time check, and the causes when it does not.
+
+Weights learned from the loss (:mod:`~lightning_memopt.batching.loss`) make a split exact only for a step
+whose gradient is a sum over its samples. Some steps are not: BatchNorm in training mode normalizes each
+micro-batch by its own statistics; a ``training_step`` that writes a parameter or buffer in place (an EMA
+teacher, a queue of negatives) writes once per micro-batch instead of once per step; an in-batch loss
+(contrastive negatives, a load-balancing term) couples the samples of a micro-batch only. Nothing about
+the weights can fix these, so the engine checks instead of assuming: on the first split step of each batch
+structure it runs the same batch again as another split (twice as many micro-batches, dropout off in both
+runs, RNGs and buffers restored) and compares the gradients (:func:`difference` against
+:func:`tolerance`). When they differ, :func:`causes` names why from what the step showed, and the engine
+warns once (``exactness="raise"``: raises) with the fix. The check costs one extra forward and backward of
+the batch (two when the model draws random numbers, which must be off for the comparison), once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_memopt._patch import patch
+from lightning_memopt.batching.state import host_copy
+
+__all__ = ["batchnorms", "causes", "difference", "gradients", "no_dropout", "tolerance", "written_in_place"]
+
+_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+
+
+@contextlib.contextmanager
+def no_dropout() -> Iterator[None]:
+    """Run every dropout as the identity (and attention's ``dropout_p`` as 0) inside the ``with`` block.
+
+    The functions of ``torch.nn.functional`` are replaced for the block's duration, not intercepted by a
+    mode: an activation checkpoint recomputes its forward in backward outside any ``TorchFunctionMode``,
+    and a recomputation that dropped where the forward did not would not match it.
+    """
+    undo = [patch(F, name, lambda original, input, *args, **kwargs: input) for name in _DROPOUTS]
+
+    def attention(original, *args, **kwargs):
+        return original(*args, **{**kwargs, "dropout_p": 0.0})
+
+    undo.append(patch(F, "scaled_dot_product_attention", attention))
+    try:
+        yield
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+def gradients(module: torch.nn.Module) -> list[torch.Tensor | None]:
+    """Copies of every parameter's gradient (in host memory: the check must not need device memory)."""
+    return [None if p.grad is None else host_copy(p.grad) for p in module.parameters()]
+
+
+def difference(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    """The largest relative difference between two runs' gradients, parameter by parameter (a missing
+    gradient counts as zeros): ``|a - b| / (|a| + |b|)`` in the 2-norm, 0 where both are zero."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x is None and y is None:
+            continue
+        x = torch.zeros_like(y) if x is None else x
+        y = torch.zeros_like(x) if y is None else y
+        x, y = x.double(), y.double()
+        scale = float(x.norm() + y.norm())
+        if scale > 0:
+            worst = max(worst, float((x - y).norm()) / scale)
+    return worst
+
+
+def tolerance(module: torch.nn.Module, mixed: bool) -> float:
+    """How far two exact splits may differ by rounding: by the gradients' dtype (``mixed``: autocast)."""
+    dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+    if mixed or dtypes & {torch.float16, torch.bfloat16}:
+        return 2e-2
+    if dtypes == {torch.float64}:
+        return 1e-9
+    return 1e-5
+
+
+def batchnorms(module: torch.nn.Module) -> list[str]:
+    """Names of the BatchNorm layers that normalize by the statistics of their input (training mode)."""
+    return [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm) and (m.training or not m.track_running_stats)
+    ]
+
+
+@contextlib.contextmanager
+def written_in_place(module: torch.nn.Module) -> Iterator[list[str]]:
+    """Names of the parameters and buffers of ``module`` written inside the ``with`` block, BatchNorm
+    statistics excepted (:func:`batchnorms` names those).
+
+    Parameters by their version counters (nothing but the user writes a parameter during a step);
+    buffers by their values, since DDP writes its rank-0 buffers into every rank's before a forward.
+    """
+    statistics = {
+        id(b) for m in module.modules() if isinstance(m, _BatchNorm) for b in m.buffers(recurse=False)
+    }
+    params = [(name, p, p._version) for name, p in module.named_parameters()]
+    buffers = [(name, b, b.detach().clone()) for name, b in module.named_buffers() if id(b) not in statistics]
+    written: list[str] = []
+    try:
+        yield written
+    finally:
+        written += [name for name, p, version in params if p._version != version]
+        written += [name for name, b, saved in buffers if not torch.equal(b, saved)]
+
+
+def causes(*, batchnorm: list[str], written: list[str], unexplained: bool) -> str:
+    """Why a split step differs from another split of the same batch, and what to do: from what it showed."""
+    found = []
+    if batchnorm:
+        found.append(
+            f"BatchNorm layers ({_names(batchnorm)}) normalize each micro-batch by its own statistics; add "
+            "lightning_memopt.BatchNormToGroupNorm() to the callbacks (GroupNorm does not depend on the batch)"
+        )
+    if written:
+        found.append(
+            f"training_step writes {_names(written)} in place, so the write happens once per micro-batch (and "
+            "again when a step is retried) instead of once per step; move it to on_train_batch_end or "
+            "on_before_optimizer_step"
+        )
+    if unexplained:
+        found.append(
+            "the loss it returns is not explained by the torch loss functions it calls, so micro-batches are "
+            "weighed by samples; pass count_fn=... (the number of items the loss averages over in a "
+            "micro-batch, or 'sum' for a loss that is a sum)"
+        )
+    if not found:
+        found.append(
+            "its gradient depends on how the batch is split: the loss couples the samples of a batch (in-batch "
+            "negatives, a load-balancing term) or is not a mean or sum over them; accumulate over fewer, larger "
+            "micro-batches or compute that term over the whole batch yourself"
+        )
+    return "; and ".join(found)
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:6])
+    return shown + (f" and {len(names) - 6} more" if len(names) > 6 else "")

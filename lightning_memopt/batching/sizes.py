@@ -1,0 +1,422 @@
+"""How many samples a training micro-batch holds: the one place that decides it (plain torch).
+
+:class:`MicroBatchSizes` owns the size for the whole fit, from the first batch to the last:
+
+- **Unit.** Sizes are kept in padded tokens (samples x the batch's tokens per sample, its *width*;
+  :func:`~lightning_memopt.batching.shapes.tokens_per_sample`) and converted to samples of the batch
+  of the moment in one method, :meth:`MicroBatchSizes.samples`: a batch of 8-token samples runs 4 times
+  the samples of a 32-token one. Where every batch has one shape this is simply a size in samples.
+- **With a memory limit** (``AutoAccumulation(max_memory=...)``): before the first step, a handful of
+  probes (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`) find the largest size that
+  fits; their peaks become a :class:`~lightning_memopt.batching.shapes.ShapeModel` (peak bytes by
+  samples and width) that sizes every later batch; a batch of a width the model does not know yet is
+  probed once first (probe, fit, verify). An out-of-memory error raises that width's prediction.
+- **Without one**: the size is the user's ``micro_batch_size`` or the whole batch; an out-of-memory
+  error halves it (never below the floor: 1 sample, 2 with BatchNorm in training mode); after
+  ``grow_after`` clean steps it doubles, up to the size the fit started at and below the smallest size
+  that ever failed. A step after which the CUDA allocator thrashed (:meth:`MicroBatchSizes.near_miss`)
+  lowers the size the same way without a retry.
+- **Under DDP/FSDP2** every rank sizes its own batch and the ranks agree on the number of micro-batches
+  (FSDP2 communicates in each one); without a model the size stays in samples there.
+
+The engine asks :meth:`MicroBatchSizes.plan` once per training attempt; it reports what happened with
+:meth:`~MicroBatchSizes.failed`, :meth:`~MicroBatchSizes.near_miss` and :meth:`~MicroBatchSizes.succeeded`.
+Everything is saved by :meth:`~MicroBatchSizes.state` as plain values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_memopt.batching.distributed import (
+    any_rank,
+    is_distributed,
+    max_over_ranks,
+    max_over_ranks_each,
+    min_over_ranks,
+)
+from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
+from lightning_memopt.batching.shapes import ShapeModel
+from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size
+from lightning_memopt.memory.budget import usable_bytes
+
+__all__ = ["MicroBatchSizes", "Probes"]
+
+_FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
+_ROUNDS = 3  # probe rounds at most for one new width
+
+
+class Probes:
+    """What :class:`MicroBatchSizes` needs from the engine to measure a batch.
+
+    Args:
+        peak: ``peak(samples, evaluation)``: peak bytes of one training (or evaluation) micro-step of that
+            many samples of the batch, None if it ran out of memory; nothing else changes.
+        held: Bytes alive when a micro-step of the batch starts, besides what it allocates.
+        device: Where the ranks' agreements run.
+        floor: The fewest samples a training micro-batch can hold (2 with BatchNorm in training mode).
+    """
+
+    def __init__(
+        self,
+        peak: Callable[[int, bool], int | None],
+        held: Callable[[], int],
+        device: torch.device,
+        floor: int,
+    ) -> None:
+        self.peak, self.held, self.device, self.floor = peak, held, device, floor
+        self.evaluates = False
+        """Also search the evaluation size (the module has a ``validation_step``)."""
+
+    def agreed_peak(self, samples: int, evaluation: bool) -> int | None:
+        """The largest peak over ranks (None if any ran out of memory): one 8-byte all-reduce."""
+        peak = self.peak(samples, evaluation)
+        agreed = max_over_ranks(_FAILED if peak is None else peak, self.device)
+        return None if agreed == _FAILED else agreed
+
+
+class MicroBatchSizes:
+    """The training micro-batch size and everything that moves it (see the module docstring).
+
+    Args:
+        micro_batch_size: Samples per micro-batch from the start (of the first batch); None: the whole batch.
+        eval_micro_batch_size: Samples per validation/test/predict micro-batch; None: the whole batch.
+        grow_after: Clean steps in a row after which a reduced size doubles; None: never grow.
+        limit: Bytes a step may use (with ``headroom``): probe for the size before the first step. None: don't.
+        headroom: Fraction of ``limit`` kept free.
+        max_probes: Most probes of the first batch's search.
+
+    Example::
+
+        >>> sizes = MicroBatchSizes(grow_after=2)
+        >>> sizes.see(1)  # a batch of 10 samples without a sequence dimension
+        >>> sizes.failed(10, total=10, floor=1, failure="OOM")  # the whole batch ran out of memory
+        >>> sizes.samples("budget")
+        5
+        >>> sizes.succeeded(retried=True, total=10)  # the step that backed off
+        >>> sizes.succeeded(retried=False, total=10); sizes.succeeded(retried=False, total=10)
+        >>> sizes.samples("budget")  # 10 failed: grows only up to 9
+        9
+    """
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int | None = None,
+        eval_micro_batch_size: int | None = None,
+        grow_after: int | None = None,
+        limit: int | None = None,
+        headroom: float = 0.1,
+        max_probes: int = 6,
+    ) -> None:
+        # Sizes in padded tokens; before the first batch is seen (width None) in samples of it.
+        self.budget: int | None = micro_batch_size
+        """Tokens per micro-batch known to fit; None runs whole batches."""
+        self.largest: int | None = None
+        """The cap when growing back: the budget the fit started at."""
+        self.failed_at: int | None = None
+        """The smallest micro-batch, in tokens, that ran out of memory (or thrashed)."""
+        self.width: int | None = None
+        """Tokens per sample of the batch of the moment; None before the first batch."""
+        self.model: ShapeModel | None = None
+        """Peak bytes by shape; when set, it sizes every batch."""
+        self.eval_size = eval_micro_batch_size
+        self.grow_after = grow_after
+        self.limit, self.headroom, self.max_probes = limit, headroom, max_probes
+        self.probed = limit is None  # nothing to probe without a limit
+        self.oom_retries = self.eval_oom_retries = self.near_misses = 0
+        self.clean_steps = 0
+        """Steps in a row without a retry (towards ``grow_after``)."""
+        self.stable_steps = 0
+        """Steps in a row that succeeded at the current size (the engine's regimes read it)."""
+        self.last_total: int | None = None
+        self.ran: int | None = None  # samples per micro-batch of the last step that trained
+        self.probes: list[tuple[int, int | None]] = []
+        self.eval_probes: list[tuple[int, int | None]] = []
+        self.shape_probes: list[tuple[int, int, int | None]] = []
+        self.probed_width: int | None = None
+        self._retry: int | None = None  # with a model: the halved size of the step being retried
+
+    # ------------------------------------------------------------------ reading
+    def see(self, width: int) -> None:
+        """A batch of ``width`` tokens per sample is next (the first one turns sizes in samples into tokens)."""
+        if self.width is None:
+            for name in ("budget", "largest", "failed_at"):
+                value = getattr(self, name)
+                setattr(self, name, None if value is None else value * width)
+        self.width = width
+
+    def samples(self, name: str) -> int | None:
+        """The size ``name`` (``budget``, ``largest``, ``failed_at``) in samples of the batch of the moment:
+        the one conversion from the unit sizes are kept in."""
+        tokens = getattr(self, name)
+        return None if tokens is None else max(1, tokens // (self.width or 1))
+
+    def _set(self, name: str, samples: int | None) -> None:
+        setattr(self, name, None if samples is None else samples * (self.width or 1))
+
+    def size(self, total: int, held: int | None = None) -> int:
+        """Samples per micro-batch of a batch of ``total`` samples at the width seen last (no probe)."""
+        if self.model is not None:
+            predicted = min(self.model.samples_for(self.width or 1, held=held), total)
+            return min(predicted, self._retry or predicted)
+        return min(self.samples("budget") or total, total)
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per micro-batch: the budget (None: whole batches), or with a memory model the size the
+        last batch trained at."""
+        return self.ran if self.model is not None else self.samples("budget")
+
+    @property
+    def max_micro_batch_size(self) -> int | None:
+        """The cap when growing back, in samples of the last batch."""
+        return self.samples("largest")
+
+    @property
+    def smallest_failed_size(self) -> int | None:
+        """The smallest size that ran out of memory, in samples of the last batch."""
+        return self.samples("failed_at")
+
+    # ------------------------------------------------------------------ before each step
+    def plan(
+        self, *, total: int, width: int, probes: Probes, flag: Callable[[int], bool] = lambda size: False
+    ) -> tuple[int, int | None, bool | None]:
+        """This batch's samples per micro-batch, the number of micro-batches every rank runs (None: not
+        agreed), and ``flag(size)`` agreed over ranks (true if any rank's is; None where the ranks do not
+        agree before a step: without a memory model under DDP/FSDP2). Probes first where needed: the first
+        batch's search, a width the model does not know."""
+        if not self.probed:
+            self._search(total, width, probes)
+        if self.model is None:
+            self.see(1 if is_distributed() else width)  # in samples under DDP/FSDP2 (no per-step agreement)
+            size = self.size(total)
+            return size, None, None if is_distributed() else flag(size)
+        self.see(width)
+        self.model.held = probes.held()
+        size = self.size(total)
+        new, count, flag = max_over_ranks_each(
+            [not self.model.knows(width), -(-total // size), flag(size)], probes.device
+        )
+        if new:
+            self._measure(width, total, probes)
+            size = self.size(total)
+            count = max_over_ranks(-(-total // size), probes.device)
+        return size, count, bool(flag)
+
+    def _measure(self, width: int, total: int, probes: Probes) -> None:
+        """Probe this batch at the size the model predicts for ``width``; a probe that runs out of memory
+        raises the prediction and every rank probes again (FSDP2's collectives inside the probes match)."""
+        assert self.model is not None
+        for _ in range(_ROUNDS):
+            size = min(self.model.samples_for(width), total)
+            peak = probes.peak(size, False)
+            increment = None if peak is None else peak - probes.held()
+            self.shape_probes.append((width, size, increment))
+            if increment is None:
+                self.model.missed(width=width, samples=size)
+            else:
+                self.model.measured(width=width, samples=size, increment=increment)
+            if not any_rank(increment is None, probes.device):
+                return
+
+    def _search(self, total: int, width: int, probes: Probes) -> None:
+        """The first batch: find the largest size that fits, and the model of its peaks."""
+        self.probed = True
+        device = probes.device
+        # The smallest device decides; every rank searches with the same budget and, at the longest width
+        # over ranks (the largest peaks), takes the same path: the same probes, the same collectives.
+        limit = min_over_ranks(self.limit, device)
+        self.probed_width = max_over_ranks(width, device)
+        held = probes.held()
+        whole = min_over_ranks(total, device)
+        size = self._find(probes, whole, limit, probes.floor, evaluation=False)
+        budget = usable_bytes(limit, self.headroom, None)
+        self.model = ShapeModel.from_probes(
+            self.probes,
+            width=self.probed_width,
+            size=size,
+            whole=size == whole,
+            budget=budget,
+            limit=limit,
+            held=held,
+        )
+        if self.failed_at is None:  # unless a restored back-off is current
+            self.budget = self.largest = size * self.probed_width if self.width is not None else size
+        if self.eval_size is None and probes.evaluates:
+            self.eval_size = self._find(probes, whole, limit, 1, evaluation=True)
+
+    def _find(self, probes: Probes, whole: int, limit: int, floor: int, *, evaluation: bool) -> int:
+        log = self.eval_probes if evaluation else self.probes
+
+        def probe(samples: int) -> int | None:
+            peak = probes.agreed_peak(samples, evaluation)
+            log.append((samples, peak))
+            return peak
+
+        try:
+            result = find_micro_batch_size(
+                probe,
+                max_size=whole,
+                capacity=limit,
+                headroom=self.headroom,
+                min_size=min(floor, whole),
+                max_probes=self.max_probes,
+                start=whole if evaluation else None,  # evaluation keeps no activations: the whole batch first
+            )
+        except NoSizeFits as error:
+            advice = f"{BATCHNORM_ADVICE}\n" if floor > 1 else ""
+            raise MicroBatchOOMError(
+                f"AutoAccumulation(max_memory={self.limit!r}, headroom={self.headroom}) found no "
+                f"{'evaluation' if evaluation else 'training'} micro-batch size that fits: {error}.\n"
+                f"{advice}{CHECKLIST}"
+            ) from None
+        return min_over_ranks(int(result.size), probes.device)
+
+    def peek(self, *, total: int, width: int, held: int) -> int:
+        """The samples per micro-batch :meth:`plan` would give this batch from what is known now: no probe,
+        no collective, nothing changed (``AutoCheckpoint`` keys its plans by it)."""
+        if self.model is not None:
+            return min(self.model.samples_for(width, held=held), total)
+        if self.budget is None:
+            return total
+        per = 1 if (self.width is None or is_distributed()) else width  # the unit the budget is in
+        return min(max(1, self.budget // per), total)
+
+    # ------------------------------------------------------------------ after each attempt
+    def failed(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
+        """An attempt at ``size`` samples per micro-batch ran out of memory: the retry runs at half of it.
+
+        Raises:
+            MicroBatchOOMError: If ``size`` is already the floor (1 sample; 2 with BatchNorm in training).
+        """
+        self.oom_retries += 1
+        self.clean_steps = self.stable_steps = 0
+        self._record_failure(size)
+        if size <= 1:
+            raise MicroBatchOOMError(
+                "out of memory with one sample per micro-batch; splitting the batch further cannot help.\n"
+                f"{failure}\n{CHECKLIST}"
+            )
+        if size <= floor:
+            raise MicroBatchOOMError(
+                f"out of memory with {size} samples per micro-batch, the fewest a model with BatchNorm layers in "
+                f"training mode can run. {BATCHNORM_ADVICE}\n{failure}\n{CHECKLIST}"
+            )
+        self._halve(size, total, floor)
+
+    def near_miss(self, size: int, *, total: int, floor: int) -> bool:
+        """A step at ``size`` trained while the allocator thrashed: lower the size as :meth:`failed` would,
+        without counting a retry and without an error at the floor. False at the floor (size kept)."""
+        self._record_failure(size)
+        if size <= floor:
+            return False
+        self._halve(size, total, floor)
+        self._retry = None  # nothing is retried: the next steps run at the model's lowered prediction
+        self.clean_steps = self.stable_steps = 0
+        return True
+
+    def _record_failure(self, size: int) -> None:
+        failed = size * (self.width or 1)  # in tokens: a shorter batch may run more samples
+        self.failed_at = min(self.failed_at or failed, failed)
+
+    def _halve(self, size: int, total: int, floor: int) -> None:
+        half = max(math.ceil(size / 2), floor)
+        if self.model is not None:  # this width's prediction drops below size; the retry runs at half
+            self.model.missed(width=self.width or 1, samples=size)
+            self._retry = half
+            return
+        if self.largest is None:
+            self._set("largest", self.samples("budget") or total)
+        self._set("budget", half)
+
+    def succeeded(self, *, retried: bool, total: int, size: int | None = None) -> None:
+        """A step trained at ``size`` samples per micro-batch (``retried``: after backing off); grow when
+        ``grow_after`` clean steps say so."""
+        self.last_total, self.ran = total, size
+        self.stable_steps += 1
+        self._retry = None
+        if retried or self.model is not None:
+            return
+        self.clean_steps += 1
+        size = self.samples("budget")
+        if self.grow_after is None or self.clean_steps < self.grow_after or size is None:
+            return
+        cap = min(self.samples("largest") or total, total)
+        if self.failed_at is not None:  # smaller than the smallest failure, at this width
+            cap = min(cap, (self.failed_at - 1) // (self.width or 1))
+        if min(size * 2, cap) > size:
+            self._set("budget", min(size * 2, cap))
+            self.stable_steps = 0  # a new size is unsettled again
+        self.clean_steps = 0
+
+    # ------------------------------------------------------------------ evaluation
+    def halve_eval(self, size: int, *, hook: str, failure: str | None) -> None:
+        """An evaluation step at ``size`` ran out of memory: the retry runs at half (no floor).
+
+        Raises:
+            MicroBatchOOMError: If ``size`` is one sample.
+        """
+        if size <= 1:
+            raise MicroBatchOOMError(
+                f"out of memory in {hook} with one sample per micro-batch.\n{failure or 'on another rank'}\n{CHECKLIST}"
+            )
+        self.eval_oom_retries += 1
+        self.eval_size = math.ceil(size / 2)
+
+    # ------------------------------------------------------------------ checkpoints
+    _SAVED = (
+        "budget",
+        "largest",
+        "failed_at",
+        "width",
+        "eval_size",
+        "probed",
+        "probed_width",
+        "oom_retries",
+        "near_misses",
+        "clean_steps",
+        "stable_steps",
+    )
+
+    def state(self) -> dict[str, Any]:
+        """Everything a resumed fit needs to size exactly as the uninterrupted one, as plain values."""
+        state = {name: getattr(self, name) for name in self._SAVED}
+        state["model"] = None if self.model is None else self.model.state()
+        return state
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state` saved."""
+        for name in self._SAVED:
+            if name in state:
+                setattr(self, name, state[name])
+        if state.get("model") is not None:
+            self.model = ShapeModel.from_state(state["model"])
+
+    def load_legacy(self, old: dict[str, Any], *, kind: str) -> None:
+        """Restore a state that ``AutoAccumulation`` (``kind="auto"``) or ``OOMBackoff`` (``"backoff"``) saved
+        before they shared one owner: sizes in samples of a batch of ``tokens_per_sample`` tokens. A
+        restored back-off wins over the probed size, as it did then."""
+        width = old.get("tokens_per_sample")
+        if width is not None and self.width is None:
+            self.see(width)
+        if kind == "backoff" or self.failed_at is None:
+            names = {"micro_batch_size": "budget", "max_micro_batch_size": "largest"}
+            names["smallest_failed_size"] = "failed_at"
+            for key, name in names.items():
+                if key in old:
+                    setattr(self, name, None if old[key] is None else old[key] * (width or 1))
+            if kind == "auto":
+                self.largest = self.budget
+        for key in ("oom_retries", "near_misses", "clean_steps", "stable_steps", "probed"):
+            if key in old:
+                setattr(self, key, old[key])
+        if "eval_micro_batch_size" in old:
+            self.eval_size = old["eval_micro_batch_size"]
+        if old.get("shape_model") is not None:
+            self.model = ShapeModel.from_state(old["shape_model"])
+            self.probed_width = width

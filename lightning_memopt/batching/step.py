@@ -1,0 +1,225 @@
+"""One optimizer batch run as micro-batches: the attempt that the engine's retry loop repeats.
+
+An attempt (:class:`TrainingStep`, driven by
+:meth:`~lightning_memopt.batching.engine.MicroBatchEngine.run_with_retry`):
+
+1. :meth:`~TrainingStep.choose`: zero the gradients, ask :class:`~.sizes.MicroBatchSizes` for this batch's
+   size (it may probe first), pick the attempt's distributed regime.
+2. :meth:`~TrainingStep.run`: for each micro-batch, the user's ``training_step`` (through the strategy:
+   DDP/FSDP forward and autocast apply), its loss times its weight (:mod:`~.loss`: learned from the loss
+   functions the step calls, known before the micro-batch's backward), scaled by the GradScaler,
+   ``backward()``. Logged values are held back (:class:`~.outputs.LogRecorder`). On the first split step
+   of a batch structure, the check of :mod:`~.exactness` follows.
+3. :meth:`~TrainingStep.recover` after an out-of-memory error on any rank: drop the attempt, restore the
+   step's start, halve the size (or raise :class:`~.errors.MicroBatchOOMError` at the floor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_memopt._replay import replaying
+from lightning_memopt.batching import exactness
+from lightning_memopt.batching import regime as regimes
+from lightning_memopt.batching.distributed import any_rank, max_over_ranks_each
+from lightning_memopt.batching.loss import batch_key
+from lightning_memopt.batching.outputs import LogRecorder, StepMetrics, combine, loss_of, warn_once
+from lightning_memopt.batching.regime import Regime, drop_attempt
+from lightning_memopt.batching.sizing import smallest_micro_batch
+from lightning_memopt.batching.split import micro_batch_sizes, split_batch
+
+__all__ = ["TrainingStep"]
+
+
+@dataclass
+class Pass:
+    """What one pass over a batch's micro-batches left: the step's loss (None: ``training_step`` returned
+    None for an unsplit batch), each micro-batch's output and loss, the held-back logs."""
+
+    loss: torch.Tensor | None
+    outputs: list[Any] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    recorder: LogRecorder | None = None
+    relearned: bool = False
+
+
+class TrainingStep:
+    """One training batch as micro-batches, attempt after attempt until one succeeds on every rank.
+
+    Args:
+        engine: The :class:`~lightning_memopt.batching.engine.MicroBatchEngine` running it.
+        batch: The optimizer batch.
+        rest: ``training_step``'s other positional arguments (``batch_idx``).
+        kwargs: Its keyword arguments.
+    """
+
+    def __init__(self, engine: Any, batch: Any, rest: tuple, kwargs: dict) -> None:
+        self.engine, self.batch, self.rest, self.kwargs = engine, batch, rest, kwargs
+        self.module = engine.trainer.lightning_module
+        self.total = engine.batch_size(batch)
+        self.width = engine.length(batch)
+        self.floor = smallest_micro_batch(self.module)
+        self.key = batch_key(batch)
+        self.checking: bool | None = False  # None: wanted, but the ranks cannot agree on it before the step
+        self.size = self.total  # samples per micro-batch of this attempt
+        self.sizes: list[int] = [self.total]
+        self.pad = 0  # FSDP2: repeats of the last micro-batch, weighted 0, to run the count the ranks agreed
+        self.result = Pass(None)
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        return self.result.loss
+
+    @property
+    def output(self) -> Any:
+        """The step's output besides the loss (None: the loss alone)."""
+        outs = self.result.outputs
+        if not outs or not isinstance(outs[0], dict):
+            return None if self.loss is not None or not outs else outs[0]
+        extras = [{k: v for k, v in o.items() if k != "loss"} for o in outs]
+        return (
+            extras[0] if len(extras) == 1 else combine(extras, self.sizes, warn=warn_once(self.engine.warned))
+        )
+
+    # ------------------------------------------------------------------ the attempt
+    def choose(self) -> Regime:
+        engine = self.engine
+        engine.zero_grad()
+        # The one-time check runs on every rank or on none: decided with the sizes' agreement, where the
+        # ranks have one before the step (else None: what one rank can see is said without a comparison).
+        self.size, count, self.checking = engine.sizes.plan(
+            total=self.total,
+            width=self.width,
+            probes=engine.probes(self.batch),
+            flag=lambda size: engine.check_due(self.key) and size < self.total,
+        )
+        self.sizes = micro_batch_sizes(self.total, self.size, smallest=self.floor, count=count)
+        self.pad = count - len(self.sizes) if count and engine.sharded() is not None else 0
+        regime = engine.choose("training", count or len(self.sizes), self.size)
+        engine.last_regime = regime.name
+        return regime
+
+    def run(self, regime: Regime) -> None:
+        engine, key = self.engine, self.key
+        checking = bool(self.checking) and (len(self.sizes) > 1 or regimes.is_distributed())
+        looking = checking or (self.checking is None and len(self.sizes) > 1 and engine.check_due(key))
+        start = engine.capture(self.module) if checking else None
+        with exactness.written_in_place(self.module) if looking else contextlib.nullcontext([]) as written:
+            self.result = self.run_pass(regime, self.sizes, self.pad)
+        if self.result.relearned and not checking:
+            engine.report_inexact(
+                "the count its loss divides by did not follow the rule learned from earlier micro-batches; pass "
+                "count_fn=... (the number of items the loss averages over in a micro-batch, or 'sum')",
+                local=True,
+            )
+        if checking:
+            engine.checked(key)
+            self._check(regime, start, written)
+        elif looking:  # distributed, no agreement to check on: what one rank can see, said on every rank
+            engine.checked(key)
+            batchnorm = exactness.batchnorms(self.module)
+            if written or batchnorm:
+                engine.report_inexact(
+                    exactness.causes(batchnorm=batchnorm, written=written, unexplained=False), local=True
+                )
+
+    def recover(self, failure: str | None) -> None:
+        engine = self.engine
+        drop_attempt(engine.trainer.strategy.model, engine.sharded())
+        engine.restore()
+        engine.sizes.failed(self.size, total=self.total, floor=self.floor, failure=engine.last_failure)
+
+    # ------------------------------------------------------------------ one pass over the micro-batches
+    def run_pass(self, regime: Regime, sizes: list[int], pad: int, *, check: bool = False) -> Pass:
+        """Run ``sizes`` as micro-batches, then ``pad`` repeats of the last, weighted 0 (their gradients are
+        zeros; their outputs and logs are left out). ``check``: a pass of the one-time check, which the
+        engine's counters do not see."""
+        engine, module = self.engine, self.module
+        parts = split_batch(self.batch, sizes, split_fn=engine.split_fn(module))
+        weights = engine.weigher(self.batch, parts, sizes)
+        parts = parts + parts[-1:] * pad
+        scaler = getattr(engine.trainer.strategy.precision_plugin, "scaler", None)
+        if not check:
+            engine.num_micro_batches, engine.ran_size = len(parts), max(sizes)
+        result = Pass(None, recorder=LogRecorder(module))
+        metrics = StepMetrics(module).step() if len(parts) > 1 else contextlib.nullcontext()
+        with result.recorder, regime.armed(), metrics:
+            for i, part in enumerate(parts):
+                result.recorder.share = sizes[i] / self.total if i < len(sizes) else 0.0
+                with regime.around(i, last=i == len(parts) - 1), weights.observing() as observer:
+                    out = engine.original_step(part, *self.rest, **self.kwargs)
+                    loss = loss_of(out)
+                    if loss is None:
+                        if len(parts) > 1:
+                            raise MisconfigurationException(_NONE)
+                        return Pass(None, [out], recorder=result.recorder)
+                    weighted = weights.weighted(i, loss, observer)
+                    if scaler is not None:
+                        weighted = scaler.scale(weighted)
+                    regime.wrap_loss(weighted).backward()
+                if i < len(sizes):
+                    result.outputs.append(out)
+                    result.losses.append(loss.detach())
+                del out, loss, weighted
+        result.loss, result.relearned = weights.loss, weights.relearned
+        return result
+
+    # ------------------------------------------------------------------ the one-time check
+    def _check(self, regime: Regime, start: Any, written: list[str]) -> None:
+        """Run the batch again as twice as many micro-batches, compare the gradients, and say why they differ.
+
+        The step's own results (gradients, buffers, RNGs, logs) are put back after; nothing of the
+        comparison stays. A step that wrote parameters or buffers in place is not run again (the writes
+        would repeat): they are the cause.
+        """
+        engine, module = self.engine, self.module
+        device = engine.trainer.strategy.root_device
+        batchnorm = exactness.batchnorms(module)
+        # Every rank takes the same path (the same passes, hence the same collectives): the flags are agreed.
+        skip, random, again = max_over_ranks_each(
+            [bool(written or batchnorm), not engine.capture(module).same_rng(start), self.result.relearned],
+            device,
+        )
+        if again and not skip:
+            # A rule chosen on the first micro-batch failed on a later one: the step again, with the rules
+            # all its micro-batches confirmed.
+            start.restore()
+            drop_attempt(engine.trainer.strategy.model, None)
+            self.result = self.run_pass(regime, self.sizes, self.pad)
+        after = engine.capture(module)
+        if skip:  # not run again when the cause is known: writes in place would repeat, BatchNorm differs
+            engine.report_inexact(exactness.causes(batchnorm=batchnorm, written=written, unexplained=False))
+            return
+        kept = exactness.gradients(module)
+        count = 2 * (len(self.sizes) + self.pad)
+        halves = micro_batch_sizes(self.total, max(1, max(self.sizes) // 2), smallest=self.floor, count=count)
+        runs = [(self.sizes, self.pad)] if random else []  # the step itself again, without dropout
+        runs.append((halves, count - len(halves) if engine.sharded() is not None else 0))
+        grads = []
+        for sizes, pad in runs:
+            start.restore()
+            drop_attempt(engine.trainer.strategy.model, None)
+            with exactness.no_dropout(), replaying():  # what learns from forwards (AutoCheckpoint) skips these
+                self.run_pass(regime, sizes, pad, check=True)
+            grads.append(exactness.gradients(module))
+        reference = grads[0] if random else kept
+        gap = exactness.difference(reference, grads[-1])
+        mixed = "mixed" in type(engine.trainer.strategy.precision_plugin).__name__.lower()
+        inexact = any_rank(gap > exactness.tolerance(module, mixed), device)
+        after.restore()
+        engine.put_gradients(kept)
+        if inexact:
+            cause = exactness.causes(batchnorm=[], written=[], unexplained=engine.unexplained(self.batch))
+            engine.report_inexact(f"{cause} (relative difference {gap:.2g} between two splits of one batch)")
+
+
+_NONE = (
+    "training_step returned None (skip this batch) for a micro-batch of a batch that runs as several: one "
+    "micro-batch cannot skip the step, and the others have run their backward already. Leave such samples "
+    "out of the DataLoader's batches, or return a loss for every micro-batch"
+)
