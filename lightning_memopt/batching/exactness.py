@@ -40,8 +40,8 @@ def no_dropout() -> Iterator[None]:
     """
     undo = [patch(F, name, lambda original, input, *args, **kwargs: input) for name in _DROPOUTS]
 
-    def attention(original, *args, **kwargs):
-        return original(*args, **{**kwargs, "dropout_p": 0.0})
+    def attention(original, query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return original(query, key, value, attn_mask, 0.0, *args, **kwargs)
 
     undo.append(patch(F, "scaled_dot_product_attention", attention))
     try:

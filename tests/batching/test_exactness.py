@@ -1,0 +1,76 @@
+"""The pieces of the one-time exactness check, without a Trainer."""
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lightning_memopt.batching import exactness
+
+
+def test_no_dropout_runs_every_dropout_as_the_identity_even_in_a_recomputation():
+    lin = torch.nn.Linear(4, 4)
+
+    def block(x):
+        h = torch.nn.Dropout(0.5)(lin(x).relu())
+        q = h[:, None, None, :]  # (B, heads=1, T=1, D)
+        return F.scaled_dot_product_attention(q, q, q, None, 0.5).flatten(1)  # dropout_p given by position
+
+    x = torch.randn(3, 4, requires_grad=True)
+    rng = torch.get_rng_state()
+    with exactness.no_dropout():
+        checkpoint(block, x, use_reentrant=False).sum().backward()  # the recompute must match the forward
+        plain = block(x)
+    assert torch.equal(rng, torch.get_rng_state())  # nothing was drawn
+    assert (
+        F.dropout is torch.nn.functional.__dict__["dropout"] and F.dropout.__module__ == "torch.nn.functional"
+    )
+    torch.testing.assert_close(
+        plain, lin(x).relu(), rtol=0, atol=0
+    )  # one key, one value: attention is the value
+
+
+def test_difference_is_per_parameter_and_treats_a_missing_gradient_as_zeros():
+    a = [torch.tensor([3.0, 4.0]), None, torch.tensor([1.0])]
+    b = [torch.tensor([3.0, 4.0]), None, torch.tensor([1.0])]
+    assert exactness.difference(a, b) == 0.0
+    b[2] = torch.tensor([3.0])  # |1 - 3| / (1 + 3)
+    assert exactness.difference(a, b) == 0.5
+    assert exactness.difference([None], [torch.ones(2)]) == 1.0
+
+
+def test_tolerance_follows_the_gradients_dtype():
+    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False) == 1e-9
+    assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=False) == 1e-5
+    assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=True) == 2e-2
+    assert exactness.tolerance(torch.nn.Linear(2, 2).half(), mixed=False) == 2e-2
+
+
+def test_batchnorms_in_training_mode_are_named():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    assert exactness.batchnorms(net) == ["1"]
+    assert exactness.batchnorms(net.eval()) == []
+
+
+def test_writes_in_place_are_named_but_not_batchnorm_statistics():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    net.register_buffer("queue", torch.zeros(3))
+    teacher = torch.nn.Linear(2, 2).requires_grad_(False)
+    net.add_module("teacher", teacher)
+    with exactness.written_in_place(net) as written:
+        net(torch.randn(4, 2))  # BatchNorm updates its statistics: not a user's write
+    assert written == []
+    with exactness.written_in_place(net) as written:
+        with torch.no_grad():
+            teacher.weight.mul_(0.5)
+        net.queue[0] = 1.0
+    assert written == ["teacher.weight", "queue"]
+
+
+def test_causes_name_what_was_found_and_the_fix():
+    message = exactness.causes(batchnorm=["net.1"], written=["teacher.weight"], unexplained=False)
+    assert "BatchNorm layers (net.1)" in message and "BatchNormToGroupNorm" in message
+    assert "writes teacher.weight in place" in message
+    assert "count_fn" in exactness.causes(batchnorm=[], written=[], unexplained=True)
+    assert "depends on how the batch is split" in exactness.causes(
+        batchnorm=[], written=[], unexplained=False
+    )
