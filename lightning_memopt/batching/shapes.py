@@ -195,10 +195,9 @@ class ShapeModel:
         would fit).
         """
         budget, held = limits["budget"], limits["held"]
-        fitted = sorted((s, p) for s, p in probes if p is not None and p <= budget)
-        s2, p2 = fitted[-1]
-        distinct = len(fitted) > 1 and fitted[-2][0] != s2
-        intercept = MemoryModel.through(fitted[-2], fitted[-1]).fixed if distinct else held
+        s2, p2 = max((s, p) for s, p in probes if p is not None and p <= budget)
+        line = MemoryModel.through_largest(probes, budget)  # what the search's result reports as its model
+        intercept = held if line is None else line.fixed
         model = cls(budget=budget, limit=limits["limit"], workspace=intercept - held, held=held)
         room = budget - held - model.workspace
         cost = max(p2 - held - model.workspace, 1.0) / s2  # what the largest fitting probe measured

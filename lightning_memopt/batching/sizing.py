@@ -1,47 +1,21 @@
-"""Find the largest micro-batch that fits in memory, in a handful of probe steps.
+"""Find the largest micro-batch that fits in memory, in a handful of probes.
 
-A probe is one training micro-step at a given size that reports its peak bytes (or runs out of
-memory). Searching by OOM alone, as Lightning's ``BatchSizeFinder`` does (double until it fails, then
-bisect), spends tens of steps and only finds powers of two unless it bisects long. Peak memory, though, is
-a smooth function of the micro-batch size: a fixed part (parameters, gradients, optimizer state,
-workspaces) plus a per-sample part (activations, inputs), often bending upwards (activations that grow
-faster than the batch, a peak that moves from the optimizer step to backward as the batch grows). The
-search fits that curve to the probes and predicts the largest size under the budget: a line through two
-points, a parabola through three when the line's prediction missed, and, once a probe measured a peak
-over the budget, the chord and parabola between the sizes that bracket the answer. Because the curve is
-convex, the line through the two largest fitting sizes bounds the answer from above and the chord across
-the bracket bounds it from below. Long extrapolations go through stepping stones, a probe that runs out
-of memory is followed by a back-off and then bisection, and bisection takes over whenever it is sure to
-end within 2.5%. The search always ends on a size that was probed and fitted.
-
-The rules, in order (:func:`find_micro_batch_size`): probe ``start``; from one measured point, jump to
-the largest size that surely fits if peak memory is proportional to size (or double, whichever is
-larger). From two fitting points, fit the line ``fixed + per_sample * size`` through the two largest; no
-larger size than its prediction fits a convex curve. When the newest point is off the line through the
-two before it, the curve bends: fit the parabola through the three largest and probe 2% short of its
-prediction; when the line held, probe the line's prediction itself; when the newest point is the first
-off a line that three points had confirmed (a kink: the peak moved to a steeper phase), probe 60% of the
-way to the prediction, which measures the new slope. When the prediction is at least 90% of ``max_size``
-and the line does not rule ``max_size`` out, probe ``max_size`` (and, if it fails, the prediction). A
-prediction more than 4 times the largest fitting size is approached through a stepping stone (the
-geometric mean of the two, but at least a sixth of the prediction): small batches often peak in a phase
-that grows more slowly than the activations of large ones. A probe measured over the budget (between
-``capacity * (1 - headroom)`` and ``capacity``) brackets the answer with a peak: the next probe is the
-parabola's crossing through the two brackets and the nearest third point, kept between the chord's
-crossing (which fits) and the line's bound; the last probe takes the chord's. A probe that runs out of
-memory is followed by one 80% of the way back to the largest fitting size, then by bisection, or by
-bisection at once when it is sure to end on the answer or within 2.5% of it. The search stops when the
-largest fitting size is known exactly, when the line rules out every larger size, or after
-``max_probes`` probes. Sizes are any integers in ``[min_size, max_size]``. On the 4,500 random curves of
-``benchmarks/batching.py`` (affine, convex, strongly convex and kinked), 6 probes reach 97% of the true
-maximum on 4,392, every affine one exactly; 107 of the 108 misses are kinked curves, 70 of them with the
-steeper phase starting past the second-largest size that fitted, so that at most one probe saw it.
+A probe is one training micro-step at a given size that reports its peak bytes (or runs out of memory).
+Searching by out-of-memory errors alone (Lightning's ``BatchSizeFinder`` doubles, then bisects) takes
+tens of steps; but peak memory is a smooth, convex function of the size (a fixed part, a part per
+sample, and parts that grow faster: activations, or a peak that moves from the optimizer step to
+backward as the batch grows). So the search runs the loop per-batch sizing runs for each new length
+(:class:`~lightning_memopt.batching.shapes.ShapeModel`): fit a model of peak vs size to the probes,
+probe the largest size it predicts under the budget, and refit with that probe. Convexity bounds the
+answer: past the two largest sizes that fitted the curve stays above the line through them (no size
+past its crossing fits), and the chord to a size measured over the budget lies above it (its crossing
+fits). Measured accuracy and probe counts: ``docs/benchmarks.md`` (``benchmarks/batching.py``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -56,29 +30,11 @@ __all__ = ["MemoryModel", "NoSizeFits", "SizingResult", "find_micro_batch_size",
 
 # Peaks are whole bytes: a line through two measured peaks predicts a third within a few bytes of rounding.
 _ROUNDING = 2
-# An extrapolation more than this many times the largest fitting size is not trusted in one jump: the
-# points it rests on are small batches, whose peak is often dominated by a phase (the optimizer step,
-# gradients) that grows more slowly with the batch than the activations do at larger sizes. The next
-# probe is then a stepping stone, the geometric mean of here and there, but at least a sixth of the way
-# there (the steeper phase is rarely more than six times steeper).
-_MAX_JUMP = 4
-_MIN_STONE = 1 / 6
-# An extrapolation along a curve that bends stops short of the prediction by this fraction of the way
-# there, rounded down to whole samples (a probe that fits tells more than one that runs out of memory);
-# along a line that the newest point confirmed, it goes all the way.
-_SHORT_BY = 0.02
-# When the newest point is the first off a line that three points had confirmed, a kink has just begun
-# (the peak moved to a steeper phase): every model through the points so far underestimates the new
-# slope, so the next probe goes only this fraction of the way to the estimate, and measures that slope.
-_AFTER_KINK = 0.6
-# When the estimate is within this fraction of the whole batch and nothing rules the whole batch out,
-# probe the whole batch.
-_WHOLE = 0.9
-# After a probe ran out of memory, the next one goes this fraction of the way from the largest size known
-# to fit towards it: first 0.8 (predictions usually overshoot by less than 20%), then bisection.
-_BACKOFF = (0.8, 0.5)
-# Bisection is used instead whenever it is sure to end within this ratio of the true maximum (or on it).
-_BISECT_WITHIN = 0.975
+# A prediction more than _JUMP times the largest size that fitted rests on small batches, often in a
+# slower-growing phase (the optimizer step) or on a slope blurred by rounding: probe a stepping stone
+# towards it: their geometric mean, but at least 1/_STONE of the prediction (a later phase is rarely more
+# than _STONE times steeper).
+_JUMP, _STONE = 3, 6
 
 
 class NoSizeFits(RuntimeError):
@@ -127,6 +83,15 @@ class MemoryModel:
             fixed=p1 - per_sample * s1 - curvature * s1 * s1, per_sample=per_sample, curvature=curvature
         )
 
+    @classmethod
+    def through_largest(cls, probes: Iterable[tuple[int, int | None]], budget: int) -> MemoryModel | None:
+        """The line through the two largest sizes whose peak fitted ``budget`` (None if fewer did).
+
+        Beyond them a convex curve stays above it: no size past its :meth:`largest_fitting` fits.
+        """
+        fits = sorted((s, p) for s, p in dict(probes).items() if p is not None and p <= budget)
+        return cls.through(fits[-2], fits[-1]) if len(fits) >= 2 else None
+
     def predict(self, size: int) -> float:
         """Predicted peak bytes at ``size``."""
         return self.fixed + self.per_sample * size + self.curvature * size * size
@@ -159,8 +124,8 @@ class SizingResult:
     probes: list[tuple[int, int | None]] = field(default_factory=list)
     """Every probe in order, as ``(size, peak bytes)``; the peak is None when the probe ran out of memory."""
     model: MemoryModel | None = None
-    """The last model fitted: a line through two measured points near the boundary, or a parabola
-    through three (None if fewer than two probes measured a peak)."""
+    """The line through the two largest sizes that fitted (:meth:`MemoryModel.through_largest`; None if
+    fewer than two fitted)."""
 
     @property
     def peak(self) -> int:
@@ -180,9 +145,9 @@ def find_micro_batch_size(
 ) -> SizingResult:
     """Find the largest micro-batch size whose peak memory fits ``capacity * (1 - headroom)``.
 
-    The search (the module docstring has its rules and its measured accuracy) fits the memory curve to
-    the probes and predicts the largest size under the budget; sizes are any integers in
-    ``[min_size, max_size]``.
+    Probe, fit, predict, verify (the module docstring says why): each probe's size is the one the
+    probes so far predict to be the largest that fits. Sizes are any integers in ``[min_size, max_size]``;
+    no size is probed twice, and the returned size is the largest one that was probed and fitted.
 
     Args:
         probe: ``probe(size)`` runs one training micro-step on ``size`` samples and returns its peak
@@ -217,30 +182,31 @@ def find_micro_batch_size(
     """
     capacity, headroom, start = _check_search(max_size, min_size, max_probes, capacity, headroom, start)
     budget = usable_bytes(capacity, headroom, None, name="capacity")  # the package's one rule
-    probes = _Probes(probe, budget)
-    model: MemoryModel | None = None
+    peaks: dict[int, int | None] = {}  # by size, in probe order
     size: int | None = start
-    while size is not None and len(probes.log) < max_probes:
-        probes.run(size)
-        if not probes.good():
-            if min_size in probes.peaks:
-                peak = probes.peaks[min_size]
-                raise NoSizeFits(
-                    f"even min_size={min_size} does not fit: its probe "
-                    + ("ran out of memory" if peak is None else f"peaked at {peak} bytes")
-                    + f", over the budget of {budget} bytes (capacity {capacity}, headroom {headroom}); "
-                    "free memory (activation checkpointing, a smaller model) or raise capacity"
-                )
+    while size is not None and len(peaks) < max_probes:
+        peaks[size] = _run(probe, size)
+        if any(p is not None and p <= budget for p in peaks.values()):
+            size = _next_size(peaks, budget, max_size)
+        elif min_size not in peaks:
             size = min_size  # the first probe was too large: start again from the bottom
-            continue
-        fitted, size = _next_size(probes.peaks, budget, max_size, max_probes - len(probes.log))
-        model = fitted or model
-    if not probes.good():  # max_probes ran out before anything fitted
+        else:
+            peak = peaks[min_size]
+            raise NoSizeFits(
+                f"even min_size={min_size} does not fit: its probe "
+                + ("ran out of memory" if peak is None else f"peaked at {peak} bytes")
+                + f", over the budget of {budget} bytes (capacity {capacity}, headroom {headroom}); "
+                "free memory (activation checkpointing, a smaller model) or raise capacity"
+            )
+    probes = list(peaks.items())
+    fits = [s for s, p in probes if p is not None and p <= budget]
+    if not fits:  # max_probes ran out before anything fitted
         raise NoSizeFits(
             f"no probed size fitted the budget of {budget} bytes within max_probes={max_probes} "
-            f"(probes: {probes.log}); raise max_probes or free memory"
+            f"(probes: {probes}); raise max_probes or free memory"
         )
-    return SizingResult(size=max(probes.good()), budget=budget, probes=probes.log, model=model)
+    model = MemoryModel.through_largest(probes, budget)
+    return SizingResult(size=max(fits), budget=budget, probes=probes, model=model)
 
 
 def _check_search(
@@ -260,153 +226,43 @@ def _check_search(
     return capacity, headroom, start
 
 
-class _Probes:
-    """The probes of one search, in order, and their peaks."""
-
-    def __init__(self, probe: Callable[[int], int | None], budget: int) -> None:
-        self.probe, self.budget = probe, budget
-        self.log: list[tuple[int, int | None]] = []
-        self.peaks: dict[int, int | None] = {}
-
-    def run(self, size: int) -> None:
-        try:
-            peak = self.probe(size)
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            peak = None
-        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int) or peak <= 0):
-            raise ValueError(f"probe({size}) must return peak bytes as a positive int or None, got {peak!r}")
-        self.log.append((size, peak))
-        self.peaks[size] = peak
-
-    def good(self) -> list[int]:
-        """The probed sizes whose peak fitted the budget."""
-        return [s for s, p in self.peaks.items() if p is not None and p <= self.budget]
+def _run(probe: Callable[[int], int | None], size: int) -> int | None:
+    """``probe(size)``, an out-of-memory error counted as None, the result checked."""
+    try:
+        peak = probe(size)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        peak = None
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int) or peak <= 0):
+        raise ValueError(f"probe({size}) must return peak bytes as a positive int or None, got {peak!r}")
+    return peak
 
 
-def _next_size(
-    peaks: dict[int, int | None], budget: int, max_size: int, left: int
-) -> tuple[MemoryModel | None, int | None]:
-    """The model fitted to the probes so far (in probe order) and the next size to probe (None: stop)."""
-    good = sorted(s for s, p in peaks.items() if p is not None and p <= budget)
-    bad = sorted(s for s in peaks if s not in good)
-    lo = good[-1]  # the largest size known to fit
-    hi = bad[0] if bad else max_size + 1  # the smallest size known not to
-    if lo == max_size or hi - lo <= 1:
-        return None, None  # the answer is known exactly
-    point = {s: (s, p) for s, p in peaks.items()}
-
-    # Memory curves are convex (activations that grow faster than the batch, a peak that moves to a
-    # steeper phase as the batch grows): past the two largest fitting sizes the curve stays above the
-    # line through them, so no size beyond that line's crossing of the budget fits.
+def _next_size(peaks: dict[int, int | None], budget: int, max_size: int) -> int | None:
+    """The size the probes so far predict to be the largest that fits; None when none is left to try."""
+    fits = sorted(s for s, p in peaks.items() if p is not None and p <= budget)
+    lo = fits[-1]  # the largest size known to fit
+    hi = min((s for s in peaks if s not in fits), default=max_size + 1)  # the smallest known not to
+    points = {s: (s, p) for s, p in peaks.items()}
     upper = hi - 1
-    model: MemoryModel | None = None
-    if len(good) >= 2:
-        model = MemoryModel.through(point[good[-2]], point[lo])
-        upper = min(upper, model.largest_fitting(budget + _ROUNDING))
-        if upper <= lo:
-            return model, None
-
-    if hi <= max_size and peaks[hi] is not None:
-        return _between(peaks, point, good, bad, budget, upper, left)
-    return _beyond(peaks, point, good, budget, max_size, upper, model, left)
-
-
-def _between(
-    peaks: dict[int, int | None],
-    point: dict[int, tuple[int, int | None]],
-    good: list[int],
-    bad: list[int],
-    budget: int,
-    upper: float,
-    left: int,
-) -> tuple[MemoryModel, int]:
-    """The next probe when the answer is bracketed by a measured peak over the budget (``bad[0]``)."""
-    lo, hi = good[-1], bad[0]
-    # The chord between the two brackets lies above a convex curve, so its crossing fits; a parabola
-    # through the brackets and the nearest third point estimates the crossing itself. The last probe
-    # takes the chord's, the one sure to fit.
-    chord = MemoryModel.through(point[lo], point[hi])
-    lower = max(lo, chord.largest_fitting(budget))
-    model, estimate = chord, lower
-    near = good[-2:-1] + [s for s in bad[1:2] if peaks[s] is not None]
-    if near:
-        third = min(near, key=lambda s: min(abs(s - lo), abs(s - hi)))
-        parabola = MemoryModel.through3(point[third], point[lo], point[hi])
-        if parabola.curvature > 0:
-            model, estimate = parabola, parabola.largest_fitting(budget)
-    estimate = min(max(estimate, lower), upper)
-    if left <= 1 or estimate <= lo:
-        estimate = max(lower, lo + 1)
-    return model, int(min(estimate, hi - 1))
-
-
-def _beyond(
-    peaks: dict[int, int | None],
-    point: dict[int, tuple[int, int | None]],
-    good: list[int],
-    budget: int,
-    max_size: int,
-    upper: float,
-    model: MemoryModel | None,
-    left: int,
-) -> tuple[MemoryModel | None, int]:
-    """The next probe extrapolating from below (the smallest failing size, if any, ran out of memory:
-    no peak to use)."""
-    lo = good[-1]
-    hi = min((s for s in peaks if s not in good), default=max_size + 1)
-    straight = kink = False
-    if len(good) == 1:
-        # If peak memory were proportional to size (no fixed part) this size would just fit; with a
-        # fixed part it fits with room to spare. Double at least, to spread the points.
-        estimate = max(math.floor(lo * budget / peaks[lo]), 2 * lo)
+    line = MemoryModel.through_largest(peaks.items(), budget)
+    if line is not None:  # nothing past the line's crossing fits (with slack for the rounding of peaks)
+        upper = min(upper, line.largest_fitting(budget + _ROUNDING))
+    if upper <= lo:
+        return None
+    if hi <= max_size and peaks[hi] is not None:  # a peak over the budget: the chord's crossing fits
+        guess = MemoryModel.through(points[lo], points[hi]).largest_fitting(budget)
     else:
-        estimate = upper
-    if len(good) >= 3:
-        g3, g2 = good[-3], good[-2]
-        # Straight if the line through the two points before the newest predicted the newest's peak.
-        straight = _on_line(point[g3], point[g2], point[lo])
-        kink = not straight and len(good) >= 4 and _on_line(point[good[-4]], point[g3], point[g2])
-        parabola = MemoryModel.through3(point[g3], point[g2], point[lo])
-        if not straight and parabola.curvature > 0:
-            model, estimate = parabola, min(parabola.largest_fitting(budget), upper)
-    if hi <= max_size:
-        estimate = _below_failure(peaks, lo, hi, estimate, max_size, left)
-    elif _MAX_JUMP * lo < estimate < math.inf:
-        estimate = max(math.isqrt(lo * estimate), math.floor(_MIN_STONE * estimate))  # a stepping stone
-    elif len(good) >= 2 and upper >= max_size and estimate >= _WHOLE * max_size:
-        estimate = max_size
-    elif kink and estimate < math.inf:
-        estimate = lo + math.floor(_AFTER_KINK * (estimate - lo))
-    elif model is not None and estimate < math.inf and not straight:
-        estimate -= math.floor(_SHORT_BY * (estimate - lo))
-    return model, int(min(max(estimate, lo + 1), hi - 1, max_size))
-
-
-def _below_failure(
-    peaks: dict[int, int | None], lo: int, hi: int, estimate: float, max_size: int, left: int
-) -> float:
-    """The next probe between ``lo`` (fits) and ``hi`` (ran out of memory)."""
-    if hi - lo <= 2**left or (lo / hi) ** (0.5**left) >= _BISECT_WITHIN:
-        # Bisection (by size, or by ratio) ends on the answer, or close enough, with the probes left.
-        return (lo + hi) // 2 if hi - lo <= 2**left else math.isqrt(lo * hi)
-    # Back off from it (80% of the way after one miss, then bisect), unless the model says less.
-    misses = 0  # probes in a row that ran out of memory
-    for peak in reversed(peaks.values()):
-        if peak is not None:
-            break
-        misses += 1
-    step = _BACKOFF[min(misses, len(_BACKOFF)) - 1] if misses else 0.5
-    if hi == max_size and misses == 1 and lo < estimate < hi:
-        # The whole batch was tried on an estimate below it and failed: probe the estimate.
-        return estimate - math.floor(_SHORT_BY * (estimate - lo))
-    return min(estimate, lo + math.floor(step * (hi - lo)))
-
-
-def _on_line(a: tuple[int, int], b: tuple[int, int], c: tuple[int, int]) -> bool:
-    """Whether the line through ``a`` and ``b`` predicts ``c``'s peak (sizes increasing), within the bytes
-    of rounding of the two points as the extrapolation carries them, plus 0.1% of the rise."""
-    (s1, p1), (s2, _), (s3, p3) = a, b, c
-    error = MemoryModel.through(a, b).predict(s3) - p3
-    return abs(error) <= _ROUNDING * (1 + 2 * (s3 - s1) / (s2 - s1)) + 1e-3 * (p3 - p1)
+        # The model: with one point, peak proportional to size (at least double, to spread the points);
+        # with two, the line; with three that bend upwards, the parabola through them.
+        guess = upper if line is not None else max(lo * budget // (peaks[lo] or 1), 2 * lo)
+        if len(fits) >= 3:
+            parabola = MemoryModel.through3(*(points[s] for s in fits[-3:]))
+            if parabola.curvature > 0:
+                guess = parabola.largest_fitting(budget)
+        if hi <= max_size and guess >= hi - 1:  # it ran out of memory where the model says it fits
+            guess = (lo + hi) // 2
+        elif hi > max_size and _JUMP * lo < guess < math.inf:
+            guess = max(math.isqrt(lo * guess), guess // _STONE)  # a stepping stone
+    return int(min(max(guess, lo + 1), upper))
