@@ -1,0 +1,161 @@
+"""What ``training_step`` returns, as the hooks after it see it, and ``return None`` to skip a batch.
+
+A ``training_step`` may return a dict (Lightning's docs: ``"loss"`` plus anything the user wants back
+in ``on_train_batch_end``): the loss must be the full batch's, in the model's dtype; a 0-dim count the
+batch's count; a per-sample tensor all samples, in order; a tensor of another shape (a histogram) equal,
+or a warning that names its key. Returning None skips the batch as in Lightning (no update from it)
+when the batch is not split, and is refused with an error naming None when it is.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_memopt import AutoAccumulation, OOMBackoff
+from tests.patterns.helpers import BATCH, MODES, assert_exact, loader, train
+
+FEATURES, CLASSES, SAMPLES = 4, 3, 3 * BATCH
+
+
+def xfail(reason: str):
+    return pytest.mark.xfail(strict=True, reason=f"issue 19: {reason}")
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return loader(
+        torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)
+    )
+
+
+class Base(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class DictOutputs(Base):
+    """Returns ``{"loss", "n_correct", "hist", "preds"}`` and keeps what ``on_train_batch_end`` sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[dict] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        preds = logits.argmax(dim=-1)  # (B,)
+        return {
+            "loss": F.cross_entropy(logits, y),
+            "n_correct": (preds == y).sum(),  # 0-dim int
+            "hist": torch.bincount(preds, minlength=CLASSES),  # (CLASSES,): not one value per sample
+            "preds": preds,
+        }
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append({k: v.detach().clone() for k, v in outputs.items()})
+
+
+class SkipsBatches(Base):
+    """Returns None for the second batch: Lightning skips its backward and update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if batch_idx == 1:
+            self.skipped += 1
+            return None
+        return loss
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict:
+    """Per mode: what ``on_train_batch_end`` saw, and the warnings the run gave."""
+    result = {}
+    for mode in ("plain", *MODES):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = train(DictOutputs, data, mode)
+        result[mode] = (run.module.seen, [str(w.message) for w in caught])
+    return result
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.xfail(strict=True, reason="issue 19: outputs['loss'] is float32 for a float64 model")
+def test_output_loss_is_the_batch_loss_in_the_model_dtype(mode: str, outputs: dict) -> None:
+    got, expected = outputs[mode][0], outputs["plain"][0]
+    assert [o["loss"].dtype for o in got] == [torch.float64] * len(expected)
+    torch.testing.assert_close([o["loss"] for o in got], [o["loss"] for o in expected], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.xfail(strict=True, reason="issue 19: a 0-dim count is averaged over micro-batches")
+def test_output_count_is_the_batch_count(mode: str, outputs: dict) -> None:
+    got, expected = outputs[mode][0], outputs["plain"][0]
+    assert [int(o["n_correct"]) for o in got] == [int(o["n_correct"]) for o in expected]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_per_sample_tensor_is_concatenated(mode: str, outputs: dict) -> None:
+    got, expected = outputs[mode][0], outputs["plain"][0]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert torch.equal(g["preds"], e["preds"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.xfail(
+    strict=True, reason="issue 19: a non-per-sample tensor is the last micro-batch's, silently"
+)
+def test_output_other_tensor_is_equal_or_named(mode: str, outputs: dict) -> None:
+    (got, messages), expected = outputs[mode], outputs["plain"][0]
+    if any(re.search(r"\bhist\b", m) for m in messages):
+        return  # the rule for it is a guess, and the warning says which key
+    for g, e in zip(got, expected):
+        assert torch.equal(g["hist"], e["hist"]), (
+            f"outputs['hist'] {g['hist'].tolist()} != {e['hist'].tolist()}"
+        )
+
+
+def test_output_other_tensor_differs_when_split(outputs: dict) -> None:
+    """The histogram of the whole batch is not any micro-batch's: a per-key rule cannot pass by luck."""
+    for g, e in zip(outputs["split"][0], outputs["plain"][0]):
+        assert int(e["hist"].sum()) == BATCH and int(g["hist"].sum()) <= BATCH
+
+
+UNSPLIT = {
+    "AutoAccumulation(micro_batch_size=BATCH)": lambda: AutoAccumulation(micro_batch_size=BATCH, log=False),
+    "OOMBackoff() without OOM": lambda: OOMBackoff(log=False),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 19: None is refused even when the batch is not split")
+@pytest.mark.parametrize("callback", list(UNSPLIT))
+def test_return_none_skips_an_unsplit_batch(callback: str) -> None:
+    reference = train(SkipsBatches, data)
+    run = train(SkipsBatches, data, callbacks=[UNSPLIT[callback]()])
+    assert run.module.skipped == reference.module.skipped == 1
+    assert run.sizes == reference.sizes == [BATCH] * 3
+    assert_exact(run, reference)
+
+
+def test_return_none_when_split_is_refused_naming_none() -> None:
+    """The batch cannot be half skipped: a clear error that says None, not a crash inside the engine."""
+    with pytest.raises((MisconfigurationException, RuntimeError, ValueError), match=r"\bNone\b") as error:
+        train(SkipsBatches, data, "split")
+    assert not isinstance(error.value, (TypeError, AttributeError))
