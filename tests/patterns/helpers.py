@@ -170,15 +170,21 @@ def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def relative_update(run: Run, reference: Run) -> float:
-    """``||p_run - p_ref|| / ||p_ref - p_start||`` over all parameters together (2-norms)."""
-    ref = dict(reference.module.named_parameters())
-    got = dict(run.module.named_parameters())
-    assert got.keys() == ref.keys(), "the package changed the module's parameter names"
-    diff = sum(((got[k] - ref[k]).detach().double() ** 2).sum() for k in ref)
-    update = sum(((ref[k] - reference.start[k]).detach().double() ** 2).sum() for k in ref)
+def update_difference(params: dict, reference: dict, start: dict) -> float:
+    """``||params - reference|| / ||reference - start||``, 2-norms over all parameters together (dicts of
+    name -> tensor): how far a run ends from the reference, relative to the reference's update."""
+    assert params.keys() == reference.keys(), "the package changed the module's parameter names"
+    diff = sum(((params[k] - reference[k]).detach().double() ** 2).sum() for k in reference)
+    update = sum(((reference[k] - start[k]).detach().double() ** 2).sum() for k in reference)
     assert update > 0, "the reference run did not train: nothing to compare"
     return float((diff / update).sqrt())
+
+
+def relative_update(run: Run, reference: Run) -> float:
+    """:func:`update_difference` of two runs' parameters, relative to the reference run's update."""
+    return update_difference(
+        dict(run.module.named_parameters()), dict(reference.module.named_parameters()), reference.start
+    )
 
 
 def assert_exact(run: Run, reference: Run, bar: float = BAR) -> None:

@@ -11,12 +11,12 @@ dominates the time).
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
+import torch
 
 from tests.distributed import run_ranks
-from tests.patterns.helpers import BAR, BATCH, MODES, K
+from tests.patterns.helpers import BAR, BATCH, MODES, K, update_difference
 
 RANKS = range(2)
 pytestmark = pytest.mark.timeout(240)
@@ -36,19 +36,14 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     }
 
 
-def flat(params: dict[str, list]) -> list[float]:
-    def leaves(value):
-        return [x for v in value for x in leaves(v)] if isinstance(value, list) else [value]
-
-    return [x for name in sorted(params) for x in leaves(params[name])]
-
-
 def relative_update(result: dict, plain: dict) -> float:
-    """``||p - p_plain|| / ||p_plain - p_start||`` over all parameters (the runs start alike)."""
+    """The parameters' difference from plain DDP's, relative to its update (the runs start alike)."""
     assert result["start"] == plain["start"]
-    got, ref, start = flat(result["params"]), flat(plain["params"]), flat(plain["start"])
-    diff = sum((a - b) ** 2 for a, b in zip(got, ref))
-    return math.sqrt(diff / sum((a - b) ** 2 for a, b in zip(ref, start)))
+
+    def tensors(params: dict[str, list]) -> dict[str, torch.Tensor]:
+        return {name: torch.tensor(value, dtype=torch.float64) for name, value in params.items()}
+
+    return update_difference(tensors(result["params"]), tensors(plain["params"]), tensors(plain["start"]))
 
 
 def test_plain_ddp_leaves_unused_gradients_none(results) -> None:
