@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memopt import AutoAccumulation, OOMBackoff
+from lightning_memopt import AutoAccumulation, OOMBackoff, SplitNotExactWarning
 from lightning_memopt.testing import OOMInjector
 
 BATCH = 8  # samples per DataLoader batch (the optimizer batch)
@@ -198,3 +199,14 @@ def assert_same_values(got: list[float], expected: list[float], what: str, rel: 
     )
     for i, (g, e) in enumerate(zip(got, expected)):
         assert abs(g - e) <= rel * max(abs(e), 1e-30), f"{what}[{i}]: {g!r}, the unsplit run logged {e!r}"
+
+
+@contextlib.contextmanager
+def no_split_warning():
+    """Asserts that nothing inside warned :class:`~lightning_memopt.SplitNotExactWarning`: an exact pattern
+    must not be reported as inexact (a warning on every split would otherwise pass the named tests)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    named = [str(w.message) for w in caught if issubclass(w.category, SplitNotExactWarning)]
+    assert not named, f"an exact pattern was warned about: {named}"
