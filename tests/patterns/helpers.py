@@ -22,17 +22,46 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.loggers.logger import Logger
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import AutoAccumulation, OOMBackoff, SplitNotExactWarning
 from lightning_memopt.testing import OOMInjector
+from tests.batching import helpers as batching_helpers
 
+FEATURES, CLASSES = 4, 3  # the small classifiers' inputs and classes
 BATCH = 8  # samples per DataLoader batch (the optimizer batch)
 K = 2  # samples per micro-batch that AutoAccumulation is forced to
 BAR = 1e-10  # the largest relative difference of the update that counts as exact (float64)
 MODES = ("split", "oom")
+
+
+def xfail(reason: str) -> pytest.MarkDecorator:
+    """The mark of a check that fails today: strict, so that the fix turns it into a failure (XPASS) and
+    the mark is removed with it."""
+    return pytest.mark.xfail(strict=True, reason=f"issue 19: {reason}")
+
+
+class MLP(pl.LightningModule):
+    """``self.net``: Linear(FEATURES, 8) -> Tanh -> Linear(8, out), trained with SGD; each pattern writes
+    its own ``training_step``."""
+
+    def __init__(self, out: int = CLASSES) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, out))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def classification(samples: int = 3 * BATCH) -> DataLoader:
+    """``samples`` (features, class) pairs in batches of BATCH, the same every call."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, FEATURES, generator=g)
+    return loader(x, torch.randint(0, CLASSES, (samples,), generator=g))
 
 
 class Recorder(Logger):
@@ -79,21 +108,11 @@ class Run:
 def quiet_trainer(
     callbacks=(), *, steps: int = 3, logger: Logger | bool = False, **kwargs: Any
 ) -> pl.Trainer:
-    """A deterministic CPU Trainer without checkpoints, progress bar, summary or validation."""
-    options: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        deterministic=True,
-        max_steps=steps,
-        logger=logger,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+    """The engine tests' quiet CPU Trainer (no checkpoints, progress bar, summary or validation), made
+    deterministic and stopped after ``steps``."""
+    return batching_helpers.quiet_trainer(
+        callbacks, deterministic=True, max_steps=steps, logger=logger, **kwargs
     )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=list(callbacks), **options)
 
 
 def loader(*tensors: torch.Tensor, batch_size: int = BATCH) -> DataLoader:

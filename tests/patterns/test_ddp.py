@@ -16,14 +16,10 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.patterns.helpers import BAR, BATCH, MODES, K, update_difference
+from tests.patterns.helpers import BAR, BATCH, MODES, K, update_difference, xfail
 
 RANKS = range(2)
 pytestmark = pytest.mark.timeout(240)
-
-
-def xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"issue 19: {reason}")
 
 
 @pytest.fixture(scope="module")

@@ -9,38 +9,26 @@ forgets the sizes, or a last micro-batch standing for the batch, cannot pass.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from tests.patterns.helpers import MODES, assert_exact, assert_same_values, loader, train
+from tests.patterns.helpers import (
+    CLASSES,
+    MLP,
+    MODES,
+    assert_exact,
+    assert_same_values,
+    classification,
+    train,
+    xfail,
+)
 
-FEATURES, CLASSES, SAMPLES, MICRO = 4, 3, 20, 3
-
-
-def xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"issue 19: {reason}")
-
-
-def data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(SAMPLES, FEATURES, generator=g)
-    return loader(x, torch.randint(0, CLASSES, (SAMPLES,), generator=g))
-
-
-class Base(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+SAMPLES, MICRO = 20, 3
 
 
-class LogLoss(Base):
+class LogLoss(MLP):
     """The docs' first example: the mean loss logged with ``self.log``, on step and on epoch."""
 
     def training_step(self, batch, batch_idx):
@@ -50,7 +38,7 @@ class LogLoss(Base):
         return loss
 
 
-class LogSumLoss(Base):
+class LogSumLoss(MLP):
     """A sum-reduced loss logged as it is: the step's value is the batch's total."""
 
     def training_step(self, batch, batch_idx):
@@ -60,7 +48,7 @@ class LogSumLoss(Base):
         return loss
 
 
-class LogDict(Base):
+class LogDict(MLP):
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self.net(x)
@@ -70,7 +58,7 @@ class LogDict(Base):
         return loss
 
 
-class ReduceFx(Base):
+class ReduceFx(MLP):
     """Logs a per-sample statistic of the batch with the matching ``reduce_fx``: the mean error with
     "mean", the total with "sum", the largest and smallest with "max" and "min"."""
 
@@ -87,7 +75,7 @@ class ReduceFx(Base):
         return F.cross_entropy(logits, y)
 
 
-class WithMetric(Base):
+class WithMetric(MLP):
     """A torchmetrics ``Metric`` updated in ``training_step`` and logged as the object (the
     torchmetrics-in-Lightning docs' pattern), on step and on epoch."""
 
@@ -104,7 +92,16 @@ class WithMetric(Base):
 
 
 def fit(make, mode: str):
-    return train(make, data, mode, record=True, k=MICRO, max_epochs=1, steps=-1, log_every_n_steps=1)
+    return train(
+        make,
+        lambda: classification(SAMPLES),
+        mode,
+        record=True,
+        k=MICRO,
+        max_epochs=1,
+        steps=-1,
+        log_every_n_steps=1,
+    )
 
 
 @pytest.fixture(scope="module")

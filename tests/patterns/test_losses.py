@@ -20,39 +20,26 @@ from torch import nn
 from lightning_memopt import SplitNotExactWarning
 from tests.patterns.helpers import (
     BATCH,
+    CLASSES,
+    FEATURES,
+    MLP,
     MODES,
     assert_exact,
+    classification,
     loader,
     no_split_warning,
     relative_update,
     train,
+    xfail,
 )
 
-FEATURES, CLASSES, VOCAB, SEQ = 4, 3, 11, 7
+VOCAB, SEQ = 11, 7
 SAMPLES = 3 * BATCH  # three steps of one batch each
 CLASS_WEIGHTS = torch.tensor([1.0, 3.0, 10.0], dtype=torch.float64)
 
 
-class Base(pl.LightningModule):
-    """A small MLP ``self.net`` and plain SGD; each pattern writes its own ``training_step``."""
-
-    def __init__(self, out: int = CLASSES) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, out))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def classes():
-    g = _gen()
-    return loader(
-        torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)
-    )
 
 
 def regression():
@@ -123,7 +110,7 @@ def masked_regression():
 # --- the patterns --------------------------------------------------------------------------------------
 
 
-class MeanMSE(Base):
+class MeanMSE(MLP):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.mse_loss(self.net(x), y)
@@ -131,7 +118,7 @@ class MeanMSE(Base):
         return loss
 
 
-class CrossEntropyModule(Base):
+class CrossEntropyModule(MLP):
     """An ``nn.Module`` loss object stored on self, the way most tutorials write it."""
 
     def __init__(self) -> None:
@@ -143,13 +130,13 @@ class CrossEntropyModule(Base):
         return self.criterion(self.net(x), y)
 
 
-class SumMSE(Base):
+class SumMSE(MLP):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.net(x), y, reduction="sum")
 
 
-class SumCrossEntropyModule(Base):
+class SumCrossEntropyModule(MLP):
     def __init__(self) -> None:
         super().__init__()
         self.criterion = nn.CrossEntropyLoss(reduction="sum")
@@ -159,7 +146,7 @@ class SumCrossEntropyModule(Base):
         return self.criterion(self.net(x), y)
 
 
-class SumOverBatchSize(Base):
+class SumOverBatchSize(MLP):
     """``loss.sum() / self.hparams.batch_size``: a fixed hyperparameter, not the batch's size."""
 
     def __init__(self, batch_size: int = BATCH) -> None:
@@ -172,7 +159,7 @@ class SumOverBatchSize(Base):
         return loss.sum() / self.hparams.batch_size
 
 
-class ClassWeighted(Base):
+class ClassWeighted(MLP):
     """Class-weighted cross-entropy: the mean divides by the summed weights of the batch's targets."""
 
     def __init__(self) -> None:
@@ -184,7 +171,7 @@ class ClassWeighted(Base):
         return self.criterion(self.net(x), y)
 
 
-class L2Penalty(Base):
+class L2Penalty(MLP):
     """An explicit L2 penalty on the weights added to a mean loss (instead of the optimizer's decay)."""
 
     def training_step(self, batch, batch_idx):
@@ -193,25 +180,25 @@ class L2Penalty(Base):
         return loss + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
 
 
-class BCEWithLogits(Base):
+class BCEWithLogits(MLP):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.binary_cross_entropy_with_logits(self.net(x), y)
 
 
-class KLBatchMean(Base):
+class KLBatchMean(MLP):
     def training_step(self, batch, batch_idx):
         x, target = batch
         return F.kl_div(F.log_softmax(self.net(x), dim=-1), target, reduction="batchmean")
 
 
-class SmoothL1(Base):
+class SmoothL1(MLP):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.smooth_l1_loss(self.net(x), y, beta=0.5)
 
 
-class Huber(Base):
+class Huber(MLP):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.huber_loss(self.net(x), y, delta=0.5)
@@ -270,7 +257,7 @@ class CEPlusAux(TokenModel):
         return ce + 0.1 * aux
 
 
-class MaskedMean(Base):
+class MaskedMean(MLP):
     """``reduction="none"`` and a mean over the observed targets only: the count is the mask's sum,
     which no loss function call shows."""
 
@@ -280,27 +267,23 @@ class MaskedMean(Base):
         return (per_element * mask).sum() / mask.sum()
 
 
-def xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"issue 19: {reason}")
-
-
 EXACT = [
     pytest.param(MeanMSE, regression, id="mse_mean"),
-    pytest.param(CrossEntropyModule, classes, id="CrossEntropyLoss_module"),
+    pytest.param(CrossEntropyModule, classification, id="CrossEntropyLoss_module"),
     pytest.param(SumMSE, regression, id="mse_sum", marks=xfail("sum weighted as a mean: 1/k of the update")),
     pytest.param(
         SumCrossEntropyModule,
-        classes,
+        classification,
         id="CrossEntropyLoss_sum",
         marks=xfail("sum weighted as a mean: 1/k of the update"),
     ),
     pytest.param(
         ClassWeighted,
-        classes,
+        classification,
         id="class_weighted_ce",
         marks=xfail("weighted by samples, not by class weights"),
     ),
-    pytest.param(L2Penalty, classes, id="l2_penalty"),
+    pytest.param(L2Penalty, classification, id="l2_penalty"),
     pytest.param(BCEWithLogits, multilabel, id="bce_with_logits"),
     pytest.param(KLBatchMean, soft_targets, id="kl_div_batchmean"),
     pytest.param(SmoothL1, regression, id="smooth_l1"),
@@ -357,7 +340,7 @@ def test_loss_is_exact(module, data, mode, references) -> None:
     [
         pytest.param(
             SumOverBatchSize,
-            classes,
+            classification,
             id="sum_over_hparam",
             marks=xfail("weighted as a mean over samples, silently"),
         ),
@@ -388,7 +371,7 @@ def test_loss_user_arithmetic_is_exact_or_names_count_fn(module, data, mode, ref
         pytest.param(IgnoreIndexZero, tagging, lambda mb: int((mb[1] != 0).sum()), id="ignore_index_0"),
         pytest.param(MaskedMean, masked_regression, lambda mb: float(mb[2].sum()), id="masked_mean"),
         pytest.param(
-            ClassWeighted, classes, lambda mb: float(CLASS_WEIGHTS[mb[1]].sum()), id="class_weighted"
+            ClassWeighted, classification, lambda mb: float(CLASS_WEIGHTS[mb[1]].sum()), id="class_weighted"
         ),
     ],
 )

@@ -12,40 +12,16 @@ from __future__ import annotations
 import re
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import nn
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
-from tests.patterns.helpers import BATCH, MODES, assert_exact, loader, train
-
-FEATURES, CLASSES, SAMPLES = 4, 3, 3 * BATCH
+from tests.patterns.helpers import BATCH, CLASSES, MLP, MODES, assert_exact, classification, train, xfail
 
 
-def xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"issue 19: {reason}")
-
-
-def data():
-    g = torch.Generator().manual_seed(0)
-    return loader(
-        torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)
-    )
-
-
-class Base(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class DictOutputs(Base):
+class DictOutputs(MLP):
     """Returns ``{"loss", "n_correct", "hist", "preds"}`` and keeps what ``on_train_batch_end`` sees."""
 
     def __init__(self) -> None:
@@ -67,7 +43,7 @@ class DictOutputs(Base):
         self.seen.append({k: v.detach().clone() for k, v in outputs.items()})
 
 
-class SkipsBatches(Base):
+class SkipsBatches(MLP):
     """Returns None for the second batch: Lightning skips its backward and update."""
 
     def __init__(self) -> None:
@@ -90,13 +66,13 @@ def outputs() -> dict:
     for mode in ("plain", *MODES):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run = train(DictOutputs, data, mode)
+            run = train(DictOutputs, classification, mode)
         result[mode] = (run.module.seen, [str(w.message) for w in caught])
     return result
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.xfail(strict=True, reason="issue 19: outputs['loss'] is float32 for a float64 model")
+@xfail("outputs['loss'] is float32 for a float64 model")
 def test_output_loss_is_the_batch_loss_in_the_model_dtype(mode: str, outputs: dict) -> None:
     got, expected = outputs[mode][0], outputs["plain"][0]
     assert [o["loss"].dtype for o in got] == [torch.float64] * len(expected)
@@ -104,7 +80,7 @@ def test_output_loss_is_the_batch_loss_in_the_model_dtype(mode: str, outputs: di
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.xfail(strict=True, reason="issue 19: a 0-dim count is averaged over micro-batches")
+@xfail("a 0-dim count is averaged over micro-batches")
 def test_output_count_is_the_batch_count(mode: str, outputs: dict) -> None:
     got, expected = outputs[mode][0], outputs["plain"][0]
     assert [int(o["n_correct"]) for o in got] == [int(o["n_correct"]) for o in expected]
@@ -119,9 +95,7 @@ def test_output_per_sample_tensor_is_concatenated(mode: str, outputs: dict) -> N
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.xfail(
-    strict=True, reason="issue 19: a non-per-sample tensor is the last micro-batch's, silently"
-)
+@xfail("a non-per-sample tensor is the last micro-batch's, silently")
 def test_output_other_tensor_is_equal_or_named(mode: str, outputs: dict) -> None:
     (got, messages), expected = outputs[mode], outputs["plain"][0]
     if any(re.search(r"\bhist\b", m) for m in messages):
@@ -144,11 +118,11 @@ UNSPLIT = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: None is refused even when the batch is not split")
+@xfail("None is refused even when the batch is not split")
 @pytest.mark.parametrize("callback", list(UNSPLIT))
 def test_return_none_skips_an_unsplit_batch(callback: str) -> None:
-    reference = train(SkipsBatches, data)
-    run = train(SkipsBatches, data, callbacks=[UNSPLIT[callback]()])
+    reference = train(SkipsBatches, classification)
+    run = train(SkipsBatches, classification, callbacks=[UNSPLIT[callback]()])
     assert run.module.skipped == reference.module.skipped == 1
     assert run.sizes == reference.sizes == [BATCH] * 3
     assert_exact(run, reference)
@@ -157,5 +131,5 @@ def test_return_none_skips_an_unsplit_batch(callback: str) -> None:
 def test_return_none_when_split_is_refused_naming_none() -> None:
     """The batch cannot be half skipped: a clear error that says None, not a crash inside the engine."""
     with pytest.raises((MisconfigurationException, RuntimeError, ValueError), match=r"\bNone\b") as error:
-        train(SkipsBatches, data, "split")
+        train(SkipsBatches, classification, "split")
     assert not isinstance(error.value, (TypeError, AttributeError))

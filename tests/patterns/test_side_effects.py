@@ -29,20 +29,18 @@ from lightning_memopt import (
 )
 from tests.patterns.helpers import (
     BATCH,
+    FEATURES,
     MODES,
     assert_exact,
     loader,
     no_split_warning,
     relative_update,
     train,
+    xfail,
 )
 
-FEATURES, DIM, QUEUE = 4, 6, 2 * BATCH
+DIM, QUEUE = 6, 2 * BATCH
 SAMPLES = 3 * BATCH
-
-
-def xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"issue 19: {reason}")
 
 
 def regression():

@@ -19,25 +19,23 @@ from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.testing import OOMInjector
 from tests.patterns.helpers import (
     BATCH,
+    CLASSES,
+    FEATURES,
+    MLP,
     MODES,
     K,
     Run,
     assert_exact,
     assert_same_values,
+    classification,
     loader,
     no_split_warning,
     quiet_trainer,
     train,
+    xfail,
 )
 
-FEATURES, CLASSES, VOCAB, SAMPLES = 4, 3, 9, 3 * BATCH
-
-
-def classes():
-    g = torch.Generator().manual_seed(0)
-    return loader(
-        torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)
-    )
+VOCAB, SAMPLES = 9, 3 * BATCH
 
 
 def tokens():
@@ -46,10 +44,9 @@ def tokens():
     return loader(ids[:, :-1], ids[:, 1:])
 
 
-class Classifier(pl.LightningModule):
+class Classifier(MLP):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
         self.steps_run = 0
 
     def training_step(self, batch, batch_idx):
@@ -108,15 +105,15 @@ class WithValidation(Classifier):
 @pytest.mark.parametrize(
     ("module", "data", "options"),
     [
-        pytest.param(WithScheduler, classes, {}, id="lr_scheduler"),
-        pytest.param(Classifier, classes, {"gradient_clip_val": 0.05}, id="clip_norm"),
+        pytest.param(WithScheduler, classification, {}, id="lr_scheduler"),
+        pytest.param(Classifier, classification, {"gradient_clip_val": 0.05}, id="clip_norm"),
         pytest.param(
             Classifier,
-            classes,
+            classification,
             {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
             id="clip_value",
         ),
-        pytest.param(Frozen, classes, {}, id="frozen_layer"),
+        pytest.param(Frozen, classification, {}, id="frozen_layer"),
         pytest.param(Tied, tokens, {}, id="tied_weights"),
     ],
 )
@@ -139,7 +136,7 @@ def validated() -> dict:
     return {
         mode: train(
             WithValidation,
-            lambda: (classes(), classes()),
+            lambda: (classification(), classification()),
             mode,
             options={"eval_micro_batch_size": K} if mode == "split" else {},
             **kwargs,
@@ -156,9 +153,7 @@ def test_validation_loop_training_is_exact(mode: str, validated: dict) -> None:
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param(
-            "split", marks=pytest.mark.xfail(strict=True, reason="issue 19: split val_loss logged in float32")
-        ),
+        pytest.param("split", marks=xfail("split val_loss logged in float32")),
         "oom",
     ],
 )
@@ -170,9 +165,9 @@ def test_validation_logged_value_is_exact(mode: str, validated: dict) -> None:
 
 def resumed(mode: str, path) -> Run:
     """Two steps, a checkpoint, then a new module and Trainer resuming from it to four steps."""
-    first = train(Classifier, classes, mode, steps=2)
+    first = train(Classifier, classification, mode, steps=2)
     first.trainer.save_checkpoint(path)
-    return train(Classifier, classes, mode, steps=4, ckpt_path=path)
+    return train(Classifier, classification, mode, steps=4, ckpt_path=path)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -183,7 +178,7 @@ def test_resume_mid_fit_is_exact(mode: str, tmp_path) -> None:
     assert_exact(resumed(mode, tmp_path / f"{mode}.ckpt"), reference)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: the schedule is refused only when it is reached (epoch 1)")
+@xfail("the schedule is refused only when it is reached (epoch 1)")
 @pytest.mark.parametrize("callback", [AutoAccumulation, OOMBackoff])
 def test_accumulation_schedule_is_refused_before_the_first_batch(callback) -> None:
     module = Classifier()
@@ -191,7 +186,7 @@ def test_accumulation_schedule_is_refused_before_the_first_batch(callback) -> No
         [GradientAccumulationScheduler({0: 1, 1: 2}), callback(log=False)], steps=-1, max_epochs=2
     )
     with pytest.raises(MisconfigurationException, match="GradientAccumulationScheduler"):
-        trainer.fit(module, classes())
+        trainer.fit(module, classification())
     assert module.steps_run == 0
 
 
@@ -226,9 +221,7 @@ def find_batch_size(callbacks, root) -> int:
     return finder.optimal_batch_size
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 19: OOMBackoff hides the OOMs from BatchSizeFinder (picks the dataset size)"
-)
+@xfail("OOMBackoff hides the OOMs from BatchSizeFinder (it picks the dataset's size)")
 def test_batch_size_finder_with_oom_backoff_finds_the_same_size_or_refuses(tmp_path) -> None:
     expected = find_batch_size([], tmp_path)
     assert expected == 16
