@@ -21,7 +21,7 @@ from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.norm import convert_batchnorm
 from lightning_memopt.testing import OOMInjector
 from tests.batching.helpers import quiet_trainer
-from tests.zoo.models import ZOO, ZooModule, loader, no_dropout
+from tests.zoo.models import ZOO, ZooModule, entry, loader, no_dropout
 
 # Hugging Face's causal-LM loss upcasts logits with .float(), down to float32 in a float64 model.
 FLOAT32 = {"gpt2", "llama", "mixtral"}
@@ -41,7 +41,7 @@ def train(name: str, callback: str | None = None, **options: object) -> tuple[di
     dtype = dtype_of(name)
     module = ZooModule(name, dtype=dtype)
     no_dropout(module)
-    if ZOO[name].has_batchnorm:
+    if entry(name).has_batchnorm:
         # 4 groups, not the default 32: at 1x1 spatial size 32 groups normalize 2 values each, which
         # amplifies float64 rounding (ResNet: 1.4e-10 of the update after two steps, vs 6e-16 here)
         convert_batchnorm(module, num_groups=4)

@@ -1,0 +1,1 @@
+"""Lightning user patterns, each trained without the package and with it, compared (issue 19)."""
