@@ -264,21 +264,18 @@ SUM = "sum"  # the "rule" of a sum: every micro-batch weighs 1
 
 def _candidates(part: Part, micro_batch: Any) -> list[Rule]:
     """Rules that could explain ``part``'s count, most specific first: the batch's integer tensors compared
-    with the call's own ignore index, then the same as masks (labels built from an attention mask),
-    then samples."""
+    with the call's own ignore index, then the batch's tensors as masks (labels built from an attention
+    mask, a float mask of observed targets); samples come after them (:func:`learn`)."""
     term = part.term
     if term.target is None and part.counted is None:
         return []
-    tensors = [
-        (path, x)
-        for path, x in tensors_of(micro_batch, strict=False)
-        if x.dim() > 0 and not (x.is_floating_point() or x.is_complex())
-    ]
+    tensors = [(p, x) for p, x in tensors_of(micro_batch, strict=False) if x.dim() > 0 and not x.is_complex()]
     found = []
-    ignores = [term.ignore_index, None] if term.target is not None else [None]
-    for ignore in ignores:
+    for ignore in [term.ignore_index, None] if term.target is not None else [None]:
         weight = term.weight if ignore is not None else None
         for path, x in tensors:
+            if ignore is not None and x.is_floating_point():
+                continue  # an ignore index compares with integer targets
             found += [Rule(path, shift, ignore, weight) for shift in ((0, 1, -1) if x.dim() >= 2 else (0,))]
     return found
 
@@ -311,7 +308,8 @@ class Weighting:
 
     def __init__(self, parts: list[Part], micro_batch: Any, samples: int) -> None:
         self.signature = [(p.term.name, p.kind) for p in parts]
-        self.unexplained = not parts or any(p.kind == "unknown" for p in parts)
+        self.unknown = not parts or any(p.kind == "unknown" for p in parts)
+        self.lost = [False] * len(parts)  # a part whose counts no rule followed across micro-batches
         self.rules: list[list[Rule] | str] = [learn(p, micro_batch, samples) for p in parts]
 
     def confirm(self, parts: list[Part], micro_batch: Any, samples: int) -> bool:
@@ -325,12 +323,19 @@ class Weighting:
                 continue
             kept = [r for r in self.rules[i] if _close(r.count(micro_batch, samples), part.count)]
             intact = intact and bool(kept) and kept[0] == self.rules[i][0]
+            self.lost[i] = self.lost[i] or not kept
             self.rules[i] = kept or [Rule(per=part.count / samples)]
         return intact
 
     def rule(self, index: int) -> Rule | str:
         chosen = self.rules[index]
         return chosen if chosen == SUM else chosen[0]
+
+    @property
+    def unexplained(self) -> bool:
+        """Whether a part is weighed by samples for want of an explanation: a loss that calls no observed
+        function, a weighted mean by hand, or a mean whose counts no rule followed (not even samples)."""
+        return self.unknown or any(self.lost)
 
     @property
     def single(self) -> Rule | str | None:

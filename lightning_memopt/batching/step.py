@@ -171,7 +171,7 @@ class TrainingStep:
 
     # ------------------------------------------------------------------ the one-time check
     def _check(self, regime: Regime, start: Any, written: list[str]) -> None:
-        """Run the batch again as twice as many micro-batches, compare the gradients, and say why they differ.
+        """Run the batch again as another split, compare the gradients, and say why they differ.
 
         The step's own results (gradients, buffers, RNGs, logs) are put back after; nothing of the
         comparison stays. A step that wrote parameters or buffers in place is not run again (the writes
@@ -181,8 +181,13 @@ class TrainingStep:
         device = engine.trainer.strategy.root_device
         batchnorm = exactness.batchnorms(module)
         # Every rank takes the same path (the same passes, hence the same collectives): the flags are agreed.
-        skip, random, again = max_over_ranks_each(
-            [bool(written or batchnorm), not engine.capture(module).same_rng(start), self.result.relearned],
+        skip, random, again, single = max_over_ranks_each(
+            [
+                bool(written or batchnorm),
+                not engine.capture(module).same_rng(start),
+                self.result.relearned,
+                self.sizes[0] < 2,  # a micro-batch of one sample: no other split of the same size
+            ],
             device,
         )
         if again and not skip:
@@ -195,11 +200,16 @@ class TrainingStep:
         if skip:  # not run again when the cause is known: writes in place would repeat, BatchNorm differs
             engine.report_inexact(exactness.causes(batchnorm=batchnorm, written=written, unexplained=False))
             return
+        if single:
+            return
         kept = exactness.gradients(module)
-        count = 2 * (len(self.sizes) + self.pad)
-        halves = micro_batch_sizes(self.total, max(1, max(self.sizes) // 2), smallest=self.floor, count=count)
+        # Another split of the same size: every boundary moved by half a micro-batch, so that a weight
+        # that does not follow what the loss divides by, or a loss that couples neighbouring samples,
+        # shows in the gradient (twice as many halves can miss a coupling inside each pair).
+        half = self.sizes[0] // 2
+        moved = [half, *self.sizes[:-1], self.sizes[-1] - half]
         runs = [(self.sizes, self.pad)] if random else []  # the step itself again, without dropout
-        runs.append((halves, count - len(halves) if engine.sharded() is not None else 0))
+        runs.append((moved, self.pad))
         grads = []
         for sizes, pad in runs:
             start.restore()

@@ -38,8 +38,8 @@ class AutoAccumulation(MicroBatching):
     their ``ignore_index``, class weights, a shift of the labels done in ``training_step``: see
     :mod:`lightning_memopt.batching.loss`), so the accumulated gradient equals the unsplit batch's up to
     rounding, an uneven last micro-batch included. On the first split step of each batch structure the
-    engine checks it: the same batch runs once more as twice as many micro-batches (dropout off, every
-    state restored) and the gradients are compared; when they differ, a
+    engine checks it: the same batch runs once more as another split of the same size (every boundary
+    moved by half a micro-batch, dropout off, every state restored) and the gradients are compared; when they differ, a
     :class:`~lightning_memopt.SplitNotExactWarning` names the cause and the fix (BatchNorm in training
     mode, a parameter or buffer written in place inside ``training_step``, a loss that couples the
     samples of a batch, a loss the engine cannot explain: pass ``count_fn``); ``exactness="raise"`` raises

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from lightning.pytorch.loggers.logger import Logger
 from torch import nn
@@ -37,12 +36,6 @@ BATCH = 8  # samples per DataLoader batch (the optimizer batch)
 K = 2  # samples per micro-batch that AutoAccumulation is forced to
 BAR = 1e-10  # the largest relative difference of the update that counts as exact (float64)
 MODES = ("split", "oom")
-
-
-def xfail(reason: str) -> pytest.MarkDecorator:
-    """The mark of a check that fails today: strict, so that the fix turns it into a failure (XPASS) and
-    the mark is removed with it."""
-    return pytest.mark.xfail(strict=True, reason=f"issue 19: {reason}")
 
 
 class MLP(pl.LightningModule):

@@ -22,7 +22,6 @@ from tests.patterns.helpers import (
     assert_same_values,
     classification,
     train,
-    xfail,
 )
 
 SAMPLES, MICRO = 20, 3
@@ -130,35 +129,17 @@ PATTERNS = {
     "reduce_fx_min": (lambda: ReduceFx("min"), ["error_step", "error_epoch"]),
     "metric_object": (WithMetric, ["train_acc_step", "train_acc_epoch"]),
 }
-FLOAT32 = "logged in float32 for a float64 model"
-# What goes wrong today: a pattern's logged values (by key; None: every key), and its training.
-TODAY_VALUES = {
-    ("log_mean_loss", None): FLOAT32,
-    ("log_sum_loss", None): "a weighted mean of the micro-batches' sums is logged",
-    ("log_dict", None): "log_dict crashes (batch_size=None added up)",
-    ("reduce_fx_mean", None): FLOAT32,
-    ("reduce_fx_sum", None): "a weighted mean is logged for reduce_fx='sum'",
-    ("reduce_fx_max", None): "a weighted mean is logged for reduce_fx='max'",
-    ("reduce_fx_min", None): "a weighted mean is logged for reduce_fx='min'",
-    ("metric_object", "train_acc_step"): "the step value is the last micro-batch's",
-}
-TODAY_TRAINING = {
-    "log_sum_loss": "sum weighted as a mean: 1/k of the update",
-    "log_dict": "log_dict crashes (batch_size=None added up)",
-}
 
 
 def value_cases():
     for name, (_, keys) in PATTERNS.items():
         for key in keys:
-            reason = TODAY_VALUES.get((name, key)) or TODAY_VALUES.get((name, None))
-            yield pytest.param(name, key, marks=[xfail(reason)] if reason else [], id=f"{name}-{key}")
+            yield pytest.param(name, key, id=f"{name}-{key}")
 
 
 def training_cases():
     for name in PATTERNS:
-        reason = TODAY_TRAINING.get(name)
-        yield pytest.param(name, marks=[xfail(reason)] if reason else [], id=name)
+        yield pytest.param(name, id=name)
 
 
 @pytest.mark.parametrize("mode", MODES)

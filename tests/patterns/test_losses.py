@@ -30,7 +30,6 @@ from tests.patterns.helpers import (
     no_split_warning,
     relative_update,
     train,
-    xfail,
 )
 
 VOCAB, SEQ = 11, 7
@@ -270,18 +269,16 @@ class MaskedMean(MLP):
 EXACT = [
     pytest.param(MeanMSE, regression, id="mse_mean"),
     pytest.param(CrossEntropyModule, classification, id="CrossEntropyLoss_module"),
-    pytest.param(SumMSE, regression, id="mse_sum", marks=xfail("sum weighted as a mean: 1/k of the update")),
+    pytest.param(SumMSE, regression, id="mse_sum"),
     pytest.param(
         SumCrossEntropyModule,
         classification,
         id="CrossEntropyLoss_sum",
-        marks=xfail("sum weighted as a mean: 1/k of the update"),
     ),
     pytest.param(
         ClassWeighted,
         classification,
         id="class_weighted_ce",
-        marks=xfail("weighted by samples, not by class weights"),
     ),
     pytest.param(L2Penalty, classification, id="l2_penalty"),
     pytest.param(BCEWithLogits, multilabel, id="bce_with_logits"),
@@ -292,19 +289,16 @@ EXACT = [
         CausalLMOwnShift,
         lm_batches,
         id="causal_lm_own_shift",
-        marks=xfail("labels != -100 counted without the user's shift"),
     ),
     pytest.param(
         IgnoreIndexZero,
         tagging,
         id="ignore_index_0",
-        marks=xfail("ignore_index=0 unseen: weighted by samples"),
     ),
     pytest.param(
         CEPlusAux,
         lm_with_length,
         id="ce_plus_aux",
-        marks=xfail("one weight for two terms with different counts"),
     ),
 ]
 
@@ -342,11 +336,8 @@ def test_loss_is_exact(module, data, mode, references) -> None:
             SumOverBatchSize,
             classification,
             id="sum_over_hparam",
-            marks=xfail("weighted as a mean over samples, silently"),
         ),
-        pytest.param(
-            MaskedMean, masked_regression, id="masked_mean", marks=xfail("weighted by samples, silently")
-        ),
+        pytest.param(MaskedMean, masked_regression, id="masked_mean"),
     ],
 )
 def test_loss_user_arithmetic_is_exact_or_names_count_fn(module, data, mode, references) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
-from tests.patterns.helpers import BATCH, CLASSES, MLP, MODES, K, assert_exact, classification, train, xfail
+from tests.patterns.helpers import BATCH, CLASSES, MLP, MODES, K, assert_exact, classification, train
 
 
 class DictOutputs(MLP):
@@ -72,7 +72,6 @@ def outputs() -> dict:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@xfail("outputs['loss'] is float32 for a float64 model")
 def test_output_loss_is_the_batch_loss_in_the_model_dtype(mode: str, outputs: dict) -> None:
     got, expected = outputs[mode][0], outputs["plain"][0]
     assert [o["loss"].dtype for o in got] == [torch.float64] * len(expected)
@@ -80,7 +79,6 @@ def test_output_loss_is_the_batch_loss_in_the_model_dtype(mode: str, outputs: di
 
 
 @pytest.mark.parametrize("mode", MODES)
-@xfail("a 0-dim count is averaged over micro-batches")
 def test_output_count_is_the_batch_count(mode: str, outputs: dict) -> None:
     got, expected = outputs[mode][0], outputs["plain"][0]
     assert [int(o["n_correct"]) for o in got] == [int(o["n_correct"]) for o in expected]
@@ -95,7 +93,6 @@ def test_output_per_sample_tensor_is_concatenated(mode: str, outputs: dict) -> N
 
 
 @pytest.mark.parametrize("mode", MODES)
-@xfail("a non-per-sample tensor is the last micro-batch's, silently")
 def test_output_other_tensor_is_equal_or_named(mode: str, outputs: dict) -> None:
     (got, messages), expected = outputs[mode], outputs["plain"][0]
     if any(re.search(r"\bhist\b", m) for m in messages):
@@ -119,7 +116,6 @@ UNSPLIT = {
 }
 
 
-@xfail("None is refused even when the batch is not split")
 @pytest.mark.parametrize("callback", list(UNSPLIT))
 def test_return_none_skips_an_unsplit_batch(callback: str) -> None:
     reference = train(SkipsBatches, classification)

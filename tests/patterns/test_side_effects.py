@@ -36,7 +36,6 @@ from tests.patterns.helpers import (
     no_split_warning,
     relative_update,
     train,
-    xfail,
 )
 
 DIM, QUEUE = 6, 2 * BATCH
@@ -159,13 +158,6 @@ CASES = {
     "in_batch_contrastive": (InBatchContrastive, views, re.escape("depends on how the batch is split")),
     "moe_load_balancing": (LoadBalancedMoE, regression, re.escape("depends on how the batch is split")),
 }
-TODAY = {
-    "batchnorm": "BatchNorm trains differently when split, without a warning",
-    "ema_teacher": "the teacher is updated once per micro-batch, silently",
-    "moco_queue": "the queue is written once per micro-batch, silently",
-    "in_batch_contrastive": "each micro-batch sees fewer negatives, silently",
-    "moe_load_balancing": "the balance term is computed per micro-batch, silently",
-}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -179,7 +171,7 @@ def test_split_changes_the_update(case: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=xfail(TODAY[c])) for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_split_warns_with_the_cause(case: str, mode: str) -> None:
     module, data, cause = CASES[case]
     with pytest.warns(SplitNotExactWarning, match=cause):
@@ -187,9 +179,7 @@ def test_split_warns_with_the_cause(case: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=xfail("no exactness option; " + TODAY[c])) for c in CASES]
-)
+@pytest.mark.parametrize("case", list(CASES))
 def test_split_raises_with_the_cause(case: str, mode: str) -> None:
     module, data, cause = CASES[case]
     with pytest.raises(SplitNotExactError, match=cause):

@@ -32,7 +32,6 @@ from tests.patterns.helpers import (
     no_split_warning,
     quiet_trainer,
     train,
-    xfail,
 )
 
 VOCAB, SAMPLES = 9, 3 * BATCH
@@ -153,7 +152,7 @@ def test_validation_loop_training_is_exact(mode: str, validated: dict) -> None:
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param("split", marks=xfail("split val_loss logged in float32")),
+        "split",
         "oom",
     ],
 )
@@ -178,7 +177,6 @@ def test_resume_mid_fit_is_exact(mode: str, tmp_path) -> None:
     assert_exact(resumed(mode, tmp_path / f"{mode}.ckpt"), reference)
 
 
-@xfail("the schedule is refused only when it is reached (epoch 1)")
 @pytest.mark.parametrize("callback", [AutoAccumulation, OOMBackoff])
 def test_accumulation_schedule_is_refused_before_the_first_batch(callback) -> None:
     module = Classifier()
@@ -221,7 +219,6 @@ def find_batch_size(callbacks, root) -> int:
     return finder.optimal_batch_size
 
 
-@xfail("OOMBackoff hides the OOMs from BatchSizeFinder (it picks the dataset's size)")
 def test_batch_size_finder_with_oom_backoff_finds_the_same_size_or_refuses(tmp_path) -> None:
     expected = find_batch_size([], tmp_path)
     assert expected == 16

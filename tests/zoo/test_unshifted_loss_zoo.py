@@ -38,20 +38,8 @@ def relative(name: str, references: dict, callback: str, **options) -> float:
     return update_difference(dict(split.named_parameters()), dict(reference.named_parameters()), start)
 
 
-# Marian is told apart today (its config's is_encoder_decoder): its test guards that.
-SHIFTED_TODAY = (
-    "issue 19: weighted by labels != -100 after a shift this loss does not make (told from the class)"
-)
-
-
 @pytest.mark.parametrize("callback", list(CALLBACKS))
-@pytest.mark.parametrize(
-    "name",
-    [
-        n if n == "marian" else pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=SHIFTED_TODAY))
-        for n in UNSHIFTED
-    ],
-)
+@pytest.mark.parametrize("name", list(UNSHIFTED))
 def test_own_loss_split_equals_unsplit(name: str, callback: str, references: dict) -> None:
     assert relative(name, references, callback) <= BAR
 
