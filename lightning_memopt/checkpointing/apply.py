@@ -42,6 +42,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
+from lightning_memopt.checkpointing._inputs import storage_key as _storage_key
+from lightning_memopt.checkpointing._inputs import tensors as _tensors
 from lightning_memopt.checkpointing.offload import overlapped_offload
 
 __all__ = [
@@ -219,23 +221,6 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
                 b.copy_(saved)
     early_stop = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
     return _CachePolicy(count.at_last_save if early_stop else None, frozenset(count.mutated))
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):
-        return None
 
 
 class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
