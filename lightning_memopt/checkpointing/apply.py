@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -44,6 +43,7 @@ from torch.utils.flop_counter import flop_registry
 
 from lightning_memopt.checkpointing._inputs import storage_key as _storage_key
 from lightning_memopt.checkpointing._inputs import tensors as _tensors
+from lightning_memopt.checkpointing.dry_run import fake_call
 from lightning_memopt.checkpointing.offload import overlapped_offload
 
 __all__ = [
@@ -168,57 +168,27 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
     Non-reentrant checkpointing recomputes the forward only until every tensor saved for backward is
     back, so the compute ops after that point never run again and their outputs need no cache. Outputs
     changed in place later in the forward cannot be cached at all. Found by running the forward once on
-    fake tensors (no memory, no FLOPs, no RNG or buffer change; modes the caller entered, such as memory
-    trackers and FLOP counters, do not see it). Where the block does not run on fake tensors (a
-    data-dependent op), nothing is cached: recomputing everything is always correct.
+    fake tensors (:func:`~lightning_memopt.checkpointing.dry_run.fake_call`). Where the block does not run
+    on fake tensors (a data-dependent op), nothing is cached: recomputing everything is always correct.
     """
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
-
     if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
         return _RECOMPUTE_ALL  # a cache the block keeps: a dry run would write fake keys into it
-    buffers = [(b, b.detach().clone()) for b in block.buffers()]
     count = _CountOps()
 
     def pack(t):
         count.at_last_save = count.compute
         return None
 
-    # Autocast caches the casts of parameters while its region lasts: a cast made on fake tensors must
-    # not be found by the real forward (nor change which casts the real forward and its recomputation run).
-    autocast_cache = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    # An op without a fake kernel (e.g. grouped matmul) is an expected outcome here, not an error to log.
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    fake_level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)
     try:
-        with _disable_current_modes(), torch.random.fork_rng(devices=[]):
-            mode = detect_fake_mode(_tensors((args, kwargs))) or FakeTensorMode(allow_non_fake_inputs=True)
-            with mode:
-
-                def fake(v):
-                    if not isinstance(v, torch.Tensor):
-                        return v
-                    f = v.detach() if mode.is_our_fake(v) else mode.from_tensor(v.detach())
-                    return f.requires_grad_(v.requires_grad)
-
-                fargs, fkwargs = tree_map(fake, (args, kwargs))
-                with (
-                    torch.enable_grad(),
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
-                    count,
-                ):
-                    fn(*fargs, **fkwargs)
+        with (
+            fake_call(block, args, kwargs) as (fargs, fkwargs),
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
+            count,
+        ):
+            fn(*fargs, **fkwargs)
     except Exception:  # a data-dependent op, an op fake tensors do not support
         return _RECOMPUTE_ALL
-    finally:
-        fake_log.setLevel(fake_level)
-        torch.set_autocast_cache_enabled(autocast_cache)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
     early_stop = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
     return _CachePolicy(count.at_last_save if early_stop else None, frozenset(count.mutated))
 
