@@ -19,6 +19,9 @@ Treatments (``Choice``):
                 backward (stopping early once everything needed is recomputed)
 ``offload``     tensors saved for backward are copied to CPU memory and brought back in backward;
                 parameters are never offloaded. Costs transfer bytes, no FLOPs
+``pointwise``   the block's pointwise sub-modules (norms, activations) keep only their inputs and are
+                run again in backward, as modules: no per-op dispatch (``pointwise.py``). Holds what
+                ``selective`` holds, or more where ``selective`` also drops functional pointwise results
 ==============  ======================================================================================
 
 Nothing is recomputed or offloaded when the block is in ``eval()`` mode or gradients are disabled.
@@ -45,6 +48,7 @@ from lightning_memopt.checkpointing._inputs import storage_key as _storage_key
 from lightning_memopt.checkpointing._inputs import tensors as _tensors
 from lightning_memopt.checkpointing.dry_run import fake_call
 from lightning_memopt.checkpointing.offload import overlapped_offload
+from lightning_memopt.checkpointing.pointwise import pointwise_forward, pointwise_modules
 
 __all__ = [
     "CHOICES",
@@ -57,8 +61,8 @@ __all__ = [
     "framework_checkpointing",
 ]
 
-Choice = Literal["keep", "selective", "full", "offload"]
-CHOICES: tuple[str, ...] = ("keep", "selective", "full", "offload")
+Choice = Literal["keep", "selective", "full", "offload", "pointwise"]
+CHOICES: tuple[str, ...] = ("keep", "selective", "full", "offload", "pointwise")
 
 _STATE = "_memopt_checkpoint"  # instance attribute holding a block's _BlockState
 
@@ -228,6 +232,8 @@ class _BlockState:
         self.own_forward = own_forward  # an instance-level ``forward`` the block had before, or None
         # selective: per input signature, which compute ops' outputs to cache
         self.cache_policies: dict[str, _CachePolicy] = {}
+        # pointwise: per input signature, which sub-modules to recompute
+        self.pointwise: dict[str, tuple[str, ...]] = {}
 
 
 def _signature(value) -> str:
@@ -253,6 +259,11 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
         hooks = overlapped_offload(block, (args, kwargs), functools.partial(_notify, "offloaded"))
         with hooks or _OffloadHooks(block):
             return fn(*args, **kwargs)
+    if choice == "pointwise":
+        key = _signature((args, kwargs))
+        if key not in state.pointwise:
+            state.pointwise[key] = pointwise_modules(block, fn, args, kwargs, is_compute=is_compute_op)
+        return pointwise_forward(block, fn, args, kwargs, state.pointwise[key])
     if choice == "selective":
         key = _signature((args, kwargs))
         if key not in state.cache_policies:
@@ -330,7 +341,7 @@ def apply_checkpointing(model: nn.Module, plan) -> None:
     Args:
         model: The model holding the blocks.
         plan: A :class:`~lightning_memopt.checkpointing.Plan`, or a mapping from a block's qualified name
-            (as in ``model.named_modules()``) to ``"keep"``, ``"selective"``, ``"full"`` or ``"offload"``.
+            (as in ``model.named_modules()``) to one of :data:`CHOICES` (``"keep"``, ``"selective"``, ``"full"``, ``"offload"``, ``"pointwise"``).
 
     Raises:
         ValueError: If a name is not a module of ``model`` or a choice is unknown.
