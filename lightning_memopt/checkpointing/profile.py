@@ -47,6 +47,8 @@ from lightning_memopt.checkpointing.apply import (
 from lightning_memopt.checkpointing.apply import (
     _signature as _signature_of,
 )
+from lightning_memopt.checkpointing.timing import time_treatments
+from lightning_memopt.data.clock import Clock
 from lightning_memopt.memory import MemoryTracker
 
 __all__ = [
@@ -84,6 +86,9 @@ class OptionCost:
     """Bytes read and written by the other (pointwise, memory-bound) ops run again in backward."""
     transfer_bytes: int = 0
     """Bytes copied to CPU in forward (and back in backward)."""
+    seconds: float | None = None
+    """Measured seconds of the block's forward and backward under this treatment beyond ``keep``'s (the
+    medians' difference, :mod:`~lightning_memopt.checkpointing.timing`); None where not timed."""
 
 
 @dataclass
@@ -282,6 +287,7 @@ def profile_blocks(
     inputs: dict[str, BlockInputs] | None = None,
     context: Callable[[], contextlib.AbstractContextManager] | None = None,
     choices: Iterable[str] = CHOICES,
+    clock: Clock | None = None,
     **kwargs,
 ) -> list[BlockProfile]:
     """Profile every block under every treatment in ``choices``.
@@ -293,6 +299,8 @@ def profile_blocks(
         inputs: Captured block inputs to profile on instead of running the model.
         context: A callable returning the precision context to run under (autocast), or None.
         choices: Treatments to profile; ``keep`` is always profiled (recompute is measured against it).
+        clock: Where given, each treatment is also timed on it (``OptionCost.seconds``; the extra passes
+            this costs: :mod:`~lightning_memopt.checkpointing.timing`), e.g. ``step_clock(device)``.
 
     Returns:
         One :class:`BlockProfile` per block, in the order given.
@@ -324,7 +332,7 @@ def profile_blocks(
         # Every block is gathered, profiled or not: the ranks all-gather the same blocks in the same order.
         with _gathered(block) as call:
             if key not in cache:
-                cache[key] = _profile_block(name, block, call, captured, choices, context)
+                cache[key] = _profile_block(name, block, call, captured, choices, context, clock)
         profile = copy.deepcopy(cache[key])
         profile.name, profile.chained, profile.input_held = name, captured.chained, captured.input_held
         profiles.append(profile)
@@ -360,7 +368,7 @@ def _gathered(block: nn.Module) -> Iterator[Callable]:
         block.reshard()
 
 
-def _profile_block(name, block, call, captured: BlockInputs, choices, context) -> BlockProfile:
+def _profile_block(name, block, call, captured: BlockInputs, choices, context, clock) -> BlockProfile:
     state = block.__dict__.get(_STATE)
     before = state.choice if state is not None else None
     fake_model = nn.Module()  # apply_checkpointing works on a model; give the block a one-entry tree
@@ -383,6 +391,8 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context) -
             cost.recompute_flops = max(bwd[0] - keep_bwd[0], 0)
             cost.recompute_bytes = max(bwd[1] - keep_bwd[1], 0)
             options[choice] = cost
+        if clock is not None:
+            _time_options(fake_model, call, captured, context, options, clock)
     finally:
         if before is None:
             remove_checkpointing(fake_model)
@@ -394,16 +404,47 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context) -
     )
 
 
-def _run(block, call, captured: BlockInputs, context):
+def _fresh_inputs(captured: BlockInputs) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Copies of the captured inputs, requiring grad as in the model's forward (what autograd saves
+    depends on it), and those that do."""
     args, kwargs = tree_map(
         lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (captured.args, captured.kwargs)
     )
-    for i, t in enumerate(
-        _tensors((args, kwargs))
-    ):  # as in the model's forward: what autograd saves depends on it
+    for i, t in enumerate(_tensors((args, kwargs))):
         if t.is_floating_point() and (captured.grad_inputs is None or i in captured.grad_inputs):
             t.requires_grad_(True)
-    leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    return args, kwargs, [t for t in _tensors((args, kwargs)) if t.requires_grad]
+
+
+def _time_options(fake_model, call, captured: BlockInputs, context, options: dict, clock) -> None:
+    """Set each option's ``seconds``: its timed forward and backward beyond ``keep``'s (timing.py)."""
+    block = fake_model.b
+    params = [p for p in block.parameters() if p.requires_grad]
+    buffers = {n: b.detach().clone() for n, b in block.named_buffers()}
+
+    def prepare(choice):
+        apply_checkpointing(fake_model, {"b": choice})
+        args, kwargs, leaves = _fresh_inputs(captured)
+
+        def run():
+            with (context or contextlib.nullcontext)():
+                outs = [t for t in _tensors(call(*args, **kwargs)) if t.requires_grad]
+            if outs:
+                torch.autograd.grad(sum(o.float().sum() for o in outs), leaves + params, allow_unused=True)
+
+        return run
+
+    with torch.random.fork_rng(devices=[]):
+        timings = time_treatments(prepare, list(options), clock)
+    with torch.no_grad():
+        for n, b in block.named_buffers():
+            b.copy_(buffers[n])
+    for choice, option in options.items():
+        option.seconds = timings[choice].median - timings["keep"].median
+
+
+def _run(block, call, captured: BlockInputs, context):
+    args, kwargs, leaves = _fresh_inputs(captured)
     primary_in = next(iter(_tensors((args, kwargs))), None)
     tracker = MemoryTracker(block)
     offloaded = [0]
