@@ -99,7 +99,7 @@ def test_plan_policy_per_mode_and_limit():
     assert (list(planned.choices.values()), planned.budget, calls) == (["full", "keep"], 1200, [1])
     # Chosen once: the treatments the mode can choose (offload only where allowed), given the limit.
     resolved = PlanPolicy.for_mode("auto", StepLimit.resolve("1KiB", 0.0, None), offload=True)
-    assert resolved.treatments == ("keep", "selective", "full", "offload")
+    assert resolved.treatments == ("keep", "selective", "full", "pointwise", "offload")
     unlimited = PlanPolicy.for_mode("auto", StepLimit.resolve(None, 0.1, None), offload=True)
     assert unlimited.treatments == ("keep", "full")  # no limit: full where it lowers the bytes, else keep
     assert PlanPolicy.for_mode("selective", StepLimit(None, 0.1, 10**6), offload=True).treatments == (
