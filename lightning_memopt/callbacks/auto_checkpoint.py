@@ -229,13 +229,13 @@ class AutoCheckpoint(ReleasingCallback):
             return
         probe.close()
         if not self.plan.predicted:
-            context = trainer.precision_plugin.forward_context
-            profiles = profile_blocks(
-                pl_module, self._blocks, inputs=probe.inputs, context=context, choices=self._policy.treatments
+            policy, context = self._policy, trainer.precision_plugin.forward_context
+            # auto under a limit also times each treatment on the policy's clock: plans priced in seconds
+            options = dict(
+                inputs=probe.inputs, context=context, choices=policy.treatments, clock=policy.clock
             )
-            states = (
-                state_bytes(pl_module, trainer.optimizers) if self._policy.limit.usable is not None else 0
-            )
+            profiles = profile_blocks(pl_module, self._blocks, **options)
+            states = state_bytes(pl_module, trainer.optimizers) if policy.limit.usable is not None else 0
             if engine := MicroBatchEngine.installed_for(trainer):  # profiled: the last (largest) micro-batch
                 self._signature = step_signature(batch, engine.ran_size)
             # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.

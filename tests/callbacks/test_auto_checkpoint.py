@@ -379,8 +379,8 @@ def test_log_false_logs_nothing(tmp_path):
         ({"mode": "full"}, ["keep", "full"]),
         ({"mode": "selective"}, ["keep", "selective"]),
         ({}, ["keep", "full"]),  # CPU, no limit: full recompute where it helps, else keep
-        ({"max_memory": 10**6}, ["keep", "selective", "full"]),  # CPU: no offload
-        ({"max_memory": 10**6, "allow_offload": True}, ["keep", "selective", "full", "offload"]),
+        ({"max_memory": 10**6}, ["keep", "selective", "full", "pointwise"]),  # CPU: no offload
+        ({"max_memory": 10**6, "allow_offload": True}, ["keep", "selective", "full", "pointwise", "offload"]),
     ],
 )
 def test_profiles_only_the_treatments_the_mode_can_choose(tmp_path, monkeypatch, kwargs, profiled):
