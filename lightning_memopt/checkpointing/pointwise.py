@@ -14,7 +14,8 @@ Which sub-modules (found once per input signature, by one dry run on fake tensor
 - run no compute-heavy op (matmul, convolution, attention), no random op, and write no tensor they did
   not create (an in-place op on their input, a BatchNorm's running statistics): recomputing them is
   cheap and gives the same values;
-- are called once, and return one floating-point tensor of their own (not a view of an input);
+- are called once, and return one floating-point tensor of their own (not a view of an input) that
+  their own ops do not save (a softmax's output is; a norm's or GELU's is not);
 - whose output a later op outside them saves for backward (else there is nothing to drop), and whose
   inputs autograd holds anyway (else keeping them to recompute from would cost what is saved).
 
@@ -63,6 +64,8 @@ class _Seen:
     output: object = None
     output_saved: bool = False
     """Whether an op outside the module saved its output for backward."""
+    saved_inside: set = field(default_factory=set)
+    """Storages the module's own ops saved for backward."""
 
 
 class _Watch(TorchDispatchMode):
@@ -71,6 +74,7 @@ class _Watch(TorchDispatchMode):
     def __init__(self, stack: list[_Seen], is_compute: Callable) -> None:
         super().__init__()
         self.stack, self.is_compute = stack, is_compute
+        self.keep: list = []  # every op's output stays referenced: a freed storage's key could be reused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,6 +88,7 @@ class _Watch(TorchDispatchMode):
                 for t in tensors(named.get(arg.name))
             ]
         out = func(*args, **kwargs)
+        self.keep.append(out)
         impure = self.is_compute(func) or torch.Tag.nondeterministic_seeded in func.tags
         for seen in self.stack:
             seen.pure = seen.pure and not impure and all(k in seen.created for k in written)
@@ -103,6 +108,7 @@ def pointwise_modules(
     stack: list[_Seen] = []
     seen: dict[str, _Seen] = {}
     saved: set = set()
+    kept: list = []  # saved tensors stay referenced (fake: no memory), so that no key is reused
     handles = []
 
     def pre(name):
@@ -120,6 +126,9 @@ def pointwise_modules(
     def pack(t):
         key = storage_key(t)
         saved.add(key)
+        kept.append(t)
+        for s in stack:
+            s.saved_inside.add(key)
         for s in seen.values():
             if s not in stack and isinstance(s.output, torch.Tensor) and storage_key(s.output) == key:
                 s.output_saved = True
@@ -155,6 +164,7 @@ def _qualifies(s: _Seen, saved: set, own: set) -> bool:
     return (
         s.output_saved
         and key in s.created
+        and key not in s.saved_inside  # its recomputed output is only copied back, then dropped
         and key not in inputs
         and key not in own
         and all(k in saved for k in inputs if k not in own)
@@ -162,14 +172,18 @@ def _qualifies(s: _Seen, saved: set, own: set) -> bool:
 
 
 class _Call:
-    """One call of a pointwise sub-module: how to run it again, and its output while the storage is freed."""
+    """One call of a pointwise sub-module: how to run it again, and its output while the storage is freed.
+
+    It holds the call's inputs (autograd holds them anyway: the Function saves them) and output only until
+    the module's backward has run, so that each is freed when keep would free it.
+    """
 
     def __init__(self, module: nn.Module, run: Callable, args: tuple, kwargs: dict) -> None:
         self.module, self.run = module, run
         leaves, self.spec = tree_flatten((args, kwargs))
         self.slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        self.leaves = leaves
         self.inputs = [leaves[i] for i in self.slots]
+        self.leaves = [None if i in self.slots else v for i, v in enumerate(leaves)]  # the other arguments
         self.versions = [t._version for t in self.inputs]
         self.params = [p for p in module.parameters() if p.requires_grad]
         device = self.inputs[0].device.type if self.inputs else "cpu"
@@ -185,20 +199,12 @@ class _Call:
         args, kwargs = tree_unflatten(leaves, self.spec)
         return self.run(*args, **kwargs)
 
-    def rerun(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The module's forward again, with grad, on detached inputs: (inputs, output)."""
-        if [t._version for t in self.inputs] != self.versions:
-            raise RuntimeError(
-                f"an input of {type(self.module).__name__} was modified in place after its forward; the "
-                "pointwise treatment cannot recompute it. Use 'selective' or 'full' for this block."
-            )
-        if self.again is not None:
-            return self.again
-        xs = [t.detach().requires_grad_(t.requires_grad) for t in self.inputs]
+    def rerun(self, inputs) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The module's forward again, with grad, on detached ``inputs``: (those inputs, output)."""
+        xs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         device, dtype, enabled = self.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            self.again = xs, self.call(xs)
-        return self.again
+            return xs, self.call(xs)
 
     def release(self) -> None:
         storage = self.output.untyped_storage()
@@ -206,10 +212,16 @@ class _Call:
         storage.resize_(0)
 
     def refill(self) -> None:
+        """Run the module again and write its output back into the freed storage (before its readers)."""
         if self.nbytes == 0:
             return
-        _, again = self.rerun()
-        out, storage = self.output, self.output.untyped_storage()
+        if [t._version for t in self.inputs] != self.versions:
+            raise RuntimeError(
+                f"an input of {type(self.module).__name__} was modified in place after its forward; the "
+                "pointwise treatment cannot recompute it. Use 'selective' or 'full' for this block."
+            )
+        self.again = self.rerun(self.inputs)
+        again, out, storage = self.again[1], self.output, self.output.untyped_storage()
         storage.resize_(self.nbytes)
         self.nbytes = 0
         # A fresh tensor on the storage: writing through `out` would bump the version counter that the ops
@@ -217,25 +229,27 @@ class _Call:
         alias = torch.empty(0, dtype=out.dtype, device=out.device)
         with torch.no_grad():
             alias.set_(storage, out.storage_offset(), out.size(), out.stride()).copy_(again)
+        # The rerun's own output is only the root of its graph now (the module's ops did not save it): its
+        # bytes go, so that the block's backward holds what keep would, not the output twice.
+        again.untyped_storage().resize_(0)
 
 
 class _Recompute(torch.autograd.Function):
-    """A pointwise sub-module that keeps only its inputs; its backward runs it again (or takes the rerun
-    made to refill its output) and differentiates that."""
+    """A pointwise sub-module that keeps only its inputs; its backward differentiates the rerun made to
+    refill its output (or runs the module again) and lets go of the call's tensors."""
 
     @staticmethod
     def forward(ctx, call: _Call, *tensors_in):
         ctx.call = call
         ctx.save_for_backward(*call.inputs)  # through the saved-tensor hooks: trackers count them
-        n = len(call.inputs)
-        ctx.n_inputs = n
-        return call.call(tensors_in[:n])
+        return call.call(tensors_in[: len(call.inputs)])
 
     @staticmethod
     def backward(ctx, grad):
         call: _Call = ctx.call
-        xs, out = call.rerun()
-        call.again = None
+        xs, out = call.again or call.rerun(ctx.saved_tensors)
+        call.again = call.output = None  # the readers of the output ran before us: free it as keep would
+        call.inputs = []
         wrt = [x for x in xs if x.requires_grad] + call.params
         grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
         inputs = [next(grads) if x.requires_grad else None for x in xs]
