@@ -13,6 +13,8 @@ left alone; RNG and buffers are restored afterwards):
   other op (pointwise ops are memory-bound: they cost bytes, not FLOPs) run during backward, minus the
   same numbers for ``keep``; that difference is exactly the recomputation.
 - transfer bytes: bytes copied to CPU by ``offload`` (they come back, so twice that crosses the bus).
+- seconds (where a clock is given): each treatment's forward and backward timed on the device, as what it
+  adds over ``keep`` (:mod:`~lightning_memopt.checkpointing.timing`; plans are priced in them).
 
 Inputs several blocks take (an attention mask, T5's position bias, the encoder output every decoder block
 attends to) are held once: they count in the first block that takes them. A Hugging Face key/value cache
@@ -87,8 +89,8 @@ class OptionCost:
     transfer_bytes: int = 0
     """Bytes copied to CPU in forward (and back in backward)."""
     seconds: float | None = None
-    """Measured seconds of the block's forward and backward under this treatment beyond ``keep``'s (the
-    medians' difference, :mod:`~lightning_memopt.checkpointing.timing`); None where not timed."""
+    """Measured seconds this treatment adds to the block's forward and backward over ``keep`` (median of
+    paired rounds, :mod:`~lightning_memopt.checkpointing.timing`); None where not timed."""
 
 
 @dataclass
@@ -105,6 +107,8 @@ class BlockProfile:
     input_held: bool = False
     """Whether an op outside the blocks already holds the primary input for backward (a ReLU before the
     first block saves its output): then keeping the input costs the block nothing."""
+    seconds: float | None = None
+    """Measured seconds of the block's forward and backward, kept (median); None where not timed."""
 
     def activation_bytes(self, choice: str) -> int:
         """Bytes the block alone holds for backward under ``choice`` (boundaries included)."""
@@ -377,6 +381,7 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context, c
     options: dict[str, OptionCost] = {}
     keep_bwd = (0, 0)
     forward_flops = in_bytes = out_bytes = 0
+    seconds = None
     try:
         for choice in choices:
             apply_checkpointing(fake_model, {"b": choice})
@@ -392,7 +397,7 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context, c
             cost.recompute_bytes = max(bwd[1] - keep_bwd[1], 0)
             options[choice] = cost
         if clock is not None:
-            _time_options(fake_model, call, captured, context, options, clock)
+            seconds = _time_options(fake_model, call, captured, context, options, clock)
     finally:
         if before is None:
             remove_checkpointing(fake_model)
@@ -400,7 +405,7 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context, c
             state.choice = before
         del fake_model._modules["b"]
     return BlockProfile(
-        name, forward_flops, in_bytes, out_bytes, captured.chained, options, captured.input_held
+        name, forward_flops, in_bytes, out_bytes, captured.chained, options, captured.input_held, seconds
     )
 
 
@@ -416,8 +421,9 @@ def _fresh_inputs(captured: BlockInputs) -> tuple[tuple, dict, list[torch.Tensor
     return args, kwargs, [t for t in _tensors((args, kwargs)) if t.requires_grad]
 
 
-def _time_options(fake_model, call, captured: BlockInputs, context, options: dict, clock) -> None:
-    """Set each option's ``seconds``: its timed forward and backward beyond ``keep``'s (timing.py)."""
+def _time_options(fake_model, call, captured: BlockInputs, context, options: dict, clock) -> float:
+    """Set each option's ``seconds``: its timed forward and backward beyond ``keep``'s (timing.py).
+    Returns keep's seconds."""
     block = fake_model.b
     params = [p for p in block.parameters() if p.requires_grad]
     buffers = {n: b.detach().clone() for n, b in block.named_buffers()}
@@ -440,7 +446,10 @@ def _time_options(fake_model, call, captured: BlockInputs, context, options: dic
         for n, b in block.named_buffers():
             b.copy_(buffers[n])
     for choice, option in options.items():
-        option.seconds = timings[choice].median - timings["keep"].median
+        # Never below keep: a treatment only adds work to the block, and a negative extra is the noise of
+        # a busy machine (it would make the planner pick a treatment that saves nothing for free).
+        option.seconds = max(timings[choice].extra, 0.0)
+    return timings["keep"].median
 
 
 def _run(block, call, captured: BlockInputs, context):
