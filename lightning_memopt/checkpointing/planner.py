@@ -43,6 +43,7 @@ __all__ = [
     "check_mode",
     "initial_choices",
     "prediction_gap",
+    "simple_plans",
     "treatments",
 ]
 
@@ -69,9 +70,14 @@ class CostModel:
     use_time: bool = True
     """Price by measured seconds (``OptionCost.seconds``) where the profiles carry them for every
     treatment. False: always in FLOP-equivalents (deterministic; the rates above)."""
+    tie: float = 0.03
+    """Priced in seconds, plans whose predicted times differ by less than this fraction of the blocks'
+    measured time (every block kept) are ties, and among ties with the optimum the planner takes a plan a
+    user writes by hand (:func:`simple_plans`): per-block timings add up to a step's time only to within a
+    few percent, so a mixed plan is chosen only where it is measurably faster. 0: the optimum always."""
 
     def __post_init__(self) -> None:
-        for name in ("pointwise_flops_per_byte", "offload_flops_per_byte"):
+        for name in ("pointwise_flops_per_byte", "offload_flops_per_byte", "tie"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
@@ -334,7 +340,34 @@ def plan_checkpointing(
             f"{hint}or use a smaller micro-batch (e.g. AutoAccumulation).",
             minimum,
         )
-    return evaluate_plan(profiles, best, cost_model, budget)
+    return _simplest_tie(profiles, evaluate_plan(profiles, best, cost_model, budget), allowed, cost_model)
+
+
+def simple_plans(n: int, allowed: Sequence[str]) -> list[list[str]]:
+    """The plans a user writes by hand for ``n`` blocks: one treatment of ``allowed`` on every block, and
+    (where ``full`` and ``keep`` are allowed) full checkpointing of every k-th block (0, k, 2k, ...).
+
+    Example::
+
+        >>> simple_plans(3, ["keep", "full"])
+        [['keep', 'keep', 'keep'], ['full', 'full', 'full'], ['full', 'keep', 'full']]
+    """
+    plans = [[c] * n for c in allowed]
+    if "full" in allowed and "keep" in allowed:
+        plans += [["full" if i % k == 0 else "keep" for i in range(n)] for k in range(2, n)]
+    return plans
+
+
+def _simplest_tie(profiles, plan: Plan, allowed, cost_model: CostModel) -> Plan:
+    """``plan``, or the fastest hand-written plan that fits its budget and ties with it (``CostModel.tie``)."""
+    if not cost_model.use_time or plan.seconds is None:
+        return plan
+    margin = cost_model.tie * sum(p.seconds or 0.0 for p in profiles)
+    candidates = (
+        evaluate_plan(profiles, c, cost_model, plan.budget) for c in simple_plans(len(profiles), allowed)
+    )
+    ties = [c for c in candidates if c.peak_bytes <= plan.budget and c.cost <= plan.cost + margin]
+    return min(ties, key=lambda c: (c.cost, c.activation_bytes), default=plan)
 
 
 MODES: tuple[str, ...] = ("auto", "full", "selective", "offload", "every_n")
