@@ -45,14 +45,14 @@ __all__ = ["AutoCheckpoint"]
 
 
 class AutoCheckpoint(ReleasingCallback):
-    """Checkpoint the model's repeated blocks: the least recompute whose activations fit in memory.
+    """Checkpoint the model's repeated blocks: the least step time whose activations fit in memory.
 
     With no arguments it finds every stack of repeated blocks (GPT-2's ``h``, T5's encoder and decoder
     blocks, all stages of a ResNet) and the stem before them (a CNN's first convolution, norm and pooling,
     a patch embedding), each a unit (the rule: :func:`~lightning_memopt.checkpointing.find_blocks`). Where
     a memory limit is known (``max_memory``, or a CUDA device's capacity), it plans per unit among keep /
-    op-level selective / full recompute / CPU offload so that parameters, gradients, optimizer state and
-    activations fit in ``max_memory * (1 - headroom)``. Where none is known (CPU), every unit is fully
+    op-level selective / pointwise modules / full / CPU offload, by the time each is measured to take, so
+    that the step fits in ``max_memory * (1 - headroom)``. Where none is known (CPU), every unit is fully
     checkpointed, except units where that lowers neither the bytes held nor the peak: those keep their
     activations, so the peak never rises.
 
@@ -76,8 +76,8 @@ class AutoCheckpoint(ReleasingCallback):
         every_n: The stride of ``mode="every_n"`` (default 2: blocks 0, 2, 4, ...).
         headroom: Fraction of ``max_memory`` kept free (default 0.1), for the allocator's fragmentation
             and recomputation's transient memory in backward. Usable bytes: ``max_memory * (1 - headroom)``.
-        cost_model: Prices of pointwise recompute and offload bytes in FLOPs (:class:`CostModel`); default:
-            its defaults, with offload priced by a copy timed once on the device where offload is allowed.
+        cost_model: How treatments are priced (:class:`CostModel`): by default in seconds each is timed to
+            take while profiling (``use_time=False``: in FLOPs, with offload priced by a timed copy).
         allow_offload: Whether ``auto`` may offload to CPU. Default: only when the device is not the CPU.
         log: Whether to log the keys below.
         budget: Deprecated, use ``max_memory``. ``budget=X`` means ``max_memory=X, headroom=0`` (the old
