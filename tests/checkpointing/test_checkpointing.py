@@ -389,8 +389,10 @@ def test_profile_bytes_exact_and_predictions_match_measurement():
         ("full", "keep", "offload"),
         ("keep", "selective", "full"),
         ("offload", "keep", "keep"),
+        ("pointwise", "selective", "full"),
+        ("keep", "pointwise", "offload"),
     ]
-    for choices in mixes + [(c,) * 3 for c in ("selective", "full", "offload")]:
+    for choices in mixes + [(c,) * 3 for c in ("selective", "full", "offload", "pointwise")]:
         predicted = evaluate_plan(profiles, choices)
         apply_checkpointing(model, predicted)
         with ActivationMeter(model, blocks) as meter:

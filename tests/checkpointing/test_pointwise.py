@@ -11,7 +11,6 @@ from torch import nn
 from lightning_memopt.checkpointing import (
     ActivationMeter,
     apply_checkpointing,
-    evaluate_plan,
     find_blocks,
     profile_blocks,
     remove_checkpointing,
@@ -92,16 +91,10 @@ def test_pointwise_holds_exact_bytes_and_gradients_equal_on_the_tests_gpt():
     # mean and rstd (B,T fp32 each) go; their inputs are kept (the Function saves them, as LayerNorm did).
     assert keep.internal_bytes - pointwise.internal_bytes == 2 * (B * T * h * 4 + 2 * B * T * 4)
     assert pointwise.recompute_flops == 0 < pointwise.recompute_bytes
-    for choices in [("pointwise",) * 3, ("pointwise", "selective", "full"), ("keep", "pointwise", "offload")]:
-        predicted = evaluate_plan(profiles, choices)
-        apply_checkpointing(model, predicted)
-        with ActivationMeter(model, blocks) as meter:
-            loss = model(idx).sum()
-        loss.backward()
-        assert meter.block_bytes == predicted.block_bytes, choices
+    # Predicted = measured bytes for plans with pointwise blocks: test_checkpointing.py's profile test.
     apply_checkpointing(model, dict.fromkeys((n for n, _ in blocks), "pointwise"))
-    assert model.h[0].__dict__[_STATE].pointwise.popitem()[1] == ("ln_1", "ln_2")
     got = _grads(model, idx)
+    assert model.h[0].__dict__[_STATE].pointwise.popitem()[1] == ("ln_1", "ln_2")
     assert all(torch.equal(got[n], ref[n]) for n in ref)
 
 
