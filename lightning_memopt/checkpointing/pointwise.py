@@ -2,8 +2,8 @@
 
 Op-level selective checkpointing (``selective``) decides per op which outputs to keep: torch calls a
 Python policy on every op of the forward, and replays the block's whole Python forward in backward. On a
-CPU and on small blocks that machinery costs more time than the recompute it prices (18-30% of a step
-for a policy that recomputes nothing). Most of what it drops, though, are the outputs of a block's
+CPU and on small blocks that machinery costs more time than the recompute it prices (on a 2-core CPU,
+15-100% of a step at 1.00x FLOPs: ``benchmarks/checkpointing.py``). Most of what it drops, though, are the outputs of a block's
 pointwise *sub-modules* (a LayerNorm's output, which the next linear layer saves; an activation's) and
 their intermediates: recomputing those sub-modules as modules, as Megatron's ``recompute_modules`` does,
 needs no per-op dispatch at all.
@@ -190,7 +190,7 @@ class _Call:
         self.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         self.output: torch.Tensor | None = None
         self.nbytes = 0
-        self.again: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the rerun, for backward
+        self.again: tuple | None = None  # the rerun (inputs, output, parameters), for backward
 
     def call(self, inputs) -> torch.Tensor:
         leaves = list(self.leaves)
@@ -199,12 +199,19 @@ class _Call:
         args, kwargs = tree_unflatten(leaves, self.spec)
         return self.run(*args, **kwargs)
 
-    def rerun(self, inputs) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The module's forward again, with grad, on detached ``inputs``: (those inputs, output)."""
+    def rerun(self, inputs) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """The module's forward again, with grad, on detached ``inputs``: (those inputs, output, and the
+        parameters it ran with: read now, since FSDP2 may register other objects than in the forward)."""
         xs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if len(params) != len(self.params):
+            raise RuntimeError(
+                f"{type(self.module).__name__} has {len(params)} trainable parameters in backward, "
+                f"{len(self.params)} in its forward; the pointwise treatment cannot differentiate it"
+            )
         device, dtype, enabled = self.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            return xs, self.call(xs)
+            return xs, self.call(xs), params
 
     def release(self) -> None:
         storage = self.output.untyped_storage()
@@ -247,10 +254,10 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         call: _Call = ctx.call
-        xs, out = call.again or call.rerun(ctx.saved_tensors)
+        xs, out, params = call.again or call.rerun(ctx.saved_tensors)
         call.again = call.output = None  # the readers of the output ran before us: free it as keep would
         call.inputs = []
-        wrt = [x for x in xs if x.requires_grad] + call.params
+        wrt = [x for x in xs if x.requires_grad] + params
         grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
         inputs = [next(grads) if x.requires_grad else None for x in xs]
         return (None, *inputs, *grads)
