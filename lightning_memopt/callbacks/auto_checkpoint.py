@@ -71,8 +71,8 @@ class AutoCheckpoint(ReleasingCallback):
         max_memory: The memory a training step may use on the device: bytes (``int``), a string such as
             ``"6GiB"``, or a ``float`` in (0, 1], a fraction of the device's capacity. Default (None): the
             capacity where known. Only ``mode="auto"`` uses it.
-        mode: ``"auto"`` plans under the limit; ``"full"``, ``"selective"`` or ``"offload"`` force that
-            treatment on every block; ``"every_n"`` fully checkpoints every ``every_n``-th block.
+        mode: ``"auto"`` plans under the limit; ``"full"``, ``"selective"``, ``"offload"``, ``"pointwise"``
+            force that treatment on every block; ``"every_n"`` fully checkpoints every ``every_n``-th block.
         every_n: The stride of ``mode="every_n"`` (default 2: blocks 0, 2, 4, ...).
         headroom: Fraction of ``max_memory`` kept free (default 0.1), for the allocator's fragmentation
             and recomputation's transient memory in backward. Usable bytes: ``max_memory * (1 - headroom)``.
@@ -111,7 +111,7 @@ class AutoCheckpoint(ReleasingCallback):
         blocks: list[type[torch.nn.Module] | str] | str | None = None,
         # float before str: a CLI's "0.5" is a fraction (jsonargparse tries the union's types in order)
         max_memory: int | float | str | None = None,
-        mode: Literal["auto", "full", "selective", "offload", "every_n"] = "auto",
+        mode: Literal["auto", "full", "selective", "offload", "every_n", "pointwise"] = "auto",
         every_n: int = 2,
         headroom: float = 0.1,
         cost_model: CostModel | None = None,

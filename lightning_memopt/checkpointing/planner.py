@@ -370,9 +370,10 @@ def _simplest_tie(profiles, plan: Plan, allowed, cost_model: CostModel) -> Plan:
     return min(ties, key=lambda c: (c.cost, c.activation_bytes), default=plan)
 
 
-MODES: tuple[str, ...] = ("auto", "full", "selective", "offload", "every_n")
-"""How blocks are treated: ``auto`` plans (under a limit where one is known), ``full``, ``selective`` and
-``offload`` force that treatment on every block, ``every_n`` fully checkpoints every n-th block."""
+MODES: tuple[str, ...] = ("auto", "full", "selective", "offload", "every_n", "pointwise")
+"""How blocks are treated: ``auto`` plans (under a limit where one is known), ``full``, ``selective``,
+``offload`` and ``pointwise`` force that treatment on every block, ``every_n`` fully checkpoints every
+n-th block."""
 
 
 def check_mode(

@@ -86,6 +86,10 @@ def test_gradients_match_plain_training(tmp_path):
         ({"mode": "every_n", "every_n": 2}, {"model.h.0": "full", "model.h.1": "keep", "model.h.2": "full"}),
         ({"mode": "offload"}, {"model.h.0": "offload", "model.h.1": "offload", "model.h.2": "offload"}),
         ({"blocks": ["model.h.1"], "mode": "selective"}, {"model.h.1": "selective"}),
+        (
+            {"mode": "pointwise"},
+            {"model.h.0": "pointwise", "model.h.1": "pointwise", "model.h.2": "pointwise"},
+        ),
     ],
 )
 def test_forced_modes(tmp_path, kwargs, expected):

@@ -134,7 +134,8 @@ def test_mode_policy():
         "inputs or behaviour may change between batches (variable sequence length?); leave more headroom."
     )
     with pytest.raises(
-        ValueError, match=r"mode must be one of \('auto', 'full', 'selective', 'offload', 'every_n'\)"
+        ValueError,
+        match=r"mode must be one of \('auto', 'full', 'selective', 'offload', 'every_n', 'pointwise'\)",
     ):
         check_mode("fast", 2)
     with pytest.raises(ValueError, match=r"cost_model must be a CostModel, got 3; e.g. CostModel\("):
