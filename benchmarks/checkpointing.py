@@ -1,36 +1,42 @@
-"""Activation checkpointing benchmark: bytes, FLOPs and CPU step time of checkpointing plans.
+"""Activation checkpointing benchmark: plans ranked by the step time users pay, with ties where it is noise.
 
-For each model: no checkpointing, full checkpointing of every block, every 2nd block, op-level selective
-on every block, and the planner at budgets of 25/40/45/50/75% of the blocks' activations without
-checkpointing, next to the optimum found by brute force for the same budgets. Offload is left out of
-the executed plans: on this CPU-only machine it copies to the same memory (the planner-only brute-force
-check includes it).
+For each model: no checkpointing, the simple plans a user writes by hand (full checkpointing of every
+n-th block for n = 1, 2, 3; op-level selective on every block; the pointwise treatment on every block)
+and AutoCheckpoint's planner at 25%, 50% and 75% of the blocks' activations without checkpointing. The
+planner profiles the blocks with their treatments timed on the same clock the benchmark measures with, so
+its plans are priced in seconds.
 
-Columns:
-- ``acts pred/meas``: bytes the blocks hold for backward, predicted by the plan / measured with
-  MemoryTracker (ActivationMeter) during the step, and their difference.
-- ``peak``: MemoryTracker peak of live tensor bytes created during the step (forward + backward), and
-  its ratio to no checkpointing.
-- ``GFLOP``: forward + backward FLOPs of matmul-class ops (FlopCounterMode's formulas; CPU attention
-  included), and the ratio.
-- ``time``: best-of-N wall time of forward + backward (N rounds, each timing every configuration once),
-  as a ratio to no checkpointing in the same process (ratios, never absolute times). Run it on an
-  otherwise idle machine.
-- ``blk pk``: the plan's predicted peak of the blocks' activations (end of forward, or while a
-  checkpointed block recomputes in backward: what the budget bounds); ``peak`` minus it is the rest of
-  the step (parameters, gradients, embeddings, logits), about constant across plans.
-- ``gap``: the plan's cost minus the brute-force optimum's (0 means optimal), for 3 and 4 treatments.
+Timing (what makes plans comparable on a shared machine): every configuration runs one warm-up step,
+then ``--reps`` rounds (default 5) in which every configuration runs one step, the order rotated each
+round; a step's time is taken as a ratio to the no-checkpointing step of the same round, and each
+configuration reports the median ratio and its interquartile range [q25-q75]. Two configurations differ
+*measurably* only where their ranges do not overlap; otherwise it is a tie. The clock is the process's
+CPU time with one thread by default (``--clock wall`` for wall time): other processes on the machine then
+slow the measurement down much less than they slow the wall clock, and a single thread has no idle
+spinning to count.
 
-Run from the repository root (a few minutes on 2 cores)::
+Columns: ``peak x``: MemoryTracker peak of live bytes in the step (forward + backward) over no
+checkpointing's; ``FLOPs x``: forward + backward FLOPs of compute ops (FlopCounterMode's formulas, CPU
+attention included); ``time x``: median [q25-q75] step-time ratio; ``pred x``: the planner's predicted
+ratio, ``1 + plan.seconds / t`` where ``t`` is the median no-checkpointing step (the profile's per-block
+timings summed; for auto plans the error against the measured median is given). Plans read ``K`` keep,
+``S`` selective, ``F`` full, ``P`` pointwise. An auto plan is *dominated* by a simple plan that fits the
+same budget (the plan's predicted peak of the blocks), holds no more memory (measured peak) and is
+measurably faster. The blocks' activation bytes each plan predicts are checked against MemoryTracker's.
 
-    PYTHONPATH=. python benchmarks/checkpointing.py            # all models, incl. the issue's GPT-2 once
-    PYTHONPATH=. python benchmarks/checkpointing.py --quick    # small models only
+Run from the repository root (about 10 minutes on 2 cores; ``--quick``: three small models)::
+
+    PYTHONPATH=. python benchmarks/checkpointing.py
+    PYTHONPATH=. python benchmarks/checkpointing.py --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,23 +44,24 @@ from torch import nn
 
 from lightning_memopt.checkpointing import (
     ActivationMeter,
-    CostModel,
     InfeasibleBudgetError,
     apply_checkpointing,
-    brute_force_plan,
     evaluate_plan,
     find_blocks,
+    initial_choices,
     plan_checkpointing,
     profile_blocks,
 )
 from lightning_memopt.checkpointing.profile import _OpCounter
+from lightning_memopt.data.clock import HostClock
 
-MB = 1e6
+TREATMENTS = ["keep", "selective", "full", "pointwise"]  # offload copies to the same memory on a CPU
+BUDGETS = (0.25, 0.50, 0.75)
 
 
 # ---------------------------------------------------------------------------------------------- models
 class GPTBlock(nn.Module):
-    """nanoGPT's block (its flash path: scaled_dot_product_attention)."""
+    """nanoGPT's block (its flash path: scaled_dot_product_attention); the GELU is functional."""
 
     def __init__(self, h: int, heads: int) -> None:
         super().__init__()
@@ -70,12 +77,13 @@ class GPTBlock(nn.Module):
             t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)
         )  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        x = x + self.c_proj(y)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
 
 class GPT(nn.Module):
+    """The project's own GPT (the issue's "GPT benchmark models")."""
+
     def __init__(self, n_layer: int, h: int, heads: int, seq: int, vocab: int = 256) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
@@ -86,232 +94,366 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
 
 
-class ViT(nn.Module):
-    def __init__(
-        self, depth: int = 6, dim: int = 192, heads: int = 3, image: int = 64, patch: int = 4
-    ) -> None:
+class HFLoss(nn.Module):
+    """A transformers model whose forward returns its own loss (labels in the batch)."""
+
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
-        self.pos = nn.Parameter(torch.zeros(1, (image // patch) ** 2, dim))
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-            for _ in range(depth)
-        )
-        self.head = nn.Linear(dim, 10)
+        self.model = model
 
-    def forward(self, x):
-        x = self.patch(x).flatten(2).transpose(1, 2) + self.pos  # (B, N, dim)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.mean(dim=1))
+    def forward(self, **batch):
+        return self.model(**batch).loss
 
 
-class Bottleneck(nn.Module):
-    def __init__(self, c: int, mid: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid)
-        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid)
-        self.conv3, self.bn3 = nn.Conv2d(mid, c, 1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = F.relu(self.bn2(self.conv2(y)))
-        return F.relu(x + self.bn3(self.conv3(y)))
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
 
 
-class ResNet(nn.Module):
-    def __init__(self, blocks: int = 6, c: int = 128, mid: int = 32) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
-        self.layer1 = nn.Sequential(*[Bottleneck(c, mid) for _ in range(blocks)])
-        self.fc = nn.Linear(c, 10)
+def hf_gpt2(layers: int = 8, h: int = 256, seq: int = 256, b: int = 4):
+    import transformers
 
-    def forward(self, x):
-        return self.fc(self.layer1(self.stem(x)).mean(dim=(2, 3)))
+    cfg = transformers.GPT2Config(
+        vocab_size=256, n_layer=layers, n_embd=h, n_head=4, n_positions=seq, use_cache=False, bos_token_id=0
+    )
+    cfg.eos_token_id = 0
+    ids = torch.randint(0, 256, (b, seq), generator=_gen())
+    return HFLoss(transformers.GPT2LMHeadModel(cfg)), {"input_ids": ids, "labels": ids}
 
 
-def models(quick: bool, gpt2: bool):
-    g = torch.Generator().manual_seed(0)
-    out = [
-        (
-            "gpt-small 6L h128 s256 b4",
-            lambda: GPT(6, 128, 4, 256),
-            torch.randint(0, 256, (4, 256), generator=g),
-            5,
-        ),
-        ("vit 6L d192 64px b8", lambda: ViT(), torch.randn(8, 3, 64, 64, generator=g), 5),
-        ("resnet 6x bottleneck 32px b8", lambda: ResNet(), torch.randn(8, 3, 32, 32, generator=g), 5),
+def hf_vit(layers: int = 6, dim: int = 192, image: int = 64, b: int = 8):
+    import transformers
+
+    cfg = transformers.ViTConfig(
+        image_size=image,
+        patch_size=4,
+        hidden_size=dim,
+        num_hidden_layers=layers,
+        num_attention_heads=3,
+        intermediate_size=4 * dim,
+        num_labels=10,
+    )
+    batch = {
+        "pixel_values": torch.randn(b, 3, image, image, generator=_gen()),
+        "labels": torch.arange(b) % 10,
+    }
+    return HFLoss(transformers.ViTForImageClassification(cfg)), batch
+
+
+def hf_convnext(image: int = 64, b: int = 8):
+    import transformers
+
+    cfg = transformers.ConvNextConfig(hidden_sizes=[48, 96, 192, 384], depths=[2, 2, 4, 2], num_labels=10)
+    batch = {
+        "pixel_values": torch.randn(b, 3, image, image, generator=_gen()),
+        "labels": torch.arange(b) % 10,
+    }
+    return HFLoss(transformers.ConvNextForImageClassification(cfg)), batch
+
+
+def hf_resnet(image: int = 64, b: int = 8):
+    import transformers
+
+    cfg = transformers.ResNetConfig(
+        embedding_size=32,
+        hidden_sizes=[64, 128, 256, 512],
+        depths=[2, 2, 2, 2],
+        layer_type="bottleneck",
+        num_labels=10,
+    )
+    batch = {
+        "pixel_values": torch.randn(b, 3, image, image, generator=_gen()),
+        "labels": torch.arange(b) % 10,
+    }
+    return HFLoss(transformers.ResNetForImageClassification(cfg)), batch
+
+
+@dataclass
+class Bench:
+    name: str
+    build: Callable[[], tuple[nn.Module, object]]
+
+
+def benches(quick: bool) -> list[Bench]:
+    ids = lambda seq: torch.randint(0, 256, (4, seq), generator=_gen())  # noqa: E731
+    small = [
+        Bench("gpt-small 6L h128 s256 b4", lambda: (GPT(6, 128, 4, 256), ids(256))),
+        Bench("hf-vit 6L d192 64px b8", lambda: hf_vit()),
+        Bench("hf-convnext 2-2-4-2 64px b8", lambda: hf_convnext()),
     ]
-    if not quick:
-        out.append(
-            (
-                "gpt-larger 12L h256 s256 b4",
-                lambda: GPT(12, 256, 4, 256),
-                torch.randint(0, 256, (4, 256), generator=g),
-                2,
-            )
-        )
-    if gpt2:
-        # The issue's configuration: GPT-2 style, 8 layers, h=256, s=512, b=4, fp32. Three timed steps each.
-        out.append(
-            (
-                "gpt2-issue 8L h256 s512 b4",
-                lambda: GPT(8, 256, 4, 512),
-                torch.randint(0, 256, (4, 512), generator=g),
-                3,
-            )
-        )
-    return out
+    if quick:
+        return small
+    return small[:1] + [
+        Bench("gpt-larger 12L h256 s256 b4", lambda: (GPT(12, 256, 4, 256), ids(256))),
+        Bench("hf-gpt2 8L h256 s256 b4", lambda: hf_gpt2()),
+        *small[1:],
+        Bench("hf-resnet50-like 2-2-2-2 64px b8", lambda: hf_resnet()),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def loss_of(out: torch.Tensor) -> torch.Tensor:
-    return out.float().square().mean()
+class ProcessClock:
+    """The process's CPU seconds (a :class:`~lightning_memopt.data.clock.Clock`): less disturbed than wall
+    time by the other processes of a shared machine."""
+
+    def mark(self) -> float:
+        return time.process_time()
+
+    def settle(self, last: float) -> None:
+        """Readable at once."""
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
 
 
-def calibrate() -> CostModel:
-    """This CPU's FLOPs per byte moved: matmul FLOP/s over elementwise-add bytes/s."""
-    a = torch.randn(1024, 1024)
-    b = torch.randn(16 * 2**20)
-
-    def best(fn, n=5):
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    flops_per_s = 2 * 1024**3 / best(lambda: a @ a)
-    bytes_per_s = 3 * b.numel() * 4 / best(lambda: b + b)
-    return CostModel(pointwise_flops_per_byte=flops_per_s / bytes_per_s)
+def loss_of(model: nn.Module, batch) -> torch.Tensor:
+    return model(**batch) if isinstance(batch, dict) else model(batch)
 
 
-def measure(model, x, blocks):
-    """(block activation bytes, peak bytes of the step, fwd+bwd FLOPs) of one step."""
+def measure(model, batch, blocks) -> tuple[int, int, int]:
+    """(blocks' activation bytes, peak bytes of the step, forward + backward FLOPs) of one step."""
     model.zero_grad(set_to_none=True)
     with ActivationMeter(model, blocks) as meter:
         before = meter.tracker.current
         meter.tracker.reset_peak()
-        loss_of(model(x)).backward()
+        loss_of(model, batch).backward()
         peak = meter.tracker.peak - before
     model.zero_grad(set_to_none=True)
-    counter = _OpCounter()
-    with counter:
-        loss_of(model(x)).backward()
+    with _OpCounter() as counter:
+        loss_of(model, batch).backward()
     return meter.total, peak, counter.flops
 
 
-def step_time(model, x) -> float:
-    """Wall-clock seconds of one step (forward + backward). Run on an otherwise idle machine: CPU time
-    would charge the idle spinning of the second thread during small pointwise ops as work."""
+def step_time(model, batch, clock) -> float:
     model.zero_grad(set_to_none=True)
-    t = time.perf_counter()
-    loss_of(model(x)).backward()
-    return time.perf_counter() - t
+    start = clock.mark()
+    loss_of(model, batch).backward()
+    return clock.seconds(start, clock.mark())
+
+
+@dataclass
+class Spread:
+    median: float
+    q25: float
+    q75: float
+
+    @classmethod
+    def of(cls, ratios: list[float]) -> Spread:
+        q25, _, q75 = statistics.quantiles(ratios, n=4, method="inclusive")
+        return cls(statistics.median(ratios), q25, q75)
+
+    def faster_than(self, other: Spread) -> bool:
+        """Measurably: the ranges do not overlap."""
+        return self.q75 < other.q25
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} [{self.q25:.2f}-{self.q75:.2f}]"
+
+
+@dataclass
+class Row:
+    label: str
+    choices: list[str]
+    budget: int | None = None  # auto plans: the blocks' budget in bytes
+    simple: bool = False
+    acts: int = 0
+    peak: int = 0
+    flops: int = 0
+    times: Spread | None = None
+    predicted: float = 0.0
+    block_peak: int = 0  # the plan's predicted peak of the blocks' activations (what a budget bounds)
 
 
 def summary(choices) -> str:
-    counts = {c: list(choices).count(c) for c in ("keep", "selective", "full", "offload")}
-    return " ".join(f"{c[0].upper()}{n}" for c, n in counts.items() if n)
+    return " ".join(
+        f"{c[0].upper()}{choices.count(c)}"
+        for c in ("keep", "selective", "full", "pointwise")
+        if c in choices
+    )
 
 
-def run_model(name, build, x, reps, cost_model, brute_limit):
-    torch.manual_seed(0)
-    model = build()
-    blocks = find_blocks(model)
-    names = [n for n, _ in blocks]
-    n = len(blocks)
-    t0 = time.perf_counter()
-    profiles = profile_blocks(model, blocks, x)
-    t_profile = time.perf_counter() - t0
+def configurations(names, profiles) -> list[Row]:
+    n = len(names)
+    rows = [Row("none", ["keep"] * n)]
+    for every in (1, 2, 3):
+        label = (
+            "full every block" if every == 1 else f"full every {every}{'nd' if every == 2 else 'rd'} block"
+        )
+        rows.append(Row(label, list(initial_choices(names, "every_n", every).values()), simple=True))
+    rows.append(Row("selective every block", ["selective"] * n, simple=True))
+    rows.append(Row("pointwise every block", ["pointwise"] * n, simple=True))
     baseline = evaluate_plan(profiles, ["keep"] * n).activation_bytes
-    executed = ["keep", "selective", "full"]
-    configs = [
-        ("none", ["keep"] * n, None),
-        ("full every block", ["full"] * n, None),
-        ("every 2nd (full)", ["full" if i % 2 == 0 else "keep" for i in range(n)], None),
-        ("selective every block", ["selective"] * n, None),
-    ]
-    notes = []
-    for frac in (0.25, 0.40, 0.45, 0.50, 0.75):
+    for frac in BUDGETS:
         budget = int(frac * baseline)
         try:
-            plan = plan_checkpointing(profiles, budget, allowed=executed, cost_model=cost_model)
+            plan = plan_checkpointing(profiles, budget, allowed=TREATMENTS)
         except InfeasibleBudgetError as err:
-            notes.append(
-                f"auto {frac:.0%} budget ({budget / MB:.1f} MB): infeasible, smallest is {err.minimum / MB:.1f} MB"
-            )
+            print(f"   auto {frac:.0%} budget: infeasible, the least peak is {err.minimum / 1e6:.1f} MB")
             continue
-        gaps = []
-        for allowed in (executed, ["keep", "selective", "full", "offload"]):
-            if frac not in (0.25, 0.50, 0.75):
-                gaps.append("-")  # the brute-force check runs at the issue's three budgets only
-                continue
-            if len(allowed) ** n > brute_limit:
-                gaps.append("n/a")
-                continue
-            ours = (
-                plan
-                if allowed is executed
-                else plan_checkpointing(profiles, budget, allowed=allowed, cost_model=cost_model)
-            )
-            brute = brute_force_plan(profiles, budget, allowed=allowed, cost_model=cost_model)
-            gaps.append(f"{ours.cost - brute.cost:.0f}")
-        configs.append((f"auto {frac:.0%} budget", list(plan.choices.values()), "/".join(gaps)))
+        choices = list(plan.choices.values())
+        rows.append(Row(f"auto {frac:.0%} budget ({summary(choices)})", choices, budget))
+    return rows
 
-    print(f"\n## {name}: {n} blocks ({names[0]} .. {names[-1]}), profiled in {t_profile:.1f}s")
+
+def timed(model, batch, names, rows, clock, reps) -> float:
+    """Set every row's median and IQR of its step time over no checkpointing's in the same round; return
+    the median seconds of the no-checkpointing step (rows[0])."""
+    for row in rows:  # warm-up: allocator, selective's and pointwise's dry runs
+        apply_checkpointing(model, dict(zip(names, row.choices)))
+        step_time(model, batch, clock)
+    ratios: list[list[float]] = [[] for _ in rows]
+    keep: list[float] = []
+    for r in range(reps):
+        order = list(range(len(rows)))
+        order = order[r % len(rows) :] + order[: r % len(rows)]  # rotated: no row always follows another
+        seconds = [0.0] * len(rows)
+        for i in order:
+            apply_checkpointing(model, dict(zip(names, rows[i].choices)))
+            seconds[i] = step_time(model, batch, clock)
+        for i, s in enumerate(seconds):
+            ratios[i].append(s / seconds[0])
+        keep.append(seconds[0])
+    for row, rs in zip(rows, ratios):
+        row.times = Spread.of(rs)
+    return statistics.median(keep)
+
+
+def run_model(bench: Bench, clock, reps: int) -> list[Row]:
+    torch.manual_seed(0)
+    model, batch = bench.build()
+    model.train()
+    blocks = find_blocks(model)
+    names = [n for n, _ in blocks]
+    args, kwargs = ((), batch) if isinstance(batch, dict) else ((batch,), {})
+    start = time.perf_counter()
+    profiles = profile_blocks(model, blocks, *args, choices=TREATMENTS, clock=clock, **kwargs)
+    took = time.perf_counter() - start
     print(
-        f"   blocks' activations without checkpointing: {baseline / MB:.1f} MB; "
-        f"parameters: {sum(p.numel() * 4 for p in model.parameters()) / MB:.1f} MB"
+        f"\n## {bench.name}: {len(blocks)} blocks ({names[0]} .. {names[-1]}), profiled and timed in {took:.1f}s"
     )
-    header = (
-        f"   {'config':<22} {'plan':<12} {'acts pred/meas MB':>19} {'err':>6} {'blk pk':>7} {'peak MB':>9} {'x':>5} "
-        f"{'GFLOP':>8} {'x':>5} {'time x':>7} {'gap 3/4':>8}"
+    rows = configurations(names, profiles)
+    for row in rows:
+        apply_checkpointing(model, dict(zip(names, row.choices)))
+        row.acts, row.peak, row.flops = measure(model, batch, blocks)
+    base = timed(model, batch, names, rows, clock, reps)  # seconds of a step without checkpointing
+    wrong = []
+    for row in rows:
+        plan = evaluate_plan(profiles, row.choices)
+        row.predicted, row.block_peak = 1 + (plan.seconds or 0.0) / base, plan.peak_bytes
+        if plan.activation_bytes != row.acts:
+            wrong.append(f"{row.label}: predicted {plan.activation_bytes}, measured {row.acts}")
+    print(
+        "   blocks' activation bytes, predicted = measured: "
+        + ("every plan" if not wrong else "; ".join(wrong))
     )
-    print(header)
-    print("   " + "-" * (len(header) - 3))
-    results = []
-    for _label, choices, _gap in configs:
-        apply_checkpointing(model, dict(zip(names, choices)))
-        results.append(measure(model, x, blocks))
-    # Time in rounds, every configuration once per round, best of the rounds: on a shared machine this is
-    # fairer than timing one configuration after another.
-    times = [[] for _ in configs]
-    for _ in range(reps):
-        for i, (_, choices, _) in enumerate(configs):
-            apply_checkpointing(model, dict(zip(names, choices)))
-            times[i].append(step_time(model, x))
-    ref_peak, ref_flops, ref_time = results[0][1], results[0][2], min(times[0])
-    for (label, choices, gap), (acts, peak, flops), secs in zip(configs, results, times):
-        predicted = evaluate_plan(profiles, choices, cost_model)
-        err = (acts - predicted.activation_bytes) / max(predicted.activation_bytes, 1)
-        print(
-            f"   {label:<22} {summary(choices):<12} {predicted.activation_bytes / MB:>9.1f}/{acts / MB:<9.1f} "
-            f"{err:>+6.1%} {predicted.peak_bytes / MB:>7.1f} {peak / MB:>9.1f} {peak / ref_peak:>5.2f} {flops / 1e9:>8.2f} {flops / ref_flops:>5.2f} "
-            f"{min(secs) / ref_time:>7.2f} {gap or '':>8}"
+    return rows
+
+
+def dominated(rows: list[Row]) -> dict[str, list[str]]:
+    """Per auto row: the simple plans that dominate it (fit its budget, hold no more memory, measurably
+    faster), and those that tie (fit, no more memory, faster median inside the spread), marked ``~``."""
+    out = {}
+    for auto in (r for r in rows if r.budget is not None):
+        found = []
+        for simple in (r for r in rows if r.simple):
+            fits = simple.block_peak <= auto.budget and simple.peak <= auto.peak
+            if fits and simple.times.faster_than(auto.times):
+                found.append(simple.label)
+            elif fits and simple.times.median < auto.times.median:
+                found.append("~" + simple.label)
+        out[auto.label] = found
+    return out
+
+
+def report(name: str, rows: list[Row], lines: list[str]) -> None:
+    """Print the model's table and append its rows to ``lines`` (the summary table)."""
+    ref = rows[0]
+    doms = dominated(rows)
+    print(f"   {'plan':<34} {'peak x':>6} {'FLOPs x':>7} {'time x [IQR]':>19} {'pred x':>6}  note")
+    for row in rows:
+        note = ""
+        if row.budget is not None:
+            hard = [d for d in doms[row.label] if not d.startswith("~")]
+            ties = [d[1:] for d in doms[row.label] if d.startswith("~")]
+            note = f"pred {row.predicted / row.times.median - 1:+.0%}"
+            note += (f"; DOMINATED by {', '.join(hard)}" if hard else "") + (
+                f"; ties {', '.join(ties)}" if ties else ""
+            )
+        cells = (
+            f"{row.peak / ref.peak:.2f}",
+            f"{row.flops / ref.flops:.2f}",
+            str(row.times),
+            f"{row.predicted:.2f}",
         )
-    for note in notes:
-        print("   " + note)
+        print(f"   {row.label:<34} {cells[0]:>6} {cells[1]:>7} {cells[2]:>19} {cells[3]:>6}  {note}")
+        lines.append(f"| {name} | {row.label} | {' | '.join(cells)} | {note} |")
+
+
+def goals(results: dict[str, list[Row]]) -> None:
+    """The issue's numbers, from the rows measured."""
+    autos = [(name, r) for name, rows in results.items() for r in rows if r.budget is not None]
+    errors = [r.predicted / r.times.median - 1 for _, r in autos]
+    fifty = [
+        f"{name.split()[0]} {r.times}"
+        for name, r in autos
+        if "gpt" in name and r.label.startswith("auto 50%")
+    ]
+    dominated_count = sum(
+        any(not d.startswith("~") for d in dominated(rows)[r.label])
+        for rows in results.values()
+        for r in rows
+        if r.budget is not None
+    )
+    print("\n## Goals (issue 23)\n")
+    print(f"- auto 50% budget on the GPT models (goal <= 1.12x): {'; '.join(fifty)}")
+    print(f"- auto plans dominated by a simpler plan (goal 0): {dominated_count} of {len(autos)}")
+    worst = max(errors, key=abs) if errors else 0.0
+    within = sum(abs(e) <= 0.10 for e in errors)
+    print(
+        f"- predicted vs measured step time (goal within 10%): {within} of {len(errors)} within, worst {worst:+.1%}"
+    )
+    for label in ("selective every block", "pointwise every block"):
+        beyond = []
+        for name, rows in results.items():
+            row = next(r for r in rows if r.label == label)
+            beyond.append(f"{name.split()[0]} {row.times.median - row.flops / rows[0].flops:+.0%}")
+        print(f"- {label}, time beyond its FLOPs (of a step): {'; '.join(beyond)}")
+    chosen = sum(r.choices.count("selective") for _, r in autos)
+    blocks = sum(len(r.choices) for _, r in autos)
+    print(
+        f"- blocks the auto plans run selective (goal: selective <= 5% beyond FLOPs, or not chosen): {chosen} of {blocks}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small models only")
-    parser.add_argument("--no-gpt2", action="store_true", help="skip the issue's GPT-2 configuration")
-    parser.add_argument("--brute-limit", type=int, default=600_000, help="largest brute-force search")
+    parser.add_argument("--quick", action="store_true", help="three small models")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds per configuration (default 5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--clock", choices=["process", "wall"], default="process")
     args = parser.parse_args()
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
-    cost_model = calibrate()
+    if args.reps < 2:
+        parser.error(f"--reps must be at least 2 for a spread, got {args.reps}")
+    torch.set_num_threads(args.threads)
+    clock = ProcessClock() if args.clock == "process" else HostClock()
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; cost model: recomputed pointwise ops cost "
-        f"{cost_model.pointwise_flops_per_byte:.1f} FLOP per byte moved (measured: matmul FLOP/s / add B/s)"
+        f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} clock, {args.reps} rounds; "
+        "planner priced in seconds timed on the same clock"
     )
-    for name, build, x, reps in models(args.quick, gpt2=not (args.quick or args.no_gpt2)):
-        run_model(name, build, x, reps, cost_model, args.brute_limit)
+    lines = [
+        "| model | plan | peak x | FLOPs x | time x [IQR] | pred x | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    results = {}
+    for bench in benches(args.quick):
+        results[bench.name] = rows = run_model(bench, clock, args.reps)
+        report(bench.name, rows, lines)
+    print("\n## Summary (markdown)\n")
+    print("\n".join(lines))
+    goals(results)
 
 
 if __name__ == "__main__":

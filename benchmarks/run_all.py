@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (script, title, extra arguments, extra arguments in --quick mode, timeout in seconds)
 BENCHMARKS = [
-    # checkpointing.py includes the GPT-2 and a 12-layer GPT (~10 minutes on an idle 2-core machine).
-    ("checkpointing.py", "Activation checkpointing (AutoCheckpoint's planner)", [], ["--quick"], 1500),
+    # checkpointing.py: 7 models, each plan timed in 5 alternated rounds (~15 minutes on a 2-core machine).
+    ("checkpointing.py", "Activation checkpointing (AutoCheckpoint's planner)", [], ["--quick"], 2400),
+    ("compile_selective.py", "torch.compile and op-level selective checkpointing", [], [], 900),
     ("anchors.py", "Anchors: torch apply_activation_checkpointing, torch.compile memory budget", [], [], 150),
     ("batching.py", "Micro-batch sizing vs Lightning's BatchSizeFinder", [], [], 150),
     ("engine_overhead.py", "Micro-batch engine step-time overhead at k=1", [], [], 90),

@@ -45,14 +45,14 @@ __all__ = ["AutoCheckpoint"]
 
 
 class AutoCheckpoint(ReleasingCallback):
-    """Checkpoint the model's repeated blocks: the least recompute whose activations fit in memory.
+    """Checkpoint the model's repeated blocks: the least step time whose activations fit in memory.
 
     With no arguments it finds every stack of repeated blocks (GPT-2's ``h``, T5's encoder and decoder
     blocks, all stages of a ResNet) and the stem before them (a CNN's first convolution, norm and pooling,
     a patch embedding), each a unit (the rule: :func:`~lightning_memopt.checkpointing.find_blocks`). Where
     a memory limit is known (``max_memory``, or a CUDA device's capacity), it plans per unit among keep /
-    op-level selective / full recompute / CPU offload so that parameters, gradients, optimizer state and
-    activations fit in ``max_memory * (1 - headroom)``. Where none is known (CPU), every unit is fully
+    op-level selective / pointwise modules / full / CPU offload, by the time each is measured to take, so
+    that the step fits in ``max_memory * (1 - headroom)``. Where none is known (CPU), every unit is fully
     checkpointed, except units where that lowers neither the bytes held nor the peak: those keep their
     activations, so the peak never rises.
 
@@ -71,13 +71,13 @@ class AutoCheckpoint(ReleasingCallback):
         max_memory: The memory a training step may use on the device: bytes (``int``), a string such as
             ``"6GiB"``, or a ``float`` in (0, 1], a fraction of the device's capacity. Default (None): the
             capacity where known. Only ``mode="auto"`` uses it.
-        mode: ``"auto"`` plans under the limit; ``"full"``, ``"selective"`` or ``"offload"`` force that
-            treatment on every block; ``"every_n"`` fully checkpoints every ``every_n``-th block.
+        mode: ``"auto"`` plans under the limit; ``"full"``, ``"selective"``, ``"offload"``, ``"pointwise"``
+            force that treatment on every block; ``"every_n"`` fully checkpoints every ``every_n``-th block.
         every_n: The stride of ``mode="every_n"`` (default 2: blocks 0, 2, 4, ...).
         headroom: Fraction of ``max_memory`` kept free (default 0.1), for the allocator's fragmentation
             and recomputation's transient memory in backward. Usable bytes: ``max_memory * (1 - headroom)``.
-        cost_model: Prices of pointwise recompute and offload bytes in FLOPs (:class:`CostModel`); default:
-            its defaults, with offload priced by a copy timed once on the device where offload is allowed.
+        cost_model: How treatments are priced (:class:`CostModel`): by default in seconds each is timed to
+            take while profiling (``use_time=False``: in FLOPs, with offload priced by a timed copy).
         allow_offload: Whether ``auto`` may offload to CPU. Default: only when the device is not the CPU.
         log: Whether to log the keys below.
         budget: Deprecated, use ``max_memory``. ``budget=X`` means ``max_memory=X, headroom=0`` (the old
@@ -111,7 +111,7 @@ class AutoCheckpoint(ReleasingCallback):
         blocks: list[type[torch.nn.Module] | str] | str | None = None,
         # float before str: a CLI's "0.5" is a fraction (jsonargparse tries the union's types in order)
         max_memory: int | float | str | None = None,
-        mode: Literal["auto", "full", "selective", "offload", "every_n"] = "auto",
+        mode: Literal["auto", "full", "selective", "offload", "every_n", "pointwise"] = "auto",
         every_n: int = 2,
         headroom: float = 0.1,
         cost_model: CostModel | None = None,
@@ -230,13 +230,13 @@ class AutoCheckpoint(ReleasingCallback):
             return
         probe.close()
         if not self.plan.predicted:
-            context = trainer.precision_plugin.forward_context
-            profiles = profile_blocks(
-                pl_module, self._blocks, inputs=probe.inputs, context=context, choices=self._policy.treatments
+            policy, context = self._policy, trainer.precision_plugin.forward_context
+            # auto under a limit also times each treatment on the policy's clock: plans priced in seconds
+            options = dict(
+                inputs=probe.inputs, context=context, choices=policy.treatments, clock=policy.clock
             )
-            states = (
-                state_bytes(pl_module, trainer.optimizers) if self._policy.limit.usable is not None else 0
-            )
+            profiles = profile_blocks(pl_module, self._blocks, **options)
+            states = state_bytes(pl_module, trainer.optimizers) if policy.limit.usable is not None else 0
             if engine := engine_of(trainer):  # profiled: the last (largest) micro-batch
                 self._signature = step_signature(batch, engine.ran_size)
             # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.

@@ -19,6 +19,9 @@ Treatments (``Choice``):
                 backward (stopping early once everything needed is recomputed)
 ``offload``     tensors saved for backward are copied to CPU memory and brought back in backward;
                 parameters are never offloaded. Costs transfer bytes, no FLOPs
+``pointwise``   the block's pointwise sub-modules (norms, activations) keep only their inputs and are
+                run again in backward, as modules: no per-op dispatch (``pointwise.py``). Holds what
+                ``selective`` holds, or more where ``selective`` also drops functional pointwise results
 ==============  ======================================================================================
 
 Nothing is recomputed or offloaded when the block is in ``eval()`` mode or gradients are disabled.
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -42,7 +44,11 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
+from lightning_memopt.checkpointing._inputs import storage_key as _storage_key
+from lightning_memopt.checkpointing._inputs import tensors as _tensors
+from lightning_memopt.checkpointing.dry_run import fake_call
 from lightning_memopt.checkpointing.offload import overlapped_offload
+from lightning_memopt.checkpointing.pointwise import pointwise_forward, pointwise_modules
 
 __all__ = [
     "CHOICES",
@@ -55,8 +61,8 @@ __all__ = [
     "framework_checkpointing",
 ]
 
-Choice = Literal["keep", "selective", "full", "offload"]
-CHOICES: tuple[str, ...] = ("keep", "selective", "full", "offload")
+Choice = Literal["keep", "selective", "full", "offload", "pointwise"]
+CHOICES: tuple[str, ...] = ("keep", "selective", "full", "offload", "pointwise")
 
 _STATE = "_memopt_checkpoint"  # instance attribute holding a block's _BlockState
 
@@ -166,76 +172,29 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
     Non-reentrant checkpointing recomputes the forward only until every tensor saved for backward is
     back, so the compute ops after that point never run again and their outputs need no cache. Outputs
     changed in place later in the forward cannot be cached at all. Found by running the forward once on
-    fake tensors (no memory, no FLOPs, no RNG or buffer change; modes the caller entered, such as memory
-    trackers and FLOP counters, do not see it). Where the block does not run on fake tensors (a
-    data-dependent op), nothing is cached: recomputing everything is always correct.
+    fake tensors (:func:`~lightning_memopt.checkpointing.dry_run.fake_call`). Where the block does not run
+    on fake tensors (a data-dependent op), nothing is cached: recomputing everything is always correct.
     """
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
-
     if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
         return _RECOMPUTE_ALL  # a cache the block keeps: a dry run would write fake keys into it
-    buffers = [(b, b.detach().clone()) for b in block.buffers()]
     count = _CountOps()
 
     def pack(t):
         count.at_last_save = count.compute
         return None
 
-    # Autocast caches the casts of parameters while its region lasts: a cast made on fake tensors must
-    # not be found by the real forward (nor change which casts the real forward and its recomputation run).
-    autocast_cache = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    # An op without a fake kernel (e.g. grouped matmul) is an expected outcome here, not an error to log.
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    fake_level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)
     try:
-        with _disable_current_modes(), torch.random.fork_rng(devices=[]):
-            mode = detect_fake_mode(_tensors((args, kwargs))) or FakeTensorMode(allow_non_fake_inputs=True)
-            with mode:
-
-                def fake(v):
-                    if not isinstance(v, torch.Tensor):
-                        return v
-                    f = v.detach() if mode.is_our_fake(v) else mode.from_tensor(v.detach())
-                    return f.requires_grad_(v.requires_grad)
-
-                fargs, fkwargs = tree_map(fake, (args, kwargs))
-                with (
-                    torch.enable_grad(),
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
-                    count,
-                ):
-                    fn(*fargs, **fkwargs)
+        with (
+            fake_call(block, args, kwargs) as (fargs, fkwargs),
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
+            count,
+        ):
+            fn(*fargs, **fkwargs)
     except Exception:  # a data-dependent op, an op fake tensors do not support
         return _RECOMPUTE_ALL
-    finally:
-        fake_log.setLevel(fake_level)
-        torch.set_autocast_cache_enabled(autocast_cache)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
     early_stop = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
     return _CachePolicy(count.at_last_save if early_stop else None, frozenset(count.mutated))
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):
-        return None
 
 
 class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -273,6 +232,8 @@ class _BlockState:
         self.own_forward = own_forward  # an instance-level ``forward`` the block had before, or None
         # selective: per input signature, which compute ops' outputs to cache
         self.cache_policies: dict[str, _CachePolicy] = {}
+        # pointwise: per input signature, which sub-modules to recompute
+        self.pointwise: dict[str, tuple[str, ...]] = {}
 
 
 def _signature(value) -> str:
@@ -298,6 +259,11 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
         hooks = overlapped_offload(block, (args, kwargs), functools.partial(_notify, "offloaded"))
         with hooks or _OffloadHooks(block):
             return fn(*args, **kwargs)
+    if choice == "pointwise":
+        key = _signature((args, kwargs))
+        if key not in state.pointwise:
+            state.pointwise[key] = pointwise_modules(block, fn, args, kwargs, is_compute=is_compute_op)
+        return pointwise_forward(block, fn, args, kwargs, state.pointwise[key])
     if choice == "selective":
         key = _signature((args, kwargs))
         if key not in state.cache_policies:
@@ -375,7 +341,7 @@ def apply_checkpointing(model: nn.Module, plan) -> None:
     Args:
         model: The model holding the blocks.
         plan: A :class:`~lightning_memopt.checkpointing.Plan`, or a mapping from a block's qualified name
-            (as in ``model.named_modules()``) to ``"keep"``, ``"selective"``, ``"full"`` or ``"offload"``.
+            (as in ``model.named_modules()``) to one of :data:`CHOICES` (``"keep"``, ``"selective"``, ``"full"``, ``"offload"``, ``"pointwise"``).
 
     Raises:
         ValueError: If a name is not a module of ``model`` or a choice is unknown.

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_memopt.checkpointing.apply import CHOICES
 from lightning_memopt.checkpointing.planner import (
     CostModel,
     InfeasibleBudgetError,
@@ -30,6 +29,7 @@ from lightning_memopt.checkpointing.planner import (
     treatments,
 )
 from lightning_memopt.checkpointing.profile import BlockProfile
+from lightning_memopt.data.clock import Clock, step_clock
 from lightning_memopt.memory import format_bytes
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, usable_bytes
 from lightning_memopt.memory.tracker import state_bytes
@@ -110,7 +110,7 @@ def plan_within(
     *,
     states: int,
     outside: int,
-    allowed: Sequence[str] = CHOICES,
+    allowed: Sequence[str] | None = None,
     cost_model: CostModel | None = None,
 ) -> Plan:
     """:func:`~lightning_memopt.checkpointing.plan_checkpointing` for a whole training step: the blocks get
@@ -144,7 +144,7 @@ def plan_step(
     *,
     states: int,
     outside: int,
-    allowed: Sequence[str] = CHOICES,
+    allowed: Sequence[str] | None = None,
     cost_model: CostModel | None = None,
 ) -> Plan:
     """The plan of least recompute cost whose step fits in ``limit``: :func:`plan_within` its usable bytes.
@@ -202,7 +202,10 @@ class PlanPolicy:
     treatments: tuple[str, ...]
     """What profiling measures: ``keep`` and what the mode may choose (:func:`treatments`)."""
     cost_model: CostModel = CostModel()
-    """Prices of pointwise recompute and offload."""
+    """How treatments are priced (measured seconds where timed, else FLOP-equivalents)."""
+    clock: Clock | None = None
+    """Where ``auto`` plans under a limit: the device's clock, on which profiling times every treatment
+    (plans priced in seconds, :mod:`~lightning_memopt.checkpointing.timing`); None: nothing timed."""
 
     @classmethod
     def for_mode(
@@ -217,14 +220,18 @@ class PlanPolicy:
         """The policy of ``mode`` under ``limit``; ``offload``: whether ``auto`` may offload to CPU.
 
         Without a ``cost_model``, offload is priced from a copy timed once on ``device`` where offload
-        may be chosen (CUDA); elsewhere the :class:`CostModel` defaults hold.
+        may be chosen (CUDA); elsewhere the :class:`CostModel` defaults hold. Where ``auto`` plans and
+        the cost model prices in time (``use_time``), treatments are timed on ``step_clock(device)``.
         """
         chosen = treatments(mode, planned=limit.usable is not None, offload=offload)
         if cost_model is None and "offload" in chosen:
             from lightning_memopt.checkpointing.offload import measured_cost_model
 
             cost_model = measured_cost_model(device)
-        return cls(mode, limit, tuple(chosen), cost_model or CostModel())
+        cost_model = cost_model or CostModel()
+        planned = mode == "auto" and limit.usable is not None
+        clock = step_clock(device) if planned and cost_model.use_time else None
+        return cls(mode, limit, tuple(chosen), cost_model, clock)
 
     def choose(
         self, profiles: Sequence[BlockProfile], ran: Sequence[str], held: Callable[[], tuple[int, int]]

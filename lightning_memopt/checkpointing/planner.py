@@ -7,13 +7,16 @@ bit of state, "the previous block holds its output", and keeps, per state, the P
 (bytes, cost) over the prefixes seen so far. Dominated prefixes can never be completed into a better
 plan, so the result is the exact optimum (a test checks it against brute force on random instances).
 
-Cost of a treatment, in FLOP-equivalents::
+Cost of a treatment: the seconds it was measured to add to the block's forward and backward
+(``OptionCost.seconds``, where the profile timed every treatment: ``profile_blocks(clock=...)``), which is
+what a user pays; else, in FLOP-equivalents::
 
     recompute_flops + pointwise_flops_per_byte * recompute_bytes + offload_flops_per_byte * 2 * transfer_bytes
 
 Compute-heavy ops are counted in FLOPs; pointwise ops are memory-bound, so their recompute is charged by
 the bytes they move, converted at the device's FLOPs-per-byte ratio; offloaded bytes cross the host link
-twice (out in forward, back in backward).
+twice (out in forward, back in backward). One unit per plan: seconds only where every profiled treatment
+of every block was timed. FLOPs stay a reported figure (``Plan.extra_flops``) either way.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "check_mode",
     "initial_choices",
     "prediction_gap",
+    "simple_plans",
     "treatments",
 ]
 
@@ -54,7 +58,8 @@ class InfeasibleBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class CostModel:
-    """How recomputation and offloading are priced, in FLOP-equivalents."""
+    """How treatments are priced: in measured seconds where every profiled treatment was timed, else in
+    FLOP-equivalents (the two rates below)."""
 
     pointwise_flops_per_byte: float = 50.0
     """FLOPs the device could do in the time it moves one byte (peak FLOP/s over memory bandwidth).
@@ -62,9 +67,17 @@ class CostModel:
     offload_flops_per_byte: float = 5000.0
     """FLOPs the device could do in the time one byte crosses to the host (FLOP/s over host-link B/s).
     ~10,000 for an A100 on PCIe 4. Raise it to discourage offloading."""
+    use_time: bool = True
+    """Price by measured seconds (``OptionCost.seconds``) where the profiles carry them for every
+    treatment. False: always in FLOP-equivalents (deterministic; the rates above)."""
+    tie: float = 0.03
+    """Priced in seconds, plans whose predicted times differ by less than this fraction of the blocks'
+    measured time (every block kept) are ties, and among ties with the optimum the planner takes a plan a
+    user writes by hand (:func:`simple_plans`): per-block timings add up to a step's time only to within a
+    few percent, so a mixed plan is chosen only where it is measurably faster. 0: the optimum always."""
 
     def __post_init__(self) -> None:
-        for name in ("pointwise_flops_per_byte", "offload_flops_per_byte"):
+        for name in ("pointwise_flops_per_byte", "offload_flops_per_byte", "tie"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
@@ -82,11 +95,20 @@ class CostModel:
         return replace(self, offload_flops_per_byte=flops_per_second / bytes_per_second)
 
     def cost(self, option: OptionCost) -> float:
+        """``option``'s price: its measured seconds where timed and ``use_time``, else FLOP-equivalents."""
+        if self.use_time and option.seconds is not None:
+            return option.seconds
         return (
             option.recompute_flops
             + self.pointwise_flops_per_byte * option.recompute_bytes
             + self.offload_flops_per_byte * 2 * option.transfer_bytes
         )
+
+    def for_profiles(self, profiles: Sequence[BlockProfile]) -> CostModel:
+        """This model, priced in FLOP-equivalents unless every treatment of every profile was timed (one
+        unit for every plan made from ``profiles``)."""
+        timed = all(o.seconds is not None for p in profiles for o in p.options.values())
+        return self if timed or not self.use_time else replace(self, use_time=False)
 
 
 @dataclass(frozen=True)
@@ -113,6 +135,10 @@ class Plan:
     predicted: bool = True
     """False for a plan whose blocks were not profiled: its byte and cost figures are unknown (zero)."""
     peak_bytes: int = 0
+    seconds: float | None = None
+    """Predicted seconds per step beyond keeping every block (each block's timed treatment beyond its
+    timed keep); None where the profiles were not timed. A step that took ``t`` seconds with every block
+    kept is predicted to take ``t + seconds`` under this plan."""
 
     @classmethod
     def unprofiled(cls, choices: dict[str, str]) -> Plan:
@@ -121,13 +147,15 @@ class Plan:
 
     def table(self) -> str:
         """The plan as a fixed-width table, one row per block and a total."""
-        rows = [("block", "choice", "activations", "recompute GFLOP", "recompute pointwise", "offloaded")]
+        rows = [
+            ("block", "choice", "activations", "recompute GFLOP", "recompute pointwise", "offloaded", "time")
+        ]
         if not self.predicted:
             rows = [("block", "choice")] + [(n, c) for n, c in self.choices.items()]
             widths = [max(len(r[i]) for r in rows) for i in range(2)]
             return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
         for name, choice in self.choices.items():
-            rows.append((name, choice, format_bytes(self.block_bytes.get(name, 0)), "", "", ""))
+            rows.append((name, choice, format_bytes(self.block_bytes.get(name, 0)), "", "", "", ""))
         ratio = self.activation_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
         rows.append(
             (
@@ -137,10 +165,11 @@ class Plan:
                 f"{self.extra_flops / 1e9:.3f}",
                 format_bytes(self.extra_pointwise_bytes),
                 format_bytes(self.transfer_bytes),
+                f"{self.seconds * 1e3:+.1f} ms" if self.seconds is not None else "",
             )
         )
         if self.peak_bytes > self.activation_bytes:
-            rows.append(("peak", "in backward", format_bytes(self.peak_bytes), "", "", ""))
+            rows.append(("peak", "in backward", format_bytes(self.peak_bytes), "", "", "", ""))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -185,11 +214,11 @@ def evaluate_plan(
 
         >>> plan = evaluate_plan(profiles, ["full"] * len(profiles))  # doctest: +SKIP
     """
-    cost_model = cost_model or CostModel()
+    cost_model = (cost_model or CostModel()).for_profiles(profiles)
     if len(choices) != len(profiles):
         raise ValueError(f"need one choice per block ({len(profiles)}), got {len(choices)}")
     total = flops = pw = transfer = baseline = peak = 0
-    cost = 0.0
+    cost = seconds = 0.0
     block_bytes = {}
     prev = prev_keep = False
     for p, choice in zip(profiles, choices):
@@ -206,6 +235,7 @@ def evaluate_plan(
         pw += o.recompute_bytes
         transfer += o.transfer_bytes
         cost += cost_model.cost(o)
+        seconds += o.seconds or 0.0
         prev, prev_keep = o.saves_output, p.options["keep"].saves_output
     return Plan(
         dict(zip((p.name for p in profiles), choices)),
@@ -218,6 +248,7 @@ def evaluate_plan(
         budget,
         block_bytes,
         peak_bytes=max(peak, total),
+        seconds=seconds if cost_model.use_time else None,
     )
 
 
@@ -260,7 +291,7 @@ def plan_checkpointing(
     profiles: Sequence[BlockProfile],
     budget: int | str,
     *,
-    allowed: Sequence[str] = CHOICES,
+    allowed: Sequence[str] | None = None,
     cost_model: CostModel | None = None,
 ) -> Plan:
     """The plan of least recompute cost whose blocks' peak activation bytes fit in ``budget``.
@@ -269,9 +300,11 @@ def plan_checkpointing(
         profiles: One :class:`BlockProfile` per block, in forward order (from ``profile_blocks``).
         budget: Bytes the blocks may hold at most (``Plan.peak_bytes``: at the end of the forward, or
             while a checkpointed block recomputes in backward): an int or a string like ``"6GiB"``.
-        allowed: Treatments to choose from (``keep``, ``selective``, ``full``, ``offload``). Leave out
-            ``offload`` where the device is the CPU (offloading to the CPU saves nothing there).
-        cost_model: Prices of pointwise recompute and offload; :class:`CostModel` defaults.
+        allowed: Treatments to choose from (``keep``, ``selective``, ``full``, ``offload``,
+            ``pointwise``); default: every treatment all profiles carry. Leave out ``offload`` where the
+            device is the CPU (offloading to the CPU saves nothing there).
+        cost_model: How treatments are priced (measured seconds where the profiles were timed);
+            :class:`CostModel` defaults.
 
     Returns:
         The optimal :class:`Plan` (exact: a dynamic program over Pareto frontiers, not greedy).
@@ -287,7 +320,7 @@ def plan_checkpointing(
         >>> print(plan.table())  # doctest: +SKIP
     """
     budget = parse_bytes(budget, name="budget")
-    allowed = list(dict.fromkeys(allowed))
+    allowed = list(dict.fromkeys(allowed if allowed is not None else _profiled(profiles)))
     for choice in allowed:
         if choice not in CHOICES:
             raise ValueError(f"allowed treatments must be among {CHOICES}, got {choice!r}")
@@ -296,7 +329,7 @@ def plan_checkpointing(
     missing = sorted({c for p in profiles for c in allowed if c not in p.options})
     if missing:
         raise ValueError(f"profiles lack the treatments {missing}; profile them or leave them out of allowed")
-    cost_model = cost_model or CostModel()
+    cost_model = (cost_model or CostModel()).for_profiles(profiles)
     best = _search(profiles, allowed, cost_model, budget)
     if best is None:
         minimum = _smallest_feasible(profiles, allowed, cost_model)
@@ -307,12 +340,40 @@ def plan_checkpointing(
             f"{hint}or use a smaller micro-batch (e.g. AutoAccumulation).",
             minimum,
         )
-    return evaluate_plan(profiles, best, cost_model, budget)
+    return _simplest_tie(profiles, evaluate_plan(profiles, best, cost_model, budget), allowed, cost_model)
 
 
-MODES: tuple[str, ...] = ("auto", "full", "selective", "offload", "every_n")
-"""How blocks are treated: ``auto`` plans (under a limit where one is known), ``full``, ``selective`` and
-``offload`` force that treatment on every block, ``every_n`` fully checkpoints every n-th block."""
+def simple_plans(n: int, allowed: Sequence[str]) -> list[list[str]]:
+    """The plans a user writes by hand for ``n`` blocks: one treatment of ``allowed`` on every block, and
+    (where ``full`` and ``keep`` are allowed) full checkpointing of every k-th block (0, k, 2k, ...).
+
+    Example::
+
+        >>> simple_plans(3, ["keep", "full"])
+        [['keep', 'keep', 'keep'], ['full', 'full', 'full'], ['full', 'keep', 'full']]
+    """
+    plans = [[c] * n for c in allowed]
+    if "full" in allowed and "keep" in allowed:
+        plans += [["full" if i % k == 0 else "keep" for i in range(n)] for k in range(2, n)]
+    return plans
+
+
+def _simplest_tie(profiles, plan: Plan, allowed, cost_model: CostModel) -> Plan:
+    """``plan``, or the fastest hand-written plan that fits its budget and ties with it (``CostModel.tie``)."""
+    if not cost_model.use_time or plan.seconds is None:
+        return plan
+    margin = cost_model.tie * sum(p.seconds or 0.0 for p in profiles)
+    candidates = (
+        evaluate_plan(profiles, c, cost_model, plan.budget) for c in simple_plans(len(profiles), allowed)
+    )
+    ties = [c for c in candidates if c.peak_bytes <= plan.budget and c.cost <= plan.cost + margin]
+    return min(ties, key=lambda c: (c.cost, c.activation_bytes), default=plan)
+
+
+MODES: tuple[str, ...] = ("auto", "full", "selective", "offload", "every_n", "pointwise")
+"""How blocks are treated: ``auto`` plans (under a limit where one is known), ``full``, ``selective``,
+``offload`` and ``pointwise`` force that treatment on every block, ``every_n`` fully checkpoints every
+n-th block."""
 
 
 def check_mode(
@@ -371,11 +432,16 @@ def treatments(mode: str, *, planned: bool, offload: bool) -> list[str]:
     Example::
 
         >>> treatments("auto", planned=True, offload=False), treatments("selective", planned=False, offload=True)
-        (['keep', 'selective', 'full'], ['keep', 'selective'])
+        (['keep', 'selective', 'full', 'pointwise'], ['keep', 'selective'])
     """
     if mode == "auto" and planned:
-        return ["keep", "selective", "full"] + (["offload"] if offload else [])
+        return ["keep", "selective", "full", "pointwise"] + (["offload"] if offload else [])
     return ["keep", "full" if mode in ("auto", "every_n") else mode]
+
+
+def _profiled(profiles: Sequence[BlockProfile]) -> list[str]:
+    """The treatments every profile carries, in :data:`CHOICES` order."""
+    return [c for c in CHOICES if all(c in p.options for p in profiles)]
 
 
 def _smallest_feasible(profiles, allowed, cost_model) -> int:
@@ -415,7 +481,7 @@ def brute_force_plan(
     profiles: Sequence[BlockProfile],
     budget: int,
     *,
-    allowed: Sequence[str] = CHOICES,
+    allowed: Sequence[str] | None = None,
     cost_model: CostModel | None = None,
 ) -> Plan | None:
     """Try all ``len(allowed) ** len(profiles)`` plans; the reference :func:`plan_checkpointing` must match.
@@ -424,7 +490,7 @@ def brute_force_plan(
     """
     cost_model = cost_model or CostModel()
     best = None
-    for choices in itertools.product(allowed, repeat=len(profiles)):
+    for choices in itertools.product(allowed or _profiled(profiles), repeat=len(profiles)):
         plan = evaluate_plan(profiles, choices, cost_model, budget)
         if plan.peak_bytes <= budget and (
             best is None or (plan.cost, plan.activation_bytes) < (best.cost, best.activation_bytes)

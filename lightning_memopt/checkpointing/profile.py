@@ -13,6 +13,8 @@ left alone; RNG and buffers are restored afterwards):
   other op (pointwise ops are memory-bound: they cost bytes, not FLOPs) run during backward, minus the
   same numbers for ``keep``; that difference is exactly the recomputation.
 - transfer bytes: bytes copied to CPU by ``offload`` (they come back, so twice that crosses the bus).
+- seconds (where a clock is given): each treatment's forward and backward timed on the device, as what it
+  adds over ``keep`` (:mod:`~lightning_memopt.checkpointing.timing`; plans are priced in them).
 
 Inputs several blocks take (an attention mask, T5's position bias, the encoder output every decoder block
 attends to) are held once: they count in the first block that takes them. A Hugging Face key/value cache
@@ -48,6 +50,8 @@ from lightning_memopt.checkpointing.apply import (
 from lightning_memopt.checkpointing.apply import (
     _signature as _signature_of,
 )
+from lightning_memopt.checkpointing.timing import time_treatments
+from lightning_memopt.data.clock import Clock
 from lightning_memopt.memory import MemoryTracker
 
 __all__ = [
@@ -85,6 +89,9 @@ class OptionCost:
     """Bytes read and written by the other (pointwise, memory-bound) ops run again in backward."""
     transfer_bytes: int = 0
     """Bytes copied to CPU in forward (and back in backward)."""
+    seconds: float | None = None
+    """Measured seconds this treatment adds to the block's forward and backward over ``keep`` (median of
+    paired rounds, :mod:`~lightning_memopt.checkpointing.timing`); None where not timed."""
 
 
 @dataclass
@@ -101,6 +108,8 @@ class BlockProfile:
     input_held: bool = False
     """Whether an op outside the blocks already holds the primary input for backward (a ReLU before the
     first block saves its output): then keeping the input costs the block nothing."""
+    seconds: float | None = None
+    """Measured seconds of the block's forward and backward, kept (median); None where not timed."""
 
     def activation_bytes(self, choice: str) -> int:
         """Bytes the block alone holds for backward under ``choice`` (boundaries included)."""
@@ -284,6 +293,7 @@ def profile_blocks(
     inputs: dict[str, BlockInputs] | None = None,
     context: Callable[[], contextlib.AbstractContextManager] | None = None,
     choices: Iterable[str] = CHOICES,
+    clock: Clock | None = None,
     **kwargs,
 ) -> list[BlockProfile]:
     """Profile every block under every treatment in ``choices``.
@@ -295,6 +305,8 @@ def profile_blocks(
         inputs: Captured block inputs to profile on instead of running the model.
         context: A callable returning the precision context to run under (autocast), or None.
         choices: Treatments to profile; ``keep`` is always profiled (recompute is measured against it).
+        clock: Where given, each treatment is also timed on it (``OptionCost.seconds``; the extra passes
+            this costs: :mod:`~lightning_memopt.checkpointing.timing`), e.g. ``step_clock(device)``.
 
     Returns:
         One :class:`BlockProfile` per block, in the order given.
@@ -326,7 +338,7 @@ def profile_blocks(
         # Every block is gathered, profiled or not: the ranks all-gather the same blocks in the same order.
         with _gathered(block) as call:
             if key not in cache:
-                cache[key] = _profile_block(name, block, call, captured, choices, context)
+                cache[key] = _profile_block(name, block, call, captured, choices, context, clock)
         profile = copy.deepcopy(cache[key])
         profile.name, profile.chained, profile.input_held = name, captured.chained, captured.input_held
         profiles.append(profile)
@@ -362,7 +374,7 @@ def _gathered(block: nn.Module) -> Iterator[Callable]:
         block.reshard()
 
 
-def _profile_block(name, block, call, captured: BlockInputs, choices, context) -> BlockProfile:
+def _profile_block(name, block, call, captured: BlockInputs, choices, context, clock) -> BlockProfile:
     state = block.__dict__.get(_STATE)
     before = state.choice if state is not None else None
     fake_model = nn.Module()  # apply_checkpointing works on a model; give the block a one-entry tree
@@ -371,6 +383,7 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context) -
     options: dict[str, OptionCost] = {}
     keep_bwd = (0, 0)
     forward_flops = in_bytes = out_bytes = 0
+    seconds = None
     try:
         for choice in choices:
             apply_checkpointing(fake_model, {"b": choice})
@@ -385,6 +398,8 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context) -
             cost.recompute_flops = max(bwd[0] - keep_bwd[0], 0)
             cost.recompute_bytes = max(bwd[1] - keep_bwd[1], 0)
             options[choice] = cost
+        if clock is not None:
+            seconds = _time_options(fake_model, call, captured, context, options, clock)
     finally:
         if before is None:
             remove_checkpointing(fake_model)
@@ -392,20 +407,55 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context) -
             state.choice = before
         del fake_model._modules["b"]
     return BlockProfile(
-        name, forward_flops, in_bytes, out_bytes, captured.chained, options, captured.input_held
+        name, forward_flops, in_bytes, out_bytes, captured.chained, options, captured.input_held, seconds
     )
 
 
-def _run(block, call, captured: BlockInputs, context):
+def _fresh_inputs(captured: BlockInputs) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Copies of the captured inputs, requiring grad as in the model's forward (what autograd saves
+    depends on it), and those that do."""
     args, kwargs = tree_map(
         lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (captured.args, captured.kwargs)
     )
-    for i, t in enumerate(
-        _tensors((args, kwargs))
-    ):  # as in the model's forward: what autograd saves depends on it
+    for i, t in enumerate(_tensors((args, kwargs))):
         if t.is_floating_point() and (captured.grad_inputs is None or i in captured.grad_inputs):
             t.requires_grad_(True)
-    leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    return args, kwargs, [t for t in _tensors((args, kwargs)) if t.requires_grad]
+
+
+def _time_options(fake_model, call, captured: BlockInputs, context, options: dict, clock) -> float:
+    """Set each option's ``seconds``: its timed forward and backward beyond ``keep``'s (timing.py).
+    Returns keep's seconds."""
+    block = fake_model.b
+    params = [p for p in block.parameters() if p.requires_grad]
+    buffers = {n: b.detach().clone() for n, b in block.named_buffers()}
+
+    def prepare(choice):
+        apply_checkpointing(fake_model, {"b": choice})
+        args, kwargs, leaves = _fresh_inputs(captured)
+
+        def run():
+            with (context or contextlib.nullcontext)():
+                outs = [t for t in _tensors(call(*args, **kwargs)) if t.requires_grad]
+            if outs:
+                torch.autograd.grad(sum(o.float().sum() for o in outs), leaves + params, allow_unused=True)
+
+        return run
+
+    with torch.random.fork_rng(devices=[]):
+        timings = time_treatments(prepare, list(options), clock)
+    with torch.no_grad():
+        for n, b in block.named_buffers():
+            b.copy_(buffers[n])
+    for choice, option in options.items():
+        # Never below keep: a treatment only adds work to the block, and a negative extra is the noise of
+        # a busy machine (it would make the planner pick a treatment that saves nothing for free).
+        option.seconds = max(timings[choice].extra, 0.0)
+    return timings["keep"].median
+
+
+def _run(block, call, captured: BlockInputs, context):
+    args, kwargs, leaves = _fresh_inputs(captured)
     primary_in = next(iter(_tensors((args, kwargs))), None)
     tracker = MemoryTracker(block)
     offloaded = [0]

@@ -70,7 +70,7 @@ def _largest(name: str, values: Sequence[Any]) -> Any:
     first = values[0]
     if isinstance(first, bool):
         return all(values) if name in _SHARED else any(values)
-    if isinstance(first, int):
+    if isinstance(first, (int, float)):  # bytes, FLOPs, seconds (timed on every process, or on none)
         return max(values)
     if isinstance(first, OptionCost):
         return _merged(values)

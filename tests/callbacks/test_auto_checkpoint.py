@@ -86,6 +86,10 @@ def test_gradients_match_plain_training(tmp_path):
         ({"mode": "every_n", "every_n": 2}, {"model.h.0": "full", "model.h.1": "keep", "model.h.2": "full"}),
         ({"mode": "offload"}, {"model.h.0": "offload", "model.h.1": "offload", "model.h.2": "offload"}),
         ({"blocks": ["model.h.1"], "mode": "selective"}, {"model.h.1": "selective"}),
+        (
+            {"mode": "pointwise"},
+            {"model.h.0": "pointwise", "model.h.1": "pointwise", "model.h.2": "pointwise"},
+        ),
     ],
 )
 def test_forced_modes(tmp_path, kwargs, expected):
@@ -379,8 +383,8 @@ def test_log_false_logs_nothing(tmp_path):
         ({"mode": "full"}, ["keep", "full"]),
         ({"mode": "selective"}, ["keep", "selective"]),
         ({}, ["keep", "full"]),  # CPU, no limit: full recompute where it helps, else keep
-        ({"max_memory": 10**6}, ["keep", "selective", "full"]),  # CPU: no offload
-        ({"max_memory": 10**6, "allow_offload": True}, ["keep", "selective", "full", "offload"]),
+        ({"max_memory": 10**6}, ["keep", "selective", "full", "pointwise"]),  # CPU: no offload
+        ({"max_memory": 10**6, "allow_offload": True}, ["keep", "selective", "full", "pointwise", "offload"]),
     ],
 )
 def test_profiles_only_the_treatments_the_mode_can_choose(tmp_path, monkeypatch, kwargs, profiled):
@@ -437,3 +441,47 @@ def test_block_patterns_match_relative_to_the_module_holding_the_blocks(tmp_path
     module, cb = GPTModule(), AutoCheckpoint(blocks="h.?", mode="full")
     _trainer(tmp_path, [cb], steps=1).fit(module)
     assert module.seen_choices[0] == dict.fromkeys(["model.h.0", "model.h.1", "model.h.2"], "full")
+
+
+class ScriptedClock:
+    """Each timed pass of a round takes the next of ``durations`` seconds: the profile times the policy's
+    treatments in its order (keep, selective, full, pointwise on CPU), so each treatment gets its own."""
+
+    def __init__(self, durations):
+        self.durations, self.now, self.marks = durations, 0.0, 0
+
+    def mark(self):
+        if self.marks % 2:
+            self.now += self.durations[(self.marks // 2) % len(self.durations)]
+        self.marks += 1
+        return self.now
+
+    def settle(self, last):
+        """Readable at once."""
+
+    def seconds(self, start, end):
+        return end - start
+
+
+@pytest.mark.parametrize(
+    "durations, chosen, never",
+    [
+        ((1.0, 1.1, 2.0, 2.0), "selective", {"full", "pointwise"}),  # selective adds 0.1s, the others 1s
+        ((1.0, 2.0, 1.1, 2.0), "full", {"selective", "pointwise"}),  # full the cheap one
+    ],
+)
+def test_plans_are_priced_by_the_time_each_treatment_takes(tmp_path, monkeypatch, durations, chosen, never):
+    from lightning_memopt.checkpointing import budget
+
+    monkeypatch.setattr(budget, "step_clock", lambda device: ScriptedClock(durations))
+    module = GPTModule()
+    # The blocks get 85 kB: a kept block holds 35,392 bytes, a selective one 22,528, a full one 2,048. Two
+    # selective blocks and a kept one fit, or one full block and two kept: which is cheaper is the clock's.
+    param_bytes = sum(p.numel() * 4 for p in TinyGPT(3).parameters())
+    B, T, h, vocab = 4, 8, 16, 32
+    outside = B * T * 8 + 2 * B * T * h * 4 + 2 * B * T * 4 + B * T * vocab * 4 + 4  # see the test above
+    cb = AutoCheckpoint(max_memory=2 * param_bytes + outside + 85_000, headroom=0.0)
+    _trainer(tmp_path, [cb], steps=2).fit(module)
+    choices = set(cb.plan.choices.values())
+    assert chosen in choices and not choices & never
+    assert cb.plan.seconds == pytest.approx(0.1 * list(cb.plan.choices.values()).count(chosen))

@@ -99,7 +99,7 @@ def test_plan_policy_per_mode_and_limit():
     assert (list(planned.choices.values()), planned.budget, calls) == (["full", "keep"], 1200, [1])
     # Chosen once: the treatments the mode can choose (offload only where allowed), given the limit.
     resolved = PlanPolicy.for_mode("auto", StepLimit.resolve("1KiB", 0.0, None), offload=True)
-    assert resolved.treatments == ("keep", "selective", "full", "offload")
+    assert resolved.treatments == ("keep", "selective", "full", "pointwise", "offload")
     unlimited = PlanPolicy.for_mode("auto", StepLimit.resolve(None, 0.1, None), offload=True)
     assert unlimited.treatments == ("keep", "full")  # no limit: full where it lowers the bytes, else keep
     assert PlanPolicy.for_mode("selective", StepLimit(None, 0.1, 10**6), offload=True).treatments == (
@@ -134,7 +134,8 @@ def test_mode_policy():
         "inputs or behaviour may change between batches (variable sequence length?); leave more headroom."
     )
     with pytest.raises(
-        ValueError, match=r"mode must be one of \('auto', 'full', 'selective', 'offload', 'every_n'\)"
+        ValueError,
+        match=r"mode must be one of \('auto', 'full', 'selective', 'offload', 'every_n', 'pointwise'\)",
     ):
         check_mode("fast", 2)
     with pytest.raises(ValueError, match=r"cost_model must be a CostModel, got 3; e.g. CostModel\("):

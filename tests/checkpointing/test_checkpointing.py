@@ -389,8 +389,10 @@ def test_profile_bytes_exact_and_predictions_match_measurement():
         ("full", "keep", "offload"),
         ("keep", "selective", "full"),
         ("offload", "keep", "keep"),
+        ("pointwise", "selective", "full"),
+        ("keep", "pointwise", "offload"),
     ]
-    for choices in mixes + [(c,) * 3 for c in ("selective", "full", "offload")]:
+    for choices in mixes + [(c,) * 3 for c in ("selective", "full", "offload", "pointwise")]:
         predicted = evaluate_plan(profiles, choices)
         apply_checkpointing(model, predicted)
         with ActivationMeter(model, blocks) as meter:
@@ -607,7 +609,9 @@ def test_profile_and_plan_input_errors():
     with pytest.raises(ValueError, match="block 'b0' has no profile for choice 'offload'"):
         evaluate_plan(profiles, ["offload", "keep"])
     with pytest.raises(ValueError, match=r"profiles lack the treatments \['offload'\]"):
-        plan_checkpointing(profiles, 10**6)
+        plan_checkpointing(profiles, 10**6, allowed=["keep", "selective", "full", "offload"])
+    # By default the planner weighs what every block was profiled under.
+    assert set(plan_checkpointing(profiles, 10**6).choices.values()) == {"keep"}
     with pytest.raises(ValueError, match="allowed must name at least one treatment"):
         plan_checkpointing(profiles, 10**6, allowed=[])
 

@@ -1,0 +1,319 @@
+"""The ``pointwise`` treatment: a block's norms and activations recomputed in backward, as modules.
+
+Op-level selective checkpointing (``selective``) decides per op which outputs to keep: torch calls a
+Python policy on every op of the forward, and replays the block's whole Python forward in backward. On a
+CPU and on small blocks that machinery costs more time than the recompute it prices (on a 2-core CPU,
+15-100% of a step at 1.00x FLOPs: ``benchmarks/checkpointing.py``). Most of what it drops, though, are the outputs of a block's
+pointwise *sub-modules* (a LayerNorm's output, which the next linear layer saves; an activation's) and
+their intermediates: recomputing those sub-modules as modules, as Megatron's ``recompute_modules`` does,
+needs no per-op dispatch at all.
+
+Which sub-modules (found once per input signature, by one dry run on fake tensors,
+:func:`pointwise_modules`): the outermost modules inside the block that
+
+- run no compute-heavy op (matmul, convolution, attention), no random op, and write no tensor they did
+  not create (an in-place op on their input, a BatchNorm's running statistics): recomputing them is
+  cheap and gives the same values;
+- are called once, and return one floating-point tensor of their own (not a view of an input) that
+  their own ops do not save (a softmax's output is; a norm's or GELU's is not);
+- whose output a later op outside them saves for backward (else there is nothing to drop), and whose
+  inputs autograd holds anyway (else keeping them to recompute from would cost what is saved).
+
+How (:func:`pointwise_forward`): each such module runs as an autograd Function that keeps only its inputs
+(it runs without grad, so its intermediates are not saved) and returns its output. When the block's
+forward returns, the storages of those outputs are freed (``resize_(0)``): the ops that saved them keep
+pointing at the storage. When backward reaches the block (a pre-hook on the autograd nodes of its
+outputs, which runs after FSDP's own pre-backward hooks gather the parameters), each module runs once
+more, with grad, on its inputs: its output refills the storage for the ops that saved it (written
+through a fresh alias, so the saved tensors' version counters do not move), and its graph serves the
+module's own backward. Each pointwise module therefore runs twice per step, as under ``selective``, and
+the gradients equal the plain run's bit for bit (the same ops on the same values).
+
+It holds what ``selective`` holds where the block's dropped tensors are all outputs of such modules, and
+more where ``selective`` also drops functional pointwise results (a residual sum, a reshaped copy): the
+profile measures both, and the planner pays ``selective``'s dispatch only where it buys memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_memopt.checkpointing._inputs import storage_key, tensors
+from lightning_memopt.checkpointing.dry_run import fake_call
+
+__all__ = ["pointwise_modules", "pointwise_forward"]
+
+
+@dataclass(eq=False)  # compared by identity: `in stack`
+class _Seen:
+    """What the dry run saw of one sub-module."""
+
+    calls: int = 0
+    pure: bool = True
+    """No compute-heavy op, no random op, no write to a tensor it did not create."""
+    created: set = field(default_factory=set)
+    inputs: list = field(default_factory=list)
+    output: object = None
+    output_saved: bool = False
+    """Whether an op outside the module saved its output for backward."""
+    saved_inside: set = field(default_factory=set)
+    """Storages the module's own ops saved for backward."""
+
+
+class _Watch(TorchDispatchMode):
+    """Attribute every op of the dry run to the sub-modules running it."""
+
+    def __init__(self, stack: list[_Seen], is_compute: Callable) -> None:
+        super().__init__()
+        self.stack, self.is_compute = stack, is_compute
+        self.keep: list = []  # every op's output stays referenced: a freed storage's key could be reused
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = []
+        if func._schema.is_mutable:
+            named = dict(zip((arg.name for arg in func._schema.arguments), args)) | kwargs
+            written = [
+                storage_key(t)
+                for arg in func._schema.arguments
+                if arg.alias_info is not None and arg.alias_info.is_write
+                for t in tensors(named.get(arg.name))
+            ]
+        out = func(*args, **kwargs)
+        self.keep.append(out)
+        impure = self.is_compute(func) or torch.Tag.nondeterministic_seeded in func.tags
+        for seen in self.stack:
+            seen.pure = seen.pure and not impure and all(k in seen.created for k in written)
+            seen.created.update(storage_key(t) for t in tensors(out))
+        return out
+
+
+def pointwise_modules(
+    block: nn.Module, fn: Callable, args: tuple, kwargs: dict, *, is_compute: Callable
+) -> tuple:
+    """Qualified names (relative to ``block``) of the sub-modules the ``pointwise`` treatment recomputes
+    when ``fn(*args, **kwargs)`` runs ``block``'s forward (the rule: this module's docstring).
+
+    ``is_compute(op)`` tells a compute-heavy op (:func:`~lightning_memopt.checkpointing.apply.is_compute_op`).
+    Found on fake tensors; where the block does not run on them, none (the treatment then equals keep).
+    """
+    stack: list[_Seen] = []
+    seen: dict[str, _Seen] = {}
+    saved: set = set()
+    kept: list = []  # saved tensors stay referenced (fake: no memory), so that no key is reused
+    handles = []
+
+    def pre(name):
+        def hook(module, a, kw):
+            s = seen.setdefault(name, _Seen())
+            s.calls += 1
+            s.inputs = tensors((a, kw))
+            stack.append(s)
+
+        return hook
+
+    def post(module, a, kw, out):
+        stack.pop().output = out
+
+    def pack(t):
+        key = storage_key(t)
+        saved.add(key)
+        kept.append(t)
+        for s in stack:
+            s.saved_inside.add(key)
+        for s in seen.values():
+            if s not in stack and isinstance(s.output, torch.Tensor) and storage_key(s.output) == key:
+                s.output_saved = True
+
+    for name, module in block.named_modules():
+        if module is not block:
+            handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True))
+    try:
+        with (
+            fake_call(block, args, kwargs) as (fargs, fkwargs),
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
+            _Watch(stack, is_compute),
+        ):
+            fn(*fargs, **fkwargs)
+    except Exception:  # a data-dependent op, an op fake tensors do not support: recompute nothing
+        return ()
+    finally:
+        for h in handles:
+            h.remove()
+    own = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
+    chosen = [n for n, s in seen.items() if _qualifies(s, saved, own)]
+    return tuple(n for n in chosen if not any(n.startswith(c + ".") for c in chosen))
+
+
+def _qualifies(s: _Seen, saved: set, own: set) -> bool:
+    out = s.output
+    if s.calls != 1 or not s.pure or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return False
+    key = storage_key(out)
+    inputs = {storage_key(t) for t in s.inputs}
+    return (
+        s.output_saved
+        and key in s.created
+        and key not in s.saved_inside  # its recomputed output is only copied back, then dropped
+        and key not in inputs
+        and key not in own
+        and all(k in saved for k in inputs if k not in own)
+    )
+
+
+class _Call:
+    """One call of a pointwise sub-module: how to run it again, and its output while the storage is freed.
+
+    It holds the call's inputs (autograd holds them anyway: the Function saves them) and output only until
+    the module's backward has run, so that each is freed when keep would free it.
+    """
+
+    def __init__(self, module: nn.Module, run: Callable, args: tuple, kwargs: dict) -> None:
+        self.module, self.run = module, run
+        leaves, self.spec = tree_flatten((args, kwargs))
+        self.slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.inputs = [leaves[i] for i in self.slots]
+        self.leaves = [None if i in self.slots else v for i, v in enumerate(leaves)]  # the other arguments
+        self.versions = [t._version for t in self.inputs]
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        device = self.inputs[0].device.type if self.inputs else "cpu"
+        self.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        self.output: torch.Tensor | None = None
+        self.nbytes = 0
+        self.again: tuple | None = None  # the rerun (inputs, output, parameters), for backward
+
+    def call(self, inputs) -> torch.Tensor:
+        leaves = list(self.leaves)
+        for i, t in zip(self.slots, inputs):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return self.run(*args, **kwargs)
+
+    def rerun(self, inputs) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """The module's forward again, with grad, on detached ``inputs``: (those inputs, output, and the
+        parameters it ran with: read now, since FSDP2 may register other objects than in the forward)."""
+        xs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if len(params) != len(self.params):
+            raise RuntimeError(
+                f"{type(self.module).__name__} has {len(params)} trainable parameters in backward, "
+                f"{len(self.params)} in its forward; the pointwise treatment cannot differentiate it"
+            )
+        device, dtype, enabled = self.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            return xs, self.call(xs), params
+
+    def release(self) -> None:
+        storage = self.output.untyped_storage()
+        self.nbytes = storage.nbytes()
+        storage.resize_(0)
+
+    def refill(self) -> None:
+        """Run the module again and write its output back into the freed storage (before its readers)."""
+        if self.nbytes == 0:
+            return
+        if [t._version for t in self.inputs] != self.versions:
+            raise RuntimeError(
+                f"an input of {type(self.module).__name__} was modified in place after its forward; the "
+                "pointwise treatment cannot recompute it. Use 'selective' or 'full' for this block."
+            )
+        self.again = self.rerun(self.inputs)
+        again, out, storage = self.again[1], self.output, self.output.untyped_storage()
+        storage.resize_(self.nbytes)
+        self.nbytes = 0
+        # A fresh tensor on the storage: writing through `out` would bump the version counter that the ops
+        # which saved it check in backward.
+        alias = torch.empty(0, dtype=out.dtype, device=out.device)
+        with torch.no_grad():
+            alias.set_(storage, out.storage_offset(), out.size(), out.stride()).copy_(again)
+        # The rerun's own output is only the root of its graph now (the module's ops did not save it): its
+        # bytes go, so that the block's backward holds what keep would, not the output twice.
+        again.untyped_storage().resize_(0)
+
+
+class _Recompute(torch.autograd.Function):
+    """A pointwise sub-module that keeps only its inputs; its backward differentiates the rerun made to
+    refill its output (or runs the module again) and lets go of the call's tensors."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors_in):
+        ctx.call = call
+        ctx.save_for_backward(*call.inputs)  # through the saved-tensor hooks: trackers count them
+        return call.call(tensors_in[: len(call.inputs)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        call: _Call = ctx.call
+        xs, out, params = call.again or call.rerun(ctx.saved_tensors)
+        call.again = call.output = None  # the readers of the output ran before us: free it as keep would
+        call.inputs = []
+        wrt = [x for x in xs if x.requires_grad] + params
+        grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
+        inputs = [next(grads) if x.requires_grad else None for x in xs]
+        return (None, *inputs, *grads)
+
+
+def pointwise_forward(block: nn.Module, fn: Callable, args: tuple, kwargs: dict, names: tuple) -> object:
+    """``fn(*args, **kwargs)`` (``block``'s forward) with the sub-modules ``names`` recomputed in backward
+    (:func:`pointwise_modules`; how: this module's docstring)."""
+    calls: list[_Call] = []
+    modules = [block.get_submodule(n) for n in names]
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(_routed(module, calls))
+        out = fn(*args, **kwargs)
+    nodes = list(dict.fromkeys(t.grad_fn for t in tensors(out) if t.grad_fn is not None))
+    if not nodes:
+        return out
+    kept = {storage_key(t) for t in tensors((out, args, kwargs))}
+    freed = [c for c in calls if c.output is not None and storage_key(c.output) not in kept]
+    for c in freed:
+        c.release()
+    if freed:
+        refill = functools.partial(_refill, freed)
+        for node in nodes:  # the first node backward reaches refills all; after FSDP's pre-backward hooks
+            node.register_prehook(refill)
+    return out
+
+
+def _refill(calls: list[_Call], grad_outputs) -> None:
+    for c in calls:
+        c.refill()
+
+
+@contextlib.contextmanager
+def _routed(module: nn.Module, calls: list[_Call]):
+    """While entered, ``module``'s calls go through :class:`_Recompute` (an instance ``forward``, restored
+    after: an instance ``forward`` the module had already is the one run)."""
+    own = module.__dict__.get("forward")
+    run = own if own is not None else functools.partial(type(module).forward, module)
+
+    def forward(*args, **kwargs):
+        call = _Call(module, run, args, kwargs)
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*call.inputs, *call.params)):
+            return run(*args, **kwargs)
+        out = _Recompute.apply(call, *call.inputs, *call.params)
+        keys = {storage_key(t) for t in call.inputs}
+        if storage_key(out) not in keys:  # never free what the caller passed in
+            call.output = out
+            calls.append(call)
+        return out
+
+    module.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = own

@@ -1,0 +1,90 @@
+"""Time a block's treatments on its device: the seconds that plans are priced in.
+
+FLOPs miss what a treatment costs beyond arithmetic: selective checkpointing's per-op dispatch, the
+Python of a block replayed in backward, memory-bound pointwise ops, copies to the host. So the profile
+also *times* each treatment it considers (:func:`time_treatments`): the block's forward and backward on
+its captured inputs, under each treatment in turn, ``repeats`` rounds of one pass per treatment
+(alternated, so that a slow moment of a shared machine does not fall on one treatment only). A
+treatment's price is the median, over rounds, of its pass's seconds minus ``keep``'s in the same round
+(paired: what slows a whole round down cancels). The clock is the device's (:func:`~lightning_memopt.data.clock.step_clock`:
+CUDA events on CUDA, ``perf_counter`` elsewhere); tests pass a fake one.
+
+Cost, paid once per profile (the first batch, and a batch of a new shape under a limit): ``repeats``
+passes (forward and backward) of the block per treatment, for each *distinct* block (blocks with the same
+class, configuration and input shapes are profiled and timed once). With the default 5 repeats and the
+four treatments ``AutoCheckpoint`` weighs on CPU (keep, selective, full, pointwise; five with offload on
+CUDA): 20 (25) block passes, about two training steps of a 12-block model whose blocks are all alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_memopt.data.clock import Clock
+
+__all__ = ["TIMING_REPEATS", "Timing", "time_treatments"]
+
+TIMING_REPEATS = 5
+"""Timed passes per treatment and distinct block (each after the profile's untimed pass, its warm-up)."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One treatment's seconds: the median pass, and the median and range of its extra over ``keep``'s
+    pass in the same round."""
+
+    median: float
+    """Median seconds of a pass."""
+    extra: float
+    """Median over rounds of (this treatment's pass - keep's pass): what the treatment adds."""
+    low: float
+    """Smallest extra of a round."""
+    high: float
+    """Largest extra of a round."""
+
+
+def time_treatments(
+    prepare: Callable[[str], Callable[[], object]],
+    choices: Sequence[str],
+    clock: Clock,
+    repeats: int = TIMING_REPEATS,
+) -> dict[str, Timing]:
+    """Each treatment's :class:`Timing` over ``repeats`` rounds, every round timing one pass of each.
+
+    Args:
+        prepare: ``prepare(choice)`` sets the block to ``choice`` and returns the pass to time (what it
+            does first, such as cloning inputs, is not timed).
+        choices: The treatments, timed in this order within a round; ``keep`` among them (the extra of
+            each is taken over it; without it, extras are the passes' own seconds).
+        clock: Marks on the device's timeline (:class:`~lightning_memopt.data.clock.Clock`).
+        repeats: Rounds; at least 1.
+
+    Raises:
+        ValueError: If ``repeats`` is below 1.
+
+    Example::
+
+        >>> from tests.data.helpers import FakeClock  # doctest: +SKIP
+        >>> clock = FakeClock()  # doctest: +SKIP
+        >>> time_treatments(lambda c: lambda: clock.advance(2.0 if c == "full" else 1.0), ["keep", "full"], clock)["full"]  # doctest: +SKIP
+        Timing(median=2.0, extra=1.0, low=1.0, high=1.0)
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    samples: dict[str, list[float]] = {c: [] for c in choices}
+    for _ in range(repeats):
+        for choice in choices:
+            run = prepare(choice)
+            start = clock.mark()
+            run()
+            end = clock.mark()
+            clock.settle(end)
+            samples[choice].append(clock.seconds(start, end))
+    keep = samples.get("keep", [0.0] * repeats)
+    timings = {}
+    for choice, seconds in samples.items():
+        extra = [s - k for s, k in zip(seconds, keep)]
+        timings[choice] = Timing(statistics.median(seconds), statistics.median(extra), min(extra), max(extra))
+    return timings

@@ -1,0 +1,186 @@
+"""The pointwise treatment (checkpointing/pointwise.py): which sub-modules it recomputes, the bytes it
+holds (exact, MemoryTracker), and gradients equal to the plain run's, on the tests' blocks and on
+third-party models (tests/zoo)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memopt.checkpointing import (
+    ActivationMeter,
+    apply_checkpointing,
+    find_blocks,
+    profile_blocks,
+    remove_checkpointing,
+)
+from lightning_memopt.checkpointing.apply import _STATE, is_compute_op
+from lightning_memopt.checkpointing.pointwise import pointwise_modules
+from tests.checkpointing.models import TinyGPT
+
+
+def _found(block: nn.Module, *args) -> tuple:
+    fn = lambda *a: type(block).forward(block, *a)  # noqa: E731
+    return pointwise_modules(block, fn, args, {}, is_compute=is_compute_op)
+
+
+def _grads(model, *args, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(*args, **kwargs)
+    (out.loss if hasattr(out, "loss") else out.square().mean()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _Mixed(nn.Module):
+    """Sub-modules the treatment must and must not take: see the test below."""
+
+    def __init__(self, h: int = 8) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(h)  # output saved by fc: taken
+        self.fc = nn.Linear(h, 4 * h)  # a matmul: never
+        self.act = nn.Sequential(nn.GELU())  # pointwise wrapper: the outermost is taken, not the GELU
+        self.mid = nn.Linear(4 * h, 4 * h)
+        self.drop = nn.Dropout(0.1)  # random: never
+        self.relu = nn.ReLU(inplace=True)  # writes its input in place: never
+        self.bn = nn.BatchNorm1d(4 * h)  # updates running statistics in training: never
+        self.soft = nn.Softmax(dim=-1)  # saves its own output: nothing to drop
+        self.same = nn.Identity()  # returns its input: nothing of its own
+        self.proj = nn.Linear(4 * h, h)
+        self.ln_out = nn.LayerNorm(h)  # output only added to the input (not saved): nothing to drop
+
+    def forward(self, x):  # (B, h)
+        y = self.drop(self.mid(self.act(self.fc(self.ln(x)))))
+        y = self.relu(self.bn(y))
+        y = self.soft(self.same(y)) * y
+        return x + self.ln_out(self.proj(y))
+
+
+def test_pointwise_takes_the_outermost_deterministic_pointwise_modules_whose_output_is_saved():
+    torch.manual_seed(0)
+    assert _found(_Mixed(), torch.randn(4, 8, requires_grad=True)) == ("ln", "act")
+
+
+def test_pointwise_takes_nothing_where_the_dry_run_cannot_run():
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(self.ln(x)) * (x.nonzero().shape[0] > 0)  # fake tensors cannot size nonzero
+
+    block, x = DataDependent(), torch.randn(4, 8, requires_grad=True)
+    assert _found(block, x) == ()
+    ref = _grads(block, x)
+    apply_checkpointing(block, {"": "pointwise"})
+    got = _grads(block, x)
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_pointwise_holds_exact_bytes_and_gradients_equal_on_the_tests_gpt():
+    torch.manual_seed(0)
+    B, T, h = 2, 8, 16
+    model = TinyGPT(3, h=h)
+    idx = torch.randint(0, 32, (B, T))
+    blocks = find_blocks(model)
+    ref = _grads(model, idx)
+    profiles = profile_blocks(model, blocks, idx)
+    keep, pointwise = profiles[1].options["keep"], profiles[1].options["pointwise"]
+    # The block's two LayerNorms: their outputs (B,T,h fp32, saved by the next linear layer) and their
+    # mean and rstd (B,T fp32 each) go; their inputs are kept (the Function saves them, as LayerNorm did).
+    assert keep.internal_bytes - pointwise.internal_bytes == 2 * (B * T * h * 4 + 2 * B * T * 4)
+    assert pointwise.recompute_flops == 0 < pointwise.recompute_bytes
+    # Predicted = measured bytes for plans with pointwise blocks: test_checkpointing.py's profile test.
+    apply_checkpointing(model, dict.fromkeys((n for n, _ in blocks), "pointwise"))
+    got = _grads(model, idx)
+    assert model.h[0].__dict__[_STATE].pointwise.popitem()[1] == ("ln_1", "ln_2")
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_pointwise_holds_what_selective_holds_on_vit_and_its_peak():
+    zoo = pytest.importorskip("tests.zoo.models")
+    torch.manual_seed(0)
+    model = zoo.no_dropout(zoo.ZOO["vit"].build())
+    batch = zoo.ZOO["vit"].batch(4, 0)
+    blocks = find_blocks(model)
+    held, peaks = {}, {}
+    for choice in ("keep", "selective", "pointwise"):
+        apply_checkpointing(model, dict.fromkeys((n for n, _ in blocks), choice))
+        model.zero_grad(set_to_none=True)
+        with ActivationMeter(model, blocks) as meter:
+            start = meter.tracker.current
+            meter.tracker.reset_peak()
+            model(**batch).loss.backward()
+            peaks[choice] = meter.tracker.peak - start
+        held[choice] = meter.total
+    # Every tensor op-level selection drops in a ViT layer is the output or an intermediate of a norm or
+    # the GELU: recomputed as modules, the same bytes, and the same peak in backward.
+    assert held["pointwise"] == held["selective"] < held["keep"]
+    assert held == {"keep": 367392, "selective": 259680, "pointwise": 259680}
+    assert peaks["pointwise"] == peaks["selective"] < peaks["keep"]
+    names = model.vit.layers[0].__dict__[_STATE].pointwise.popitem()[1]
+    assert names == ("layernorm_before", "layernorm_after", "mlp.activation_fn")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "convnext", "t5", "swin", "mixtral"])
+def test_pointwise_gradients_equal_the_plain_run_on_the_zoo(name):
+    zoo = pytest.importorskip("tests.zoo.models")
+    torch.manual_seed(0)
+    model = zoo.no_dropout(zoo.ZOO[name].build(torch.float64))
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in zoo.ZOO[name].batch(4, 0).items()}
+    ref = _grads(model, **batch)
+    keys = list(model.state_dict())
+    apply_checkpointing(model, {n: "pointwise" for n, _ in find_blocks(model)})
+    got = _grads(model, **batch)
+    assert list(model.state_dict()) == keys and got.keys() == ref.keys()
+    for n in ref:  # float64: bit-equal but for the order autograd sums a few gradients in (T5: 3e-17)
+        torch.testing.assert_close(got[n], ref[n], rtol=0, atol=1e-15)
+    found = [
+        names
+        for m in model.modules()
+        if _STATE in m.__dict__
+        for names in m.__dict__[_STATE].pointwise.values()
+    ]
+    # Every model has norms or activations the treatment recomputes, but Mixtral: its experts' routing
+    # (nonzero) does not run on fake tensors, so the dry run finds nothing and the treatment equals keep.
+    assert any(found) != (name == "mixtral")
+
+
+def test_pointwise_under_autocast_eval_no_grad_and_a_retained_graph():
+    torch.manual_seed(0)
+    model, idx = TinyGPT(2), torch.randint(0, 32, (2, 8))
+    plain = copy.deepcopy(model)
+    apply_checkpointing(model, {"h.0": "pointwise", "h.1": "pointwise"})
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # recomputed under the forward's autocast
+        ref, got = _grads(plain, idx), _grads(model, idx)
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+    with torch.no_grad():  # nothing to recompute: the plain forward
+        out = model(idx)
+    model.eval()
+    assert torch.equal(out, model(idx)) and torch.equal(out, plain.eval()(idx))
+    model.train()
+    loss = model(idx).square().mean()
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(model.parameters()))  # the modules run again from their inputs
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    remove_checkpointing(model)
+
+
+def test_pointwise_refuses_an_input_changed_in_place_after_the_forward():
+    class Mutating(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = x * 2
+            y = self.fc(self.ln(h))
+            h.add_(1)  # under keep, LayerNorm's saved input fails autograd's version check in backward
+            return y
+
+    block = Mutating()
+    apply_checkpointing(block, {"": "pointwise"})
+    out = block(torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(RuntimeError, match="an input of LayerNorm was modified in place after its forward"):
+        out.sum().backward()

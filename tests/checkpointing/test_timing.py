@@ -1,0 +1,150 @@
+"""Plans priced in seconds (checkpointing/timing.py, the planner's CostModel, AutoCheckpoint's policy):
+fake clocks make the timing exact, so the tests assert what is chosen, never a wall-clock time."""
+
+import pytest
+import torch
+
+from lightning_memopt.checkpointing import (
+    BlockProfile,
+    CostModel,
+    OptionCost,
+    PlanPolicy,
+    StepLimit,
+    evaluate_plan,
+    find_blocks,
+    plan_checkpointing,
+    profile_blocks,
+)
+from lightning_memopt.checkpointing.planner import simple_plans
+from lightning_memopt.checkpointing.ranks import largest_profiles
+from lightning_memopt.checkpointing.timing import TIMING_REPEATS, Timing, time_treatments
+from lightning_memopt.data.clock import CudaClock, HostClock
+from tests.checkpointing.clocks import WorkClock
+from tests.checkpointing.models import TinyGPT
+from tests.data.helpers import FakeClock
+
+
+def test_time_treatments_alternates_and_pairs_each_round_with_keep():
+    clock, order = FakeClock(), []
+    # keep takes 1s, full 2s, except in round 2, when the machine is busy and everything takes 10s more
+    durations = {"keep": 1.0, "full": 2.0}
+
+    def prepare(choice):
+        order.append(choice)
+        busy = 10.0 if len(order) in (3, 4) else 0.0
+        return lambda: clock.advance(durations[choice] + busy)
+
+    timings = time_treatments(prepare, ["keep", "full"], clock, repeats=3)
+    assert order == ["keep", "full"] * 3  # round-robin, never one treatment's repeats in a row
+    assert timings["full"] == Timing(median=2.0, extra=1.0, low=1.0, high=1.0)  # the busy round cancels
+    assert timings["keep"] == Timing(median=1.0, extra=0.0, low=0.0, high=0.0)
+    assert clock.settles == 6
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        time_treatments(prepare, ["keep"], clock, repeats=0)
+
+
+def test_profile_times_each_treatment_with_a_bounded_number_of_passes():
+    torch.manual_seed(0)
+    model, idx = TinyGPT(3), torch.randint(0, 32, (2, 8))
+    choices = ["keep", "selective", "full", "pointwise"]
+    clock = WorkClock()
+    profiles = profile_blocks(model, find_blocks(model), idx, choices=choices, clock=clock)
+    # Three alike blocks are profiled, and timed, once: repeats passes per treatment (timing.py's bound).
+    assert clock.passes == TIMING_REPEATS * len(choices) == 20
+    again = profile_blocks(model, find_blocks(model), idx, choices=choices, clock=WorkClock())
+    assert [p.options for p in again] == [p.options for p in profiles]  # work, not time: deterministic
+    options = profiles[0].options
+    assert options["keep"].seconds == 0.0 and profiles[0].seconds > 0
+    # The work clock charges FLOPs plus 50 per byte moved: full recomputes matmuls, selective and pointwise
+    # only pointwise ops; each extra is exactly the recomputation the profile counted, in nanoseconds.
+    for choice in ("selective", "full", "pointwise"):
+        o = options[choice]
+        assert o.seconds == pytest.approx((o.recompute_flops + 50 * o.recompute_bytes) * 1e-9, rel=0.2)
+    assert options["full"].seconds > options["selective"].seconds > 0
+    untimed = profile_blocks(model, find_blocks(model), idx, choices=choices)
+    assert untimed[0].seconds is None and all(o.seconds is None for o in untimed[0].options.values())
+
+
+def _profiles(n: int, seconds: dict[str, float | None], pointwise_bytes: int = 60) -> list[BlockProfile]:
+    """``n`` chained blocks: keep holds 100 bytes, selective 40, full 10, pointwise ``pointwise_bytes``; by
+    FLOPs selective is free and full dear, by ``seconds`` as given (each block takes 1s kept)."""
+    flops = {"keep": 0, "selective": 0, "full": 1000, "pointwise": 0}
+    held = {"keep": 100, "selective": 40, "full": 10, "pointwise": pointwise_bytes}
+    return [
+        BlockProfile(
+            f"b{i}",
+            1000,
+            0,
+            0,
+            i > 0,
+            {
+                c: OptionCost(held[c], False, False, recompute_flops=flops[c], seconds=seconds[c])
+                for c in held
+            },
+            seconds=1.0 if seconds["keep"] is not None else None,
+        )
+        for i in range(n)
+    ]
+
+
+def test_plans_are_priced_in_seconds_where_every_treatment_was_timed():
+    # Measured, selective's dispatch makes it the dearest; by FLOPs it is free and holds the least.
+    timed = _profiles(4, {"keep": 0.0, "selective": 0.5, "full": 0.2, "pointwise": 0.05})
+    plan = plan_checkpointing(timed, 300, cost_model=CostModel(tie=0))
+    # The kept block last: its backward comes first, while the others still hold theirs.
+    assert list(plan.choices.values()) == ["pointwise", "pointwise", "pointwise", "keep"]
+    assert plan.seconds == pytest.approx(0.15) and plan.cost == pytest.approx(0.15)
+    assert "+150.0 ms" in plan.table()
+    flops = plan_checkpointing(timed, 300, cost_model=CostModel(use_time=False))
+    assert set(flops.choices.values()) == {"selective"} and flops.seconds is None and flops.cost == 0
+    # One treatment untimed: the whole plan is priced in FLOP-equivalents, never in two units at once.
+    mixed = _profiles(4, {"keep": 0.0, "selective": 0.5, "full": 0.2, "pointwise": None})
+    assert plan_checkpointing(mixed, 300).choices == flops.choices
+    assert evaluate_plan(mixed, ["full"] * 4).seconds is None
+
+
+def test_a_hand_written_plan_is_chosen_where_the_optimum_is_not_measurably_faster():
+    timed = _profiles(4, {"keep": 0.0, "selective": 0.9, "full": 0.19, "pointwise": 0.1}, pointwise_bytes=30)
+    # Under 220 bytes the optimum recomputes the pointwise modules of three blocks (0.3s; the kept block
+    # last, where its backward comes first); full on every 2nd block (0.38s) is within the tie, 3% of the
+    # blocks' 4 seconds (0.12s): it is chosen, the cheapest hand-written plan that fits.
+    optimum = plan_checkpointing(timed, 220, cost_model=CostModel(tie=0))
+    assert list(optimum.choices.values()) == ["pointwise", "pointwise", "pointwise", "keep"]
+    chosen = plan_checkpointing(timed, 220)
+    assert list(chosen.choices.values()) == ["full", "keep", "full", "keep"] and chosen.peak_bytes <= 220
+    assert chosen.seconds == pytest.approx(0.38) and optimum.seconds == pytest.approx(0.3)
+    # A tie of 1% (0.04s): the optimum is measurably faster than every hand-written plan, and stays.
+    assert plan_checkpointing(timed, 220, cost_model=CostModel(tie=0.01)).choices == optimum.choices
+    with pytest.raises(ValueError, match="tie must be >= 0, got -0.1"):
+        CostModel(tie=-0.1)
+    assert simple_plans(4, ["keep", "full"])[-2:] == [
+        ["full", "keep", "full", "keep"],
+        ["full", "keep", "keep", "full"],
+    ]
+
+
+def test_ranks_plan_on_each_timings_largest():
+    a = _profiles(1, {"keep": 0.0, "selective": 0.5, "full": 0.2, "pointwise": 0.05})
+    b = _profiles(1, {"keep": 0.0, "selective": 0.3, "full": 0.4, "pointwise": 0.05})
+    merged = largest_profiles([a, b])[0]
+    assert [merged.options[c].seconds for c in ("selective", "full")] == [0.5, 0.4]
+
+
+def test_plan_policy_times_only_where_auto_plans():
+    limit = StepLimit.resolve("1MiB", 0.0, None)
+    assert isinstance(PlanPolicy.for_mode("auto", limit, offload=False).clock, WorkClock)  # the tests' clock
+    assert PlanPolicy.for_mode("auto", StepLimit.resolve(None, 0.1, None), offload=False).clock is None
+    assert PlanPolicy.for_mode("selective", StepLimit.resolve(None, 0.1, None), offload=False).clock is None
+    no_time = PlanPolicy.for_mode("auto", limit, offload=False, cost_model=CostModel(use_time=False))
+    assert no_time.clock is None
+
+
+def test_plan_policy_clock_is_the_devices(monkeypatch):
+    from lightning_memopt.checkpointing import budget
+    from lightning_memopt.data.clock import step_clock
+
+    monkeypatch.setattr(budget, "step_clock", step_clock)  # undo the tests' work clock
+    limit = StepLimit.resolve("1MiB", 0.0, None)
+    assert isinstance(PlanPolicy.for_mode("auto", limit, offload=False).clock, HostClock)
+    cuda = PlanPolicy.for_mode("auto", limit, offload=False, cost_model=CostModel(), device="cuda")
+    assert isinstance(cuda.clock, CudaClock)  # CUDA events on the device's stream (data/clock.py)
