@@ -5,10 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 
-def check_positive_int(name: str, value: Any) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (bools are not ints here)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def check_positive_int(
+    name: str, value: Any, *, minimum: int = 1, meaning: str = "", none_ok: bool = False
+) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum`` (bools are not ints
+    here), or None where ``none_ok``; ``meaning`` says in the message what the number is."""
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        what = f" ({meaning})" if meaning else ""
+        raise ValueError(f"{name} must be {kind}{what}{' or None' if none_ok else ''}, got {value!r}")
 
 
 def check_bool(name: str, value: Any, *, none_ok: bool = False) -> None:

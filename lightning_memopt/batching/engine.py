@@ -33,13 +33,13 @@ from lightning_memopt.batching.errors import (
     MicroBatchOOMError,
     SplitNotExactError,
     SplitNotExactWarning,
+    is_out_of_memory,
+    memory_report,
 )
 from lightning_memopt.batching.loss import Weigher
-from lightning_memopt.batching.oom import is_out_of_memory
 from lightning_memopt.batching.outputs import ChangedOrEvery, LogRecorder, combine
 from lightning_memopt.batching.probe import measure_peak
 from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime
-from lightning_memopt.batching.report import memory_of, memory_report, tensor_bytes
 from lightning_memopt.batching.shapes import tokens_per_sample
 from lightning_memopt.batching.sizes import MicroBatchSizes, Probes
 from lightning_memopt.batching.sizing import smallest_micro_batch
@@ -47,7 +47,8 @@ from lightning_memopt.batching.split import batch_size, micro_batch_sizes, split
 from lightning_memopt.batching.state import OptimizerSnapshot, StepState, local_tensor
 from lightning_memopt.batching.step import TrainingStep
 from lightning_memopt.batching.thrash import ThrashWatch, watch_allocator
-from lightning_memopt.memory.tracker import MemoryTracker, state_bytes
+from lightning_memopt.memory.device import memory_of
+from lightning_memopt.memory.tracker import MemoryTracker, state_bytes, tensor_bytes
 
 __all__ = ["Exactness", "MicroBatchEngine", "MicroBatchOOMError"]
 
@@ -217,7 +218,7 @@ class MicroBatchEngine:
         if own_state:
             self._state = None
         model = self.sizes.model
-        key = self.sizes.budget if model is None else model.revision  # what the thrash watch keys on
+        key = self.sizes.tokens if model is None else model.revision  # what the thrash watch keys on
         self.sizes.succeeded(retried=retries > 0, total=step.total, size=step.size)
         if before is not None:
             self._watch(before, step, key, retried=retries > 0)

@@ -1,6 +1,14 @@
-"""The error micro-batching raises when splitting cannot help, and the advice it carries (plain Python)."""
+"""What micro-batching raises, the out-of-memory errors it recognizes, and the advice it gives (plain torch)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lightning_memopt.memory.tracker import tensor_bytes
+from lightning_memopt.memory.units import format_bytes
 
 __all__ = [
     "BATCHNORM_ADVICE",
@@ -36,7 +44,7 @@ class MicroBatchOOMError(RuntimeError):
     The smallest micro-batch is one sample, or two for a model with BatchNorm layers in training mode.
     The message holds the failed step's memory by category and a checklist of what to do.
 
-    A ``RuntimeError`` subclass on purpose: :func:`~lightning_memopt.batching.oom.is_out_of_memory` never
+    A ``RuntimeError`` subclass on purpose: :func:`is_out_of_memory` never
     takes it for an allocator error, so nothing retries it again.
     """
 
@@ -54,3 +62,68 @@ class SplitNotExactWarning(UserWarning):
 
 class SplitNotExactError(RuntimeError):
     """What :class:`SplitNotExactWarning` reports, raised instead (``exactness="raise"``)."""
+
+
+# Messages of allocators that raise a plain RuntimeError (older torch, the CPU allocator, cuDNN/cuBLAS
+# workspaces, ROCm, MPS, XPU), matched case-insensitively. Specific on purpose: a user's own
+# "out of memory" text in an unrelated error must not start a retry, so bare "out of memory" alone
+# counts only with a device word before it.
+_MESSAGES = (
+    "cuda out of memory",
+    "hip out of memory",
+    "xpu out of memory",
+    "mps backend out of memory",
+    "defaultcpuallocator: can't allocate memory",
+    "defaultcpuallocator: not enough memory",
+    "cudnn_status_alloc_failed",
+    "cublas_status_alloc_failed",
+    "cuda error: out of memory",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True if ``error`` is an accelerator's or the CPU allocator's out-of-memory error; never for any other.
+
+    Example::
+
+        >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+        True
+        >>> is_out_of_memory(RuntimeError("shape mismatch"))
+        False
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    if type(error) is not RuntimeError:  # subclasses (NotImplementedError, ...) are never allocator errors
+        return False
+    text = str(error).lower()
+    return any(message in text for message in _MESSAGES)
+
+
+def memory_report(module: torch.nn.Module, optimizers: Iterable[Any], size: int | None, memory: Any) -> str:
+    """Bytes of the failed step by category, as far as they can be known without a tracker.
+
+    Args:
+        module: The model.
+        optimizers: Its optimizers (their state counts).
+        size: The micro-batch size that failed (None: the whole batch).
+        memory: A :func:`~lightning_memopt.memory.device.device_memory` for the device peak, or None.
+    """
+    params = tensor_bytes(module.parameters())
+    grads = tensor_bytes(p.grad for p in module.parameters())
+    buffers = tensor_bytes(module.buffers())
+    opt_state = tensor_bytes(v for o in optimizers for state in o.state.values() for v in state.values())
+    lines = [
+        f"Memory of the failed step (micro-batch size {size or 'whole batch'}):",
+        f"  parameters       {format_bytes(params)}",
+        f"  buffers          {format_bytes(buffers)}",
+        f"  gradients        {format_bytes(grads)}",
+        f"  optimizer state  {format_bytes(opt_state)}",
+    ]
+    if memory is not None:
+        peak = memory.peak()
+        rest = peak - params - buffers - grads - opt_state
+        lines += [
+            f"  activations and temporaries (peak minus the above)  {format_bytes(max(rest, 0))}",
+            f"  device peak {format_bytes(peak)} of capacity {format_bytes(memory.capacity() or 0)}",
+        ]
+    return "\n".join(lines)

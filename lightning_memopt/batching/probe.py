@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.batching.oom import is_out_of_memory
+from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.batching.outputs import LogRecorder, loss_of
 from lightning_memopt.batching.regime import no_sync
 from lightning_memopt.batching.state import StepState

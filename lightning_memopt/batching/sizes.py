@@ -86,8 +86,9 @@ class MicroBatchSizes:
         micro_batch_size: Samples per micro-batch from the start (of the first batch); None: the whole batch.
         eval_micro_batch_size: Samples per validation/test/predict micro-batch; None: the whole batch.
         grow_after: Clean steps in a row after which a reduced size doubles; None: never grow.
-        limit: Bytes a step may use (with ``headroom``): probe for the size before the first step. None: don't.
-        headroom: Fraction of ``limit`` kept free.
+        max_memory: Bytes a step may use (less ``headroom``): probe for the size before the first step. None:
+            do not probe.
+        headroom: Fraction of ``max_memory`` kept free.
         max_probes: Most probes of the first batch's search.
 
     Example::
@@ -95,11 +96,11 @@ class MicroBatchSizes:
         >>> sizes = MicroBatchSizes(grow_after=2)
         >>> sizes.see(1)  # a batch of 10 samples without a sequence dimension
         >>> sizes.failed(10, total=10, floor=1, failure="OOM")  # the whole batch ran out of memory
-        >>> sizes.samples("budget")
+        >>> sizes.samples("tokens")
         5
         >>> sizes.succeeded(retried=True, total=10)  # the step that backed off
         >>> sizes.succeeded(retried=False, total=10); sizes.succeeded(retried=False, total=10)
-        >>> sizes.samples("budget")  # 10 failed: grows only up to 9
+        >>> sizes.samples("tokens")  # 10 failed: grows only up to 9
         9
     """
 
@@ -109,16 +110,16 @@ class MicroBatchSizes:
         micro_batch_size: int | None = None,
         eval_micro_batch_size: int | None = None,
         grow_after: int | None = None,
-        limit: int | None = None,
+        max_memory: int | None = None,
         headroom: float = 0.1,
         max_probes: int = 6,
     ) -> None:
         # Sizes in padded tokens; before the first batch is seen (width None) in samples of it.
-        self.budget: int | None = micro_batch_size
+        self.tokens: int | None = micro_batch_size
         """Tokens per micro-batch known to fit; None runs whole batches."""
-        self.largest: int | None = None
-        """The cap when growing back: the budget the fit started at."""
-        self.failed_at: int | None = None
+        self.max_tokens: int | None = None
+        """The cap when growing back: the size the fit started at, in tokens."""
+        self.failed_tokens: int | None = None
         """The smallest micro-batch, in tokens, that ran out of memory (or thrashed)."""
         self.width: int | None = None
         """Tokens per sample of the batch of the moment; None before the first batch."""
@@ -126,8 +127,8 @@ class MicroBatchSizes:
         """Peak bytes by shape; when set, it sizes every batch."""
         self.eval_size = eval_micro_batch_size
         self.grow_after = grow_after
-        self.limit, self.headroom, self.max_probes = limit, headroom, max_probes
-        self.probed = limit is None  # nothing to probe without a limit
+        self.max_memory, self.headroom, self.max_probes = max_memory, headroom, max_probes
+        self.probed = max_memory is None  # nothing to probe without a limit
         self.oom_retries = self.eval_oom_retries = self.near_misses = 0
         self.clean_steps = 0
         """Steps in a row without a retry (towards ``grow_after``)."""
@@ -145,13 +146,13 @@ class MicroBatchSizes:
     def see(self, width: int) -> None:
         """A batch of ``width`` tokens per sample is next (the first one turns sizes in samples into tokens)."""
         if self.width is None:
-            for name in ("budget", "largest", "failed_at"):
+            for name in ("tokens", "max_tokens", "failed_tokens"):
                 value = getattr(self, name)
                 setattr(self, name, None if value is None else value * width)
         self.width = width
 
     def samples(self, name: str) -> int | None:
-        """The size ``name`` (``budget``, ``largest``, ``failed_at``) in samples of the batch of the moment:
+        """The size ``name`` (``tokens``, ``max_tokens``, ``failed_tokens``) in samples of the batch of the moment:
         the one conversion from the unit sizes are kept in."""
         tokens = getattr(self, name)
         return None if tokens is None else max(1, tokens // (self.width or 1))
@@ -164,23 +165,23 @@ class MicroBatchSizes:
         if self.model is not None:
             predicted = min(self.model.samples_for(self.width or 1, held=held), total)
             return min(predicted, self._retry or predicted)
-        return min(self.samples("budget") or total, total)
+        return min(self.samples("tokens") or total, total)
 
     @property
     def micro_batch_size(self) -> int | None:
-        """Samples per micro-batch: the budget (None: whole batches), or with a memory model the size the
+        """Samples per micro-batch: :attr:`tokens` in samples (None: whole batches), or with a memory model the size the
         last batch trained at."""
-        return self.ran if self.model is not None else self.samples("budget")
+        return self.ran if self.model is not None else self.samples("tokens")
 
     @property
     def max_micro_batch_size(self) -> int | None:
         """The cap when growing back, in samples of the last batch."""
-        return self.samples("largest")
+        return self.samples("max_tokens")
 
     @property
     def smallest_failed_size(self) -> int | None:
         """The smallest size that ran out of memory, in samples of the last batch."""
-        return self.samples("failed_at")
+        return self.samples("failed_tokens")
 
     # ------------------------------------------------------------------ before each step
     def plan(
@@ -230,7 +231,7 @@ class MicroBatchSizes:
         device = probes.device
         # The smallest device decides; every rank searches with the same budget and, at the longest width
         # over ranks (the largest peaks), takes the same path: the same probes, the same collectives.
-        limit = min_over_ranks(self.limit, device)
+        limit = min_over_ranks(self.max_memory, device)
         self.probed_width = max_over_ranks(width, device)
         held = probes.held()
         whole = min_over_ranks(total, device)
@@ -245,8 +246,8 @@ class MicroBatchSizes:
             limit=limit,
             held=held,
         )
-        if self.failed_at is None:  # unless a restored back-off is current
-            self.budget = self.largest = size * self.probed_width if self.width is not None else size
+        if self.failed_tokens is None:  # unless a restored back-off is current
+            self.tokens = self.max_tokens = size * self.probed_width if self.width is not None else size
         if self.eval_size is None and probes.evaluates:
             self.eval_size = self._find(probes, whole, limit, 1, evaluation=True)
 
@@ -271,7 +272,7 @@ class MicroBatchSizes:
         except NoSizeFits as error:
             advice = f"{BATCHNORM_ADVICE}\n" if floor > 1 else ""
             raise MicroBatchOOMError(
-                f"AutoAccumulation(max_memory={self.limit!r}, headroom={self.headroom}) found no "
+                f"AutoAccumulation(max_memory={self.max_memory!r}, headroom={self.headroom}) found no "
                 f"{'evaluation' if evaluation else 'training'} micro-batch size that fits: {error}.\n"
                 f"{advice}{CHECKLIST}"
             ) from None
@@ -282,10 +283,10 @@ class MicroBatchSizes:
         no collective, nothing changed (``AutoCheckpoint`` keys its plans by it)."""
         if self.model is not None:
             return min(self.model.samples_for(width, held=held), total)
-        if self.budget is None:
+        if self.tokens is None:
             return total
-        per = 1 if (self.width is None or is_distributed()) else width  # the unit the budget is in
-        return min(max(1, self.budget // per), total)
+        per = 1 if (self.width is None or is_distributed()) else width  # the unit tokens is in
+        return min(max(1, self.tokens // per), total)
 
     # ------------------------------------------------------------------ after each attempt
     def failed(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
@@ -322,7 +323,7 @@ class MicroBatchSizes:
 
     def _record_failure(self, size: int) -> None:
         failed = size * (self.width or 1)  # in tokens: a shorter batch may run more samples
-        self.failed_at = min(self.failed_at or failed, failed)
+        self.failed_tokens = min(self.failed_tokens or failed, failed)
 
     def _halve(self, size: int, total: int, floor: int) -> None:
         half = max(math.ceil(size / 2), floor)
@@ -330,9 +331,9 @@ class MicroBatchSizes:
             self.model.missed(width=self.width or 1, samples=size)
             self._retry = half
             return
-        if self.largest is None:
-            self._set("largest", self.samples("budget") or total)
-        self._set("budget", half)
+        if self.max_tokens is None:
+            self._set("max_tokens", self.samples("tokens") or total)
+        self._set("tokens", half)
 
     def succeeded(self, *, retried: bool, total: int, size: int | None = None) -> None:
         """A step trained at ``size`` samples per micro-batch (``retried``: after backing off); grow when
@@ -343,14 +344,14 @@ class MicroBatchSizes:
         if retried or self.model is not None:
             return
         self.clean_steps += 1
-        size = self.samples("budget")
+        size = self.samples("tokens")
         if self.grow_after is None or self.clean_steps < self.grow_after or size is None:
             return
-        cap = min(self.samples("largest") or total, total)
-        if self.failed_at is not None:  # smaller than the smallest failure, at this width
-            cap = min(cap, (self.failed_at - 1) // (self.width or 1))
+        cap = min(self.samples("max_tokens") or total, total)
+        if self.failed_tokens is not None:  # smaller than the smallest failure, at this width
+            cap = min(cap, (self.failed_tokens - 1) // (self.width or 1))
         if min(size * 2, cap) > size:
-            self._set("budget", min(size * 2, cap))
+            self._set("tokens", min(size * 2, cap))
             self.stable_steps = 0  # a new size is unsettled again
         self.clean_steps = 0
 
@@ -370,9 +371,9 @@ class MicroBatchSizes:
 
     # ------------------------------------------------------------------ checkpoints
     _SAVED = (
-        "budget",
-        "largest",
-        "failed_at",
+        "tokens",
+        "max_tokens",
+        "failed_tokens",
         "width",
         "eval_size",
         "probed",
@@ -404,14 +405,14 @@ class MicroBatchSizes:
         width = old.get("tokens_per_sample")
         if width is not None and self.width is None:
             self.see(width)
-        if kind == "backoff" or self.failed_at is None:
-            names = {"micro_batch_size": "budget", "max_micro_batch_size": "largest"}
-            names["smallest_failed_size"] = "failed_at"
+        if kind == "backoff" or self.failed_tokens is None:
+            names = {"micro_batch_size": "tokens", "max_micro_batch_size": "max_tokens"}
+            names["smallest_failed_size"] = "failed_tokens"
             for key, name in names.items():
                 if key in old:
                     setattr(self, name, None if old[key] is None else old[key] * (width or 1))
             if kind == "auto":
-                self.largest = self.budget
+                self.max_tokens = self.tokens
         for key in ("oom_retries", "near_misses", "clean_steps", "stable_steps", "probed"):
             if key in old:
                 setattr(self, key, old[key])

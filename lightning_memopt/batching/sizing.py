@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt._compat import BatchNormBase
-from lightning_memopt.batching.oom import is_out_of_memory
+from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.memory.budget import check_headroom, usable_bytes
 from lightning_memopt.memory.units import parse_bytes
 

@@ -20,7 +20,7 @@ import torch
 
 from lightning_memopt._compat import untracked
 from lightning_memopt._rng import RngState
-from lightning_memopt.batching.report import tensor_bytes
+from lightning_memopt.memory.tracker import tensor_bytes
 
 __all__ = ["OptimizerSnapshot", "StepState", "drop_gradients", "host_copy", "local_tensor"]
 

@@ -214,7 +214,10 @@ class TrainingStep:
         for sizes, pad in runs:
             start.restore()
             drop_attempt(engine.trainer.strategy.model, None)
-            with exactness.no_dropout(), replaying():  # what learns from forwards (AutoCheckpoint) skips these
+            with (
+                exactness.no_dropout(),
+                replaying(),
+            ):  # what learns from forwards (AutoCheckpoint) skips these
                 self.run_pass(regime, sizes, pad, check=True)
             grads.append(exactness.gradients(module))
         reference = grads[0] if random else kept

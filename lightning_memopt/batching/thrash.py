@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from lightning_memopt._checks import check_positive_int
+
 __all__ = ["ThrashWatch"]
 
 
@@ -46,8 +48,7 @@ class ThrashWatch:
     """
 
     def __init__(self, *, window: int = 5, min_steps: int = 2) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1 (recent training steps looked at), got {window!r}")
+        check_positive_int("window", window, meaning="recent training steps looked at")
         if isinstance(min_steps, bool) or not isinstance(min_steps, int) or not 1 <= min_steps <= window:
             raise ValueError(
                 f"min_steps must be an int from 1 to window={window} (steps of the window with allocator "

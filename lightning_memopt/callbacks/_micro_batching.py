@@ -121,7 +121,7 @@ class MicroBatching(ReleasingCallback):
             options.update(cb._engine_options())
             limit = cb._limit(trainer)
             if limit is not None:
-                sizes["limit"] = limit
+                sizes["max_memory"] = limit
         for name in (*_SHARED, "exactness"):
             options[name] = _agreed(group, name)
         return MicroBatchEngine(MicroBatchSizes(**sizes), **options)
@@ -140,7 +140,7 @@ class MicroBatching(ReleasingCallback):
         sizes = self._engine.sizes
         return {
             "version": _VERSION,
-            "micro_batch_size": sizes.samples("budget"),  # in samples of the last batch (for reading)
+            "micro_batch_size": sizes.samples("tokens"),  # in samples of the last batch (for reading)
             "tokens_per_sample": sizes.probed_width,  # of the probed batch
             "sizes": sizes.state(),
             "checked": sorted(self._engine.checked_keys),  # a resumed fit does not check them again

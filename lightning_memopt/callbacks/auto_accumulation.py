@@ -8,6 +8,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.batching.engine import Exactness
 from lightning_memopt.callbacks._micro_batching import MicroBatching, memory_limit
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory
@@ -125,20 +126,14 @@ class AutoAccumulation(MicroBatching):
             ("micro_batch_size", micro_batch_size),
             ("eval_micro_batch_size", eval_micro_batch_size),
         ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(
-                    f"{name} must be a positive int or None (to probe / run whole), got {value!r}"
-                )
+            check_positive_int(name, value, meaning="samples per micro-batch", none_ok=True)
         check_max_memory(max_memory)
         if max_memory is not None and micro_batch_size is not None:
             raise ValueError(
                 f"micro_batch_size={micro_batch_size!r} fixes the size, so max_memory={max_memory!r} would be "
                 "ignored; pass micro_batch_size to fix the size, or max_memory to probe for it, not both"
             )
-        if isinstance(max_probes, bool) or not isinstance(max_probes, int) or max_probes < 3:
-            raise ValueError(
-                f"max_probes must be an int >= 3 (two to fit, one to verify), got {max_probes!r}"
-            )
+        check_positive_int("max_probes", max_probes, minimum=3, meaning="two to fit, one to verify")
         # bytes for an absolute limit, the float for a fraction of the device's capacity
         self.max_memory = (
             max_memory if max_memory is None or isinstance(max_memory, float) else parse_bytes(max_memory)

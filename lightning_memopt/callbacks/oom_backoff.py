@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from typing_extensions import override
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.batching.engine import Exactness
 from lightning_memopt.callbacks._micro_batching import MicroBatching
 
@@ -51,7 +52,7 @@ class OOMBackoff(MicroBatching):
     engine) or alone (starting from the whole batch).
 
     Only out-of-memory errors are caught (``torch.OutOfMemoryError`` and the device and CPU allocators'
-    messages, see :func:`~lightning_memopt.batching.oom.is_out_of_memory`); any other error propagates.
+    messages, see :func:`~lightning_memopt.batching.errors.is_out_of_memory`); any other error propagates.
 
     Args:
         grow_after: After this many steps in a row without an out-of-memory error at a reduced size, try
@@ -110,20 +111,16 @@ class OOMBackoff(MicroBatching):
         exactness: Exactness = "warn",
         log: bool = True,
     ) -> None:
-        if grow_after is not None and (
-            isinstance(grow_after, bool) or not isinstance(grow_after, int) or grow_after < 1
-        ):
-            raise ValueError(
-                f"grow_after must be a positive int (clean steps before trying a larger micro-batch) or None, "
-                f"got {grow_after!r}"
-            )
-        if overlap_after is not None and (
-            isinstance(overlap_after, bool) or not isinstance(overlap_after, int) or overlap_after < 0
-        ):
-            raise ValueError(
-                f"overlap_after must be an int >= 0 (clean steps before overlapping DDP's gradient sync with "
-                f"the last micro-batch's backward) or None, got {overlap_after!r}"
-            )
+        check_positive_int(
+            "grow_after", grow_after, meaning="clean steps before trying a larger micro-batch", none_ok=True
+        )
+        check_positive_int(
+            "overlap_after",
+            overlap_after,
+            minimum=0,
+            meaning="clean steps before overlapping DDP's gradient sync with the last micro-batch's backward",
+            none_ok=True,
+        )
         super().__init__(
             log=log, count_fn=count_fn, split_fn=split_fn, length_fn=length_fn, exactness=exactness
         )

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from lightning_memopt._checks import check_positive_int
+
 __all__ = ["TokenBudgetBatchSampler", "pad_collate", "padding_tokens"]
 
 
@@ -58,12 +60,6 @@ def _check_lengths(lengths: Any) -> list[int]:
             raise ValueError(f"lengths[{i}] must be >= 1 token, got {n}; drop empty samples from the dataset")
         out.append(n)
     return out
-
-
-def _check_positive_int(name: str, value: Any, meaning: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int ({meaning}), got {value!r}")
-    return value
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -141,9 +137,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         bucket_size: int | None = 4096,
     ) -> None:
         self.lengths = _check_lengths(lengths)
-        self.max_tokens = _check_positive_int("max_tokens", max_tokens, "padded tokens per batch")
+        check_positive_int("max_tokens", max_tokens, meaning="padded tokens per batch")
+        self.max_tokens = max_tokens
         if bucket_size is not None:
-            _check_positive_int("bucket_size", bucket_size, "samples sorted together; None for all")
+            check_positive_int("bucket_size", bucket_size, meaning="samples sorted together; None for all")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         initialized = dist.is_available() and dist.is_initialized()
@@ -151,7 +148,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             num_replicas = dist.get_world_size() if initialized else 1
         if rank is None:
             rank = dist.get_rank() if initialized else 0
-        _check_positive_int("num_replicas", num_replicas, "the number of ranks")
+        check_positive_int("num_replicas", num_replicas, meaning="the number of ranks")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ValueError(
                 f"rank must be an int in [0, num_replicas={num_replicas}), got {rank!r}; "

@@ -32,6 +32,7 @@ __all__ = [
     "pinned_empty",
     "measure_transfer_rate",
     "measure_matmul_rate",
+    "memory_of",
     "cuda_rng_states",
     "set_cuda_rng_states",
 ]
@@ -280,6 +281,13 @@ def _matmul_rate(a: torch.Tensor, repeats: int) -> float:
         with _timed(a.device, elapsed):
             a @ a
     return 2 * a.shape[0] ** 3 / min(elapsed)
+
+
+def memory_of(device: torch.device, tracker: MemoryTracker | None = None) -> DeviceMemory | None:
+    """What measures ``device``: its allocator (CUDA), else ``tracker``'s live tensors, else None."""
+    if device.type == "cuda":
+        return device_memory(device)
+    return None if tracker is None else device_memory(device, tracker=tracker)
 
 
 def cuda_rng_states() -> list[torch.Tensor] | None:

@@ -26,6 +26,7 @@ from typing import Literal, get_args
 
 import torch
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.memory.device import DeviceMemory, TrackedMemory, device_memory
 from lightning_memopt.memory.report import (
     PHASES,
@@ -186,8 +187,7 @@ class StepPeaks:
     """
 
     def __init__(self, max_history: int = 2048, *, breakdown: Breakdown = "auto") -> None:
-        if isinstance(max_history, bool) or not isinstance(max_history, int) or max_history < 2:
-            raise ValueError(f"max_history must be an int >= 2, got {max_history!r}")
+        check_positive_int("max_history", max_history, minimum=2)
         check_breakdown(breakdown)
         self.breakdown = breakdown
         self.train = MemoryHistory(max_history)

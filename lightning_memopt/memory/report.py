@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.memory.tracker import CATEGORIES
 
 __all__ = [
@@ -141,8 +142,7 @@ class MemoryHistory:
     """
 
     def __init__(self, max_records: int = 2048) -> None:
-        if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records < 2:
-            raise ValueError(f"max_records must be an int >= 2, got {max_records!r}")
+        check_positive_int("max_records", max_records, minimum=2)
         self.max_records = max_records
         self.records: list[dict[str, int]] = []
 

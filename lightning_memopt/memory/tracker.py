@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTracker", "CATEGORIES", "state_bytes"]
+__all__ = ["MemoryTracker", "CATEGORIES", "state_bytes", "tensor_bytes"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
@@ -413,3 +413,8 @@ def state_bytes(model, optimizers=()) -> int:
         held = tracker.current_breakdown
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return held["parameters"] + max(held["gradients"], trainable) + held["optimizer_state"]
+
+
+def tensor_bytes(tensors: Iterable[object]) -> int:
+    """Bytes of the tensors among ``tensors`` (other items are skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

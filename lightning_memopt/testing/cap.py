@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt._compat import in_backward
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
@@ -97,10 +98,7 @@ class MemoryCap:
         times: int | None = None,
     ) -> None:
         self.capacity = parse_bytes(capacity, name="capacity")
-        if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times < 1):
-            raise ValueError(
-                f"times must be a positive int (how many errors to raise at most), got {times!r}"
-            )
+        check_positive_int("times", times, meaning="how many errors to raise at most", none_ok=True)
         self.ranks = None if ranks is None else frozenset(int(r) for r in ranks)
         self.times = times
         self.tracker = MemoryTracker(modules, optimizers)

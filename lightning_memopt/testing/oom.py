@@ -31,6 +31,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_memopt._checks import check_positive_int
 from lightning_memopt.memory.units import format_bytes, parse_bytes
 
 __all__ = ["InjectedOOM", "OOMInjector"]
@@ -168,12 +169,9 @@ class OOMInjector:
                 raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
             if phase != "step":
                 raise ValueError(f"optimizer is only used with phase='step', got phase={phase!r}")
-        if max_size is not None and (
-            isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0
-        ):
-            raise ValueError(
-                f"max_size must be an int >= 0 (the largest micro-batch that fits), got {max_size!r}"
-            )
+        check_positive_int(
+            "max_size", max_size, minimum=0, meaning="the largest micro-batch that fits", none_ok=True
+        )
         if max_bytes is not None:
             max_bytes = parse_bytes(max_bytes, name="max_bytes")
             if memory is None:
@@ -189,10 +187,7 @@ class OOMInjector:
             raise ValueError(
                 "steps needs step_fn, a callable returning the global step (e.g. lambda: trainer.global_step)"
             )
-        if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times < 1):
-            raise ValueError(
-                f"times must be a positive int (how many errors to raise at most), got {times!r}"
-            )
+        check_positive_int("times", times, meaning="how many errors to raise at most", none_ok=True)
 
         self.module = module
         self.phase = phase

@@ -96,14 +96,14 @@ def test_policy_budget_follows_the_length():
     policy = MicroBatchSizes(grow_after=1)
     assert size_for(policy, 8, 32) == 8  # no size yet: the whole batch
     policy.failed(8, total=8, floor=1, failure="OOM")  # 8 x 32 = 256 tokens failed
-    assert (policy.micro_batch_size, policy.budget, policy.failed_at) == (4, 128, 256)
+    assert (policy.micro_batch_size, policy.tokens, policy.failed_tokens) == (4, 128, 256)
     assert size_for(policy, 8, 8) == 8  # 128 tokens: 16 samples of 8, capped by the batch
     assert size_for(policy, 64, 8) == 16
     assert size_for(policy, 8, 64) == 2  # 128 tokens: 2 samples of 64
     assert size_for(policy, 8, 200) == 1  # at least one sample
     assert size_for(policy, 64, 16) == 8
     policy.succeeded(retried=False, total=64)  # grows from 8 samples of 16 (128 tokens) ...
-    assert policy.budget == 15 * 16  # ... to below the 256 tokens that failed: 240
+    assert policy.tokens == 15 * 16  # ... to below the 256 tokens that failed: 240
     size_for(policy, 8, 32)
     assert policy.micro_batch_size == 7  # 224 tokens < 256
 
@@ -111,9 +111,9 @@ def test_policy_budget_follows_the_length():
 def test_sizes_given_before_the_first_batch_are_its_samples():
     budget = MicroBatchSizes(micro_batch_size=2)
     budget.see(16)
-    assert (budget.budget, budget.samples("budget")) == (32, 2)
+    assert (budget.tokens, budget.samples("tokens")) == (32, 2)
     budget.see(4)
-    assert budget.samples("budget") == 8
+    assert budget.samples("tokens") == 8
 
 
 def test_fixed_size_is_in_samples_of_the_first_batch_and_exact(tmp_path):

@@ -88,7 +88,7 @@ def test_near_miss_is_kept_in_tokens():
     policy = MicroBatchSizes(micro_batch_size=8)
     size_for(policy, 8, 32)  # 8 samples of 32 tokens: 256
     assert policy.near_miss(8, total=8, floor=1) is True
-    assert (policy.budget, policy.failed_at) == (128, 256)
+    assert (policy.tokens, policy.failed_tokens) == (128, 256)
     assert size_for(policy, 64, 8) == 16  # a batch 4x shorter runs 4x the samples
 
 

@@ -76,7 +76,7 @@ class ResetSize(pl.Callback):
         self.live = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.callbacks[0].engine.sizes.budget = None
+        trainer.callbacks[0].engine.sizes.tokens = None
         self.live.append(self.tracker.current)
 
 
