@@ -108,6 +108,7 @@ class MicroBatchEngine:
         self.last_regime: str | None = None
         self.warned: set[str] = set()  # messages said once
         self.checked_keys: set[str] = set()  # batch structures whose split was checked (saved: not again)
+        self.written: set[str] = set()  # parameters and buffers training_step was seen to write in place
         self._trainer_ref: weakref.ref | None = None
         self._undo: list[Callable[[], None]] = []
         self._originals: dict[str, Callable[..., Any]] = {}
@@ -327,9 +328,11 @@ class MicroBatchEngine:
                 rank_zero_warn(message, category=SplitNotExactWarning)
 
     def capture(self, module: Any) -> StepState:
-        """The state a step may change besides weights and optimizer state (RNGs, buffers, metrics)."""
+        """The state a step may change besides weights and optimizer state (RNGs, buffers, metrics, and
+        the parameters a step was seen to write in place, so that a retry starts from them too)."""
         scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
-        return StepState.capture([module], scaler)
+        written = [p for name, p in module.named_parameters() if name in self.written]
+        return StepState.capture([module], scaler, written)
 
     def restore(self) -> None:
         """Put the step's start back (after a failed attempt) and free the allocator's cache."""

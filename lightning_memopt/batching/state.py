@@ -68,13 +68,16 @@ class StepState:
         self._scaler: tuple[Any, dict[str, Any]] | None = None
 
     @classmethod
-    def capture(cls, modules: Iterable[torch.nn.Module], scaler: Any = None) -> StepState:
-        """Capture the current state of ``modules`` and the process's random number generators."""
+    def capture(
+        cls, modules: Iterable[torch.nn.Module], scaler: Any = None, written: Iterable[torch.Tensor] = ()
+    ) -> StepState:
+        """Capture the current state of ``modules`` and the process's random number generators; ``written``:
+        parameters the step writes in place (an EMA teacher), restored like buffers."""
         state = cls()
         state._rng = RngState.capture()
         seen: set[int] = set()
         for module in modules:
-            for buffer in module.buffers():
+            for buffer in [*module.buffers(), *written]:
                 if id(buffer) not in seen:  # a buffer shared by two modules is restored once
                     seen.add(id(buffer))
                     state._buffers.append((buffer, buffer.detach().clone()))

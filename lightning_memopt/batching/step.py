@@ -111,6 +111,7 @@ class TrainingStep:
         start = engine.capture(self.module) if checking else None
         with exactness.written_in_place(self.module) if looking else contextlib.nullcontext([]) as written:
             self.result = self.run_pass(regime, self.sizes, self.pad)
+        engine.written.update(written)
         if self.result.relearned and not checking:
             engine.report_inexact(
                 "the count its loss divides by did not follow the rule learned from earlier micro-batches; pass "

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
 from lightning_memopt.batching.engine import Exactness, MicroBatchEngine
+from lightning_memopt.batching.exactness import batchnorms, causes
 from lightning_memopt.batching.sizes import MicroBatchSizes
 from lightning_memopt.batching.surface import check_setup
 from lightning_memopt.callbacks._hooks import ReleasingCallback
@@ -42,6 +43,7 @@ class MicroBatching(ReleasingCallback):
     """Base of the callbacks that split batches (see the module docstring)."""
 
     splits_batches = True  # read (duck-typed) by BatchNormToGroupNorm
+    splits_from_the_start = False  # AutoAccumulation: every batch may be split, not only after an OOM
 
     def __init__(
         self,
@@ -110,8 +112,15 @@ class MicroBatching(ReleasingCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # At fit start, not in setup: Lightning runs a BatchSizeFinder's trial steps in its on_fit_start,
         # before ours (tuner callbacks come first), and they must see their out-of-memory errors.
-        if self._owner is self and self._engine is not None and not self._engine.installed:
-            self._engine.install(trainer)
+        if self._owner is not self or self._engine is None or self._engine.installed:
+            return
+        self._engine.install(trainer)
+        # BatchNorm is known before the first step (BatchNormToGroupNorm has swapped it by now): said now
+        # where batches will be split, every rank alike.
+        batchnorm = batchnorms(pl_module)
+        splits = any(cb.splits_from_the_start for cb in trainer.callbacks if isinstance(cb, MicroBatching))
+        if batchnorm and splits and self._engine.exactness != "off":
+            self._engine.report_inexact(causes(batchnorm=batchnorm, written=[], unexplained=False))
 
     def _build(self, trainer: pl.Trainer, group: list[MicroBatching]) -> MicroBatchEngine:
         sizes: dict[str, Any] = {}

@@ -108,6 +108,8 @@ class AutoAccumulation(MicroBatching):
         >>> trainer = pl.Trainer(callbacks=[AutoAccumulation(max_memory="6GiB")], logger=False)
     """
 
+    splits_from_the_start = True
+
     def __init__(
         self,
         *,
