@@ -225,9 +225,7 @@ class _Truth(Callback):
         engine = self.callback.engine
 
         def fits(n):
-            measured = engine.probe(
-                batch, n, tracker=MemoryTracker(trainer.strategy.model, trainer.optimizers)
-            )
+            measured = engine.probes(batch).peak(n)
             return measured is not None and measured <= self.budget
 
         self.truth = largest(fits, BATCH)

@@ -19,17 +19,14 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_memopt._compat import tree_flatten
 from lightning_memopt._patch import patch
 from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.errors import (
-    CHECKLIST,
     MicroBatchOOMError,
     SplitNotExactError,
     SplitNotExactWarning,
@@ -37,34 +34,23 @@ from lightning_memopt.batching.errors import (
     memory_report,
 )
 from lightning_memopt.batching.loss import Weigher
-from lightning_memopt.batching.outputs import ChangedOrEvery, LogRecorder, combine
-from lightning_memopt.batching.probe import measure_peak
+from lightning_memopt.batching.outputs import ChangedOrEvery
+from lightning_memopt.batching.probe import BatchProbes
 from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime
 from lightning_memopt.batching.shapes import tokens_per_sample
-from lightning_memopt.batching.sizes import MicroBatchSizes, Probes
+from lightning_memopt.batching.sizes import MicroBatchSizes
 from lightning_memopt.batching.sizing import smallest_micro_batch
-from lightning_memopt.batching.split import batch_size, micro_batch_sizes, split_batch
-from lightning_memopt.batching.state import OptimizerSnapshot, StepState, local_tensor
-from lightning_memopt.batching.step import TrainingStep
-from lightning_memopt.batching.thrash import ThrashWatch, watch_allocator
+from lightning_memopt.batching.split import batch_size, micro_batch_sizes
+from lightning_memopt.batching.state import StepState, local_tensor
+from lightning_memopt.batching.step import Attempt, EvalStep, OptimizerStep, TrainingStep
+from lightning_memopt.batching.thrash import ThrashWatch, thrashing_at_the_floor, watch_allocator
 from lightning_memopt.memory.device import memory_of
-from lightning_memopt.memory.tracker import MemoryTracker, state_bytes, tensor_bytes
 
 __all__ = ["Exactness", "MicroBatchEngine", "MicroBatchOOMError"]
 
 Exactness = Literal["warn", "raise", "off"]
 _STEPS = ("training_step", "backward", "optimizer_step", "validation_step", "test_step", "predict_step")
 _UNKNOWN = object()  # the model's FSDP2 modules, before the first step looked
-
-
-class Attempt(Protocol):
-    """What :meth:`MicroBatchEngine.run_with_retry` repeats until it succeeds on every rank."""
-
-    def choose(self) -> Regime: ...  # before anything can fail: sizes, the regime
-
-    def run(self, regime: Regime) -> None: ...
-
-    def recover(self, failure: str | None) -> None: ...  # drop the attempt, pick a smaller size (or raise)
 
 
 class MicroBatchEngine:
@@ -117,7 +103,7 @@ class MicroBatchEngine:
         self._pending_backward = False
         self._state: StepState | None = None
         self._metrics = ChangedOrEvery()
-        self._held_at: tuple[int, int] | None = None  # optimizer state entries, and state_bytes then
+        self.held_at: tuple[int, int] | None = None  # optimizer state entries, and state_bytes then
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -152,7 +138,7 @@ class MicroBatchEngine:
         for undo in reversed(self._undo):
             undo()
         self._undo, self._originals = [], {}
-        self._state, self._sharding, self._held_at = None, _UNKNOWN, None
+        self._state, self._sharding, self.held_at = None, _UNKNOWN, None
 
     # ------------------------------------------------------------------ the retry loop
     def run_with_retry(self, attempt: Attempt) -> tuple[Regime, int]:
@@ -221,8 +207,12 @@ class MicroBatchEngine:
         model = self.sizes.model
         key = self.sizes.tokens if model is None else model.revision  # what the thrash watch keys on
         self.sizes.succeeded(retried=retries > 0, total=step.total, size=step.size)
-        if before is not None:
-            self._watch(before, step, key, retried=retries > 0)
+        if before is not None:  # the allocator's retries during the step (thrash.py)
+            retried = self._allocator_retries() - before
+            floor = watch_allocator(self.thrash_watch, self.sizes, retried, step, key, failed=retries > 0)
+            if floor and "thrashing" not in self.warned:
+                self.warned.add("thrashing")
+                rank_zero_warn(thrashing_at_the_floor(step.size))
         if step.loss is None:  # training_step returned None: Lightning skips the step
             return step.output
         step.result.recorder.flush(step.result.losses, step.loss)
@@ -255,6 +245,10 @@ class MicroBatchEngine:
     def original_step(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's own ``training_step``."""
         return self._originals["training_step"](*args, **kwargs)
+
+    def original(self, name: str) -> Callable[..., Any]:
+        """The strategy's own method ``name`` (one of the patched step methods)."""
+        return self._originals[name]
 
     def _backward(
         self, original: Callable[..., Any], closure_loss: torch.Tensor, *args: Any, **kwargs: Any
@@ -297,13 +291,6 @@ class MicroBatchEngine:
         """The user's splitter: ``split_fn``, else the module's ``split_batch`` hook, else None (built-in)."""
         hook = getattr(module, "split_batch", None)
         return self._split_fn or (hook if callable(hook) else None)
-
-    def weigher(self, batch: Any, micro_batches: list[Any], sizes: list[int]) -> Any:
-        """The weights of one pass over ``micro_batches`` (:class:`~.loss.StepWeights`)."""
-        return self.weights.step(batch, micro_batches, sizes)
-
-    def unexplained(self, batch: Any) -> bool:
-        return self.weights.unexplained(batch)
 
     def check_due(self, key: str) -> bool:
         """Whether the split of a batch of structure ``key`` (:func:`~.loss.batch_key`) is still to be checked."""
@@ -368,7 +355,7 @@ class MicroBatchEngine:
             return original(optimizer, closure, model, **kwargs)
         self._state = self.capture(self.trainer.lightning_module)
         try:
-            return _OptimizerStep(self, original, optimizer, closure, model, kwargs).run_all()
+            return OptimizerStep(self, original, optimizer, closure, model, kwargs).run_all()
         finally:
             self._state = None
 
@@ -376,63 +363,14 @@ class MicroBatchEngine:
     def _eval_step(self, hook: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.sizes.eval_size is None and not self.retry_on_oom:
             return original(*args, **kwargs)
-        attempt = _EvalStep(self, hook, original, args, kwargs)
+        attempt = EvalStep(self, hook, original, args, kwargs)
         self.run_with_retry(attempt)
         return attempt.result
 
     # ------------------------------------------------------------------ probing
-    def probes(self, batch: Any) -> Probes:
-        """What the sizes need to measure ``batch`` (:class:`~.sizes.Probes`)."""
-        module = self.trainer.lightning_module
-        probes = Probes(
-            functools.partial(self.probe, batch),
-            functools.partial(self.held, batch),
-            self.trainer.strategy.root_device,
-            smallest_micro_batch(module),
-        )
-        probes.evaluates = is_overridden("validation_step", module)
-        return probes
-
-    def probe(self, batch: Any, size: int, evaluation: bool = False) -> int | None:
-        """Peak bytes of one training (``evaluation``: validation) micro-step of ``size`` samples of
-        ``batch``, None if it ran out of memory, every state left as it was (:func:`~.probe.measure_peak`)."""
-        module = self.trainer.lightning_module
-        total = self.batch_size(batch)
-        split_fn = self.split_fn(module)
-        part = split_batch(batch, [size, total - size], split_fn=split_fn)[0] if size < total else batch
-        step = functools.partial(
-            self._originals["validation_step" if evaluation else "training_step"], part, 0
-        )
-        strategy = self.trainer.strategy
-        tracker = (
-            None
-            if strategy.root_device.type == "cuda"
-            else MemoryTracker(strategy.model, self.trainer.optimizers)
-        )
-        if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
-            for tensor in self._held_tensors(batch):
-                tracker.mark(tensor, "other")
-        memory, state = self._device_memory(tracker), self.capture(module)
-        return measure_peak(
-            strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
-        )
-
-    def held(self, batch: Any) -> int:
-        """The bytes alive when a micro-step of ``batch`` starts, besides what it allocates: the allocator's
-        count on CUDA; elsewhere parameters, buffers, optimizer state, the gradients the backward will
-        create, the batch and the step's snapshot for a retry."""
-        memory = self._device_memory()
-        if memory is not None:
-            return memory.allocated()
-        optimizers = self.trainer.optimizers
-        entries = sum(len(o.state) for o in optimizers)  # counted again when the optimizer creates state
-        if self._held_at is None or self._held_at[0] != entries:
-            self._held_at = (entries, state_bytes(self.trainer.strategy.model, optimizers))
-        return self._held_at[1] + tensor_bytes(self._held_tensors(batch))
-
-    def _held_tensors(self, batch: Any) -> list[torch.Tensor]:
-        snapshot = self._state.tensors() if self._state is not None else []
-        return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)] + snapshot
+    def probes(self, batch: Any) -> BatchProbes:
+        """What the sizes need to measure ``batch`` (:class:`~.probe.BatchProbes`)."""
+        return BatchProbes(self, batch)
 
     def peek(self, batch: Any) -> int:
         """Samples of the largest micro-batch ``batch`` will run as, from what is known now (no probe, no
@@ -440,34 +378,8 @@ class MicroBatchEngine:
         count) or, after a probe of a new length, larger."""
         module = self.trainer.lightning_module
         total = self.batch_size(batch)
-        size = self.sizes.peek(total=total, width=self.length(batch), held=self.held(batch))
+        size = self.sizes.peek(total=total, width=self.length(batch), held=self.probes(batch).held())
         return max(micro_batch_sizes(total, size, smallest=smallest_micro_batch(module)))
-
-    # ------------------------------------------------------------------ thrashing
-    def _watch(self, before: int, step: TrainingStep, key: Any, *, retried: bool) -> None:
-        retries = self._allocator_retries() - before
-        floor = step.floor
-        if (
-            watch_allocator(
-                self.thrash_watch,
-                self.sizes,
-                retries=retries,
-                size=step.size,
-                key=key,
-                total=step.total,
-                floor=floor,
-                retried=retried,
-            )
-            and "thrashing" not in self.warned
-        ):
-            self.warned.add("thrashing")
-            rank_zero_warn(
-                f"The CUDA caching allocator keeps freeing its cache and retrying allocations (thrashing: every "
-                f"such step synchronizes the device and reallocates, a large slowdown) at {step.size} samples "
-                f"per micro-batch, the fewest this model can run. Training goes on, slowly. Against "
-                f"fragmentation, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process "
-                f"starts; to need less memory:\n{CHECKLIST}"
-            )
 
     # ------------------------------------------------------------------ helpers
     def _allocator_retries(self) -> int | None:
@@ -479,105 +391,14 @@ class MicroBatchEngine:
         memory = self._device_memory()
         return None if memory is None else memory.alloc_retries()
 
+    @property
+    def state(self) -> StepState | None:
+        """The step's start, captured for a retry (None without OOM retry, or between steps)."""
+        return self._state
+
     def _device_memory(self, tracker: Any = None) -> Any:
         return memory_of(self.trainer.strategy.root_device, tracker)
 
     def _memory_report(self) -> str:
         module, optimizers = self.trainer.lightning_module, self.trainer.optimizers
         return memory_report(module, optimizers, self.sizes.micro_batch_size, self._device_memory())
-
-
-class _OptimizerStep:
-    """The optimizer step as an :class:`Attempt`; on an out-of-memory error every rank undoes the update
-    its first step at a size may have made, and the training step runs again smaller."""
-
-    def __init__(
-        self,
-        engine: MicroBatchEngine,
-        original: Callable,
-        optimizer: Any,
-        closure: Callable,
-        model: Any,
-        kwargs: dict,
-    ) -> None:
-        self.engine, self.original, self.optimizer = engine, original, optimizer
-        self.model, self.kwargs = model, kwargs
-        self.train = closure  # the training step and its backward, as Lightning's closure runs them
-        self.closure = closure  # what the optimizer step calls: the training step, or its result
-        self.snapshot: OptimizerSnapshot | None = None
-        self.result: Any = None
-
-    def run_all(self) -> Any:
-        if regimes.is_distributed():
-            # The micro-batches (and their agreement) first, so every rank reaches the step's agreement
-            # from the same place, whether its optimizer's pre-step work or its update ran out of memory.
-            self.closure = functools.partial(_return, self.train())
-        self.engine.run_with_retry(self)
-        return self.result
-
-    def choose(self) -> Regime:
-        regime = self.engine.choose("optimizer_step")  # after the training step: it counts as stable
-        self.snapshot = OptimizerSnapshot.capture([self.optimizer]) if regime.agrees else None
-        return regime
-
-    def run(self, regime: Regime) -> None:
-        self.result = self.original(self.optimizer, self.closure, self.model, **self.kwargs)
-
-    def recover(self, failure: str | None) -> None:
-        engine = self.engine
-        if self.snapshot is not None:
-            self.snapshot.restore()  # every rank: undo the update the ranks that did not fail made
-        regimes.drop_attempt(engine.trainer.strategy.model, engine.sharded())
-        engine.restore()
-        total = engine.sizes.last_total or 1
-        floor = smallest_micro_batch(engine.trainer.lightning_module)
-        engine.sizes.failed(engine.sizes.size(total), total=total, floor=floor, failure=engine.last_failure)
-        # Run the training step (and its hooks) at the smaller size now, before the optimizer's own
-        # pre-step work, so that the retried step starts from the new micro-batches' state.
-        self.closure = functools.partial(_return, self.train())
-
-
-class _EvalStep:
-    """A validation/test/predict step as an :class:`Attempt`: micro-batches of the evaluation size, each
-    halved on an out-of-memory error."""
-
-    def __init__(
-        self, engine: MicroBatchEngine, hook: str, original: Callable, args: tuple, kwargs: dict
-    ) -> None:
-        self.engine, self.hook, self.original, self.args, self.kwargs = engine, hook, original, args, kwargs
-        self.total = engine.batch_size(args[0])
-        self.result: Any = None
-
-    def choose(self) -> Regime:
-        return self.engine.choose("evaluation")
-
-    def run(self, regime: Regime) -> None:
-        engine, batch = self.engine, self.args[0]
-        sizes = micro_batch_sizes(self.total, min(engine.sizes.eval_size or self.total, self.total))
-        with regime.armed():  # FSDP2: sync points before each sharded module's forward all-gather
-            if len(sizes) == 1:
-                self.result = self.original(*self.args, **self.kwargs)
-                return
-            module = engine.trainer.lightning_module
-            parts = split_batch(batch, sizes, split_fn=engine.split_fn(module))
-            outputs = []
-            with LogRecorder(module) as recorder:
-                for part, n in zip(parts, sizes):
-                    recorder.share = n / self.total
-                    outputs.append(self.original(part, *self.args[1:], **self.kwargs))
-            recorder.flush()
-            self.result = None if outputs[0] is None else combine(outputs, sizes)
-
-    def recover(self, failure: str | None) -> None:
-        engine = self.engine
-        if engine.sharded() is not None:
-            engine.sharded().reset()
-        engine.restore()
-        engine.sizes.halve_eval(
-            min(engine.sizes.eval_size or self.total, self.total), hook=self.hook, failure=failure
-        )
-
-
-def _return(value: Any) -> Any:
-    """A closure that was already run: the precision plugin calls it once and gets its loss."""
-    return value

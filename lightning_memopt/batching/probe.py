@@ -1,19 +1,26 @@
-"""One probe micro-step that measures its peak memory and leaves every state as it was."""
+"""Probe micro-steps that measure their peak memory and leave every state as they were."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_memopt._compat import tree_flatten
 from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.batching.outputs import LogRecorder, loss_of
 from lightning_memopt.batching.regime import no_sync
+from lightning_memopt.batching.sizing import smallest_micro_batch
+from lightning_memopt.batching.split import split_batch
 from lightning_memopt.batching.state import StepState
+from lightning_memopt.memory.device import memory_of
+from lightning_memopt.memory.tracker import MemoryTracker, state_bytes, tensor_bytes
 
-__all__ = ["measure_peak"]
+__all__ = ["BatchProbes", "measure_peak"]
 
 
 def measure_peak(
@@ -68,3 +75,59 @@ def measure_peak(
     state.restore()
     memory.empty_cache()
     return peak
+
+
+class BatchProbes:
+    """Probes of one batch through the engine's strategy (what :class:`~.sizes.MicroBatchSizes` measures
+    with, :class:`~.sizes.Probes`).
+
+    Args:
+        engine: The :class:`~lightning_memopt.batching.engine.MicroBatchEngine` serving the fit.
+        batch: The batch probed.
+    """
+
+    def __init__(self, engine: Any, batch: Any) -> None:
+        self.engine, self.batch = engine, batch
+        module = engine.trainer.lightning_module
+        self.device = engine.trainer.strategy.root_device
+        self.floor = smallest_micro_batch(module)
+        self.evaluates = is_overridden("validation_step", module)
+
+    def peak(self, samples: int, evaluation: bool = False) -> int | None:
+        """Peak bytes of one training (``evaluation``: validation) micro-step of ``samples`` samples of the
+        batch, None if it ran out of memory, every state left as it was (:func:`measure_peak`)."""
+        engine, batch = self.engine, self.batch
+        trainer, module = engine.trainer, engine.trainer.lightning_module
+        total = engine.batch_size(batch)
+        part = batch
+        if samples < total:
+            part = split_batch(batch, [samples, total - samples], split_fn=engine.split_fn(module))[0]
+        step = functools.partial(
+            engine.original("validation_step" if evaluation else "training_step"), part, 0
+        )
+        strategy = trainer.strategy
+        tracker = None if self.device.type == "cuda" else MemoryTracker(strategy.model, trainer.optimizers)
+        if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
+            for tensor in self._held_tensors():
+                tracker.mark(tensor, "other")
+        memory, state = memory_of(self.device, tracker), engine.capture(module)
+        return measure_peak(
+            strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
+        )
+
+    def held(self) -> int:
+        """The bytes alive when a micro-step of the batch starts, besides what it allocates: the allocator's
+        count on CUDA; elsewhere parameters, buffers, optimizer state, the gradients the backward will
+        create, the batch and the step's snapshot for a retry."""
+        memory = memory_of(self.device)
+        if memory is not None:
+            return memory.allocated()
+        engine, optimizers = self.engine, self.engine.trainer.optimizers
+        entries = sum(len(o.state) for o in optimizers)  # counted again when the optimizer creates state
+        if engine.held_at is None or engine.held_at[0] != entries:
+            engine.held_at = (entries, state_bytes(engine.trainer.strategy.model, optimizers))
+        return engine.held_at[1] + tensor_bytes(self._held_tensors())
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        snapshot = self.engine.state.tensors() if self.engine.state is not None else []
+        return [t for t in tree_flatten(self.batch)[0] if isinstance(t, torch.Tensor)] + snapshot

@@ -18,38 +18,8 @@ Under a distributed strategy with OOM retry (``OOMBackoff``), an OOM on any rank
 the attempt and retry at the same size, and no rank waits in a collective that another will not reach.
 The rule that guarantees it: after any point where a rank can run out of memory, the next collective of
 every rank is a sync point (``any_rank``, an 8-byte all-reduce), which the failed rank answers "yes"
-from its recovery path. Small collectives per training step (tested exactly in
-``tests/callbacks/test_distributed.py``):
-
-- **DDP**: one agreement per step attempt, after the micro-batches (which run under ``no_sync``) and
-  before the gradients are averaged. With ``overlap_after`` once stable: one sync point before the last
-  micro-batch, which then synchronizes inside its backward (an OOM in it ends the run).
-- **FSDP2** (``ModelParallelStrategy``): FSDP all-gathers and reduce-scatters per sharded module inside
-  forward and backward, so a rank that failed inside one module cannot reach a peer that is already in
-  a later module's collective; one agreement per micro-batch is not enough. Sync points run, per
-  micro-batch, before each sharded module's forward all-gather, on the loss before backward, before
-  each sharded module's backward all-gather, before each reduce-scatter that FSDP runs in a module's
-  post-backward function, and before FSDP's final callback (see :meth:`Sharding.armed`):
-  ``2 P + R + 2`` per micro-batch for ``P`` sharded modules with parameters of their own, ``R`` of them
-  with inputs that require grad, plus the step's agreement (7 per micro-batch for two sharded layers).
-  Modules without parameters of their own (a root wrapping only sharded children) get none. With
-  ``overlap_after`` once stable: no sync point and no agreement (0 per step); an OOM then raises
-  :class:`MicroBatchOOMError` on that rank and the others fail at their next collective.
-- **Per-batch sizing** (both, when ``AutoAccumulation`` fitted a memory model over shapes): one more
-  16-byte all-reduce per step, before the attempt, agreeing on the number of micro-batches; on the few
-  steps that probe a new length, one per probe round and one more for the count
-  (:mod:`~lightning_memopt.batching.sizes`).
-- **Evaluation** (``validation_step`` etc., both): one agreement per attempt; under FSDP2 also the
-  forward sync points (``P`` per micro-batch).
-- **Optimizer step** (both): the first step at each micro-batch size — the fit's first, when optimizer
-  state is created lazily, and the first after every back-off or growth — copies parameters and
-  optimizer state to host memory, steps, and agrees once more; if any rank ran out of memory, every rank
-  restores the copy and backs off. Later steps at that size neither copy nor agree: an OOM in them
-  raises :class:`MicroBatchOOMError` on that rank, and the others fail at their next collective.
-
-Not covered: an OOM inside FSDP's or DDP's own communication buffers (the peer is already in that
-collective), and collectives inside the optimizer step itself (e.g. gradient-norm clipping under
-FSDP2) after a rank's OOM in the step's pre-work.
+from its recovery path. What that costs per step and strategy is counted in the docs
+(``docs/micro_batching.md``, "Out of memory on one rank"; tested in ``tests/callbacks/test_distributed.py``).
 """
 
 from __future__ import annotations

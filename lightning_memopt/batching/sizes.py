@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -50,33 +50,30 @@ _FAILED = 2**62  # what a probe that ran out of memory reports to the other rank
 _ROUNDS = 3  # probe rounds at most for one new width
 
 
-class Probes:
-    """What :class:`MicroBatchSizes` needs from the engine to measure a batch.
+class Probes(Protocol):
+    """What :class:`MicroBatchSizes` needs from the engine to measure a batch
+    (:class:`~lightning_memopt.batching.probe.BatchProbes`)."""
 
-    Args:
-        peak: ``peak(samples, evaluation)``: peak bytes of one training (or evaluation) micro-step of that
-            many samples of the batch, None if it ran out of memory; nothing else changes.
-        held: Bytes alive when a micro-step of the batch starts, besides what it allocates.
-        device: Where the ranks' agreements run.
-        floor: The fewest samples a training micro-batch can hold (2 with BatchNorm in training mode).
-    """
+    device: torch.device
+    """Where the ranks' agreements run."""
+    floor: int
+    """The fewest samples a training micro-batch can hold (2 with BatchNorm in training mode)."""
+    evaluates: bool
+    """Also search the evaluation size (the module has a ``validation_step``)."""
 
-    def __init__(
-        self,
-        peak: Callable[[int, bool], int | None],
-        held: Callable[[], int],
-        device: torch.device,
-        floor: int,
-    ) -> None:
-        self.peak, self.held, self.device, self.floor = peak, held, device, floor
-        self.evaluates = False
-        """Also search the evaluation size (the module has a ``validation_step``)."""
+    def peak(self, samples: int, evaluation: bool) -> int | None:
+        """Peak bytes of one training (or evaluation) micro-step of that many samples of the batch, None
+        if it ran out of memory; nothing else changes."""
 
-    def agreed_peak(self, samples: int, evaluation: bool) -> int | None:
-        """The largest peak over ranks (None if any ran out of memory): one 8-byte all-reduce."""
-        peak = self.peak(samples, evaluation)
-        agreed = max_over_ranks(_FAILED if peak is None else peak, self.device)
-        return None if agreed == _FAILED else agreed
+    def held(self) -> int:
+        """Bytes alive when a micro-step of the batch starts, besides what it allocates."""
+
+
+def _agreed_peak(probes: Probes, samples: int, evaluation: bool) -> int | None:
+    """The largest peak over ranks (None if any ran out of memory): one 8-byte all-reduce."""
+    peak = probes.peak(samples, evaluation)
+    agreed = max_over_ranks(_FAILED if peak is None else peak, probes.device)
+    return None if agreed == _FAILED else agreed
 
 
 class MicroBatchSizes:
@@ -255,7 +252,7 @@ class MicroBatchSizes:
         log = self.eval_probes if evaluation else self.probes
 
         def probe(samples: int) -> int | None:
-            peak = probes.agreed_peak(samples, evaluation)
+            peak = _agreed_peak(probes, samples, evaluation)
             log.append((samples, peak))
             return peak
 

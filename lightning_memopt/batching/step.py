@@ -17,8 +17,10 @@ An attempt (:class:`TrainingStep`, driven by
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -32,8 +34,19 @@ from lightning_memopt.batching.outputs import LogRecorder, StepMetrics, combine,
 from lightning_memopt.batching.regime import Regime, drop_attempt
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import micro_batch_sizes, split_batch
+from lightning_memopt.batching.state import OptimizerSnapshot
 
-__all__ = ["TrainingStep"]
+__all__ = ["Attempt", "EvalStep", "OptimizerStep", "TrainingStep"]
+
+
+class Attempt(Protocol):
+    """What :meth:`MicroBatchEngine.run_with_retry` repeats until it succeeds on every rank."""
+
+    def choose(self) -> Regime: ...  # before anything can fail: sizes, the regime
+
+    def run(self, regime: Regime) -> None: ...
+
+    def recover(self, failure: str | None) -> None: ...  # drop the attempt, pick a smaller size (or raise)
 
 
 @dataclass
@@ -142,7 +155,7 @@ class TrainingStep:
         engine's counters do not see."""
         engine, module = self.engine, self.module
         parts = split_batch(self.batch, sizes, split_fn=engine.split_fn(module))
-        weights = engine.weigher(self.batch, parts, sizes)
+        weights = engine.weights.step(self.batch, parts, sizes)
         parts = parts + parts[-1:] * pad
         scaler = getattr(engine.trainer.strategy.precision_plugin, "scaler", None)
         if not check:
@@ -228,7 +241,9 @@ class TrainingStep:
         after.restore()
         engine.put_gradients(kept)
         if inexact:
-            cause = exactness.causes(batchnorm=[], written=[], unexplained=engine.unexplained(self.batch))
+            cause = exactness.causes(
+                batchnorm=[], written=[], unexplained=engine.weights.unexplained(self.batch)
+            )
             engine.report_inexact(f"{cause} (relative difference {gap:.2g} between two splits of one batch)")
 
 
@@ -237,3 +252,97 @@ _NONE = (
     "micro-batch cannot skip the step, and the others have run their backward already. Leave such samples "
     "out of the DataLoader's batches, or return a loss for every micro-batch"
 )
+
+
+class OptimizerStep:
+    """The optimizer step as an :class:`Attempt`; on an out-of-memory error every rank undoes the update
+    its first step at a size may have made, and the training step runs again smaller."""
+
+    def __init__(
+        self,
+        engine: Any,
+        original: Callable,
+        optimizer: Any,
+        closure: Callable,
+        model: Any,
+        kwargs: dict,
+    ) -> None:
+        self.engine, self.original, self.optimizer = engine, original, optimizer
+        self.model, self.kwargs = model, kwargs
+        self.train = closure  # the training step and its backward, as Lightning's closure runs them
+        self.closure = closure  # what the optimizer step calls: the training step, or its result
+        self.snapshot: OptimizerSnapshot | None = None
+        self.result: Any = None
+
+    def run_all(self) -> Any:
+        if regimes.is_distributed():
+            # The micro-batches (and their agreement) first, so every rank reaches the step's agreement
+            # from the same place, whether its optimizer's pre-step work or its update ran out of memory.
+            self.closure = functools.partial(_return, self.train())
+        self.engine.run_with_retry(self)
+        return self.result
+
+    def choose(self) -> Regime:
+        regime = self.engine.choose("optimizer_step")  # after the training step: it counts as stable
+        self.snapshot = OptimizerSnapshot.capture([self.optimizer]) if regime.agrees else None
+        return regime
+
+    def run(self, regime: Regime) -> None:
+        self.result = self.original(self.optimizer, self.closure, self.model, **self.kwargs)
+
+    def recover(self, failure: str | None) -> None:
+        engine = self.engine
+        if self.snapshot is not None:
+            self.snapshot.restore()  # every rank: undo the update the ranks that did not fail made
+        regimes.drop_attempt(engine.trainer.strategy.model, engine.sharded())
+        engine.restore()
+        total = engine.sizes.last_total or 1
+        floor = smallest_micro_batch(engine.trainer.lightning_module)
+        engine.sizes.failed(engine.sizes.size(total), total=total, floor=floor, failure=engine.last_failure)
+        # Run the training step (and its hooks) at the smaller size now, before the optimizer's own
+        # pre-step work, so that the retried step starts from the new micro-batches' state.
+        self.closure = functools.partial(_return, self.train())
+
+
+class EvalStep:
+    """A validation/test/predict step as an :class:`Attempt`: micro-batches of the evaluation size, each
+    halved on an out-of-memory error."""
+
+    def __init__(self, engine: Any, hook: str, original: Callable, args: tuple, kwargs: dict) -> None:
+        self.engine, self.hook, self.original, self.args, self.kwargs = engine, hook, original, args, kwargs
+        self.total = engine.batch_size(args[0])
+        self.result: Any = None
+
+    def choose(self) -> Regime:
+        return self.engine.choose("evaluation")
+
+    def run(self, regime: Regime) -> None:
+        engine, batch = self.engine, self.args[0]
+        sizes = micro_batch_sizes(self.total, min(engine.sizes.eval_size or self.total, self.total))
+        with regime.armed():  # FSDP2: sync points before each sharded module's forward all-gather
+            if len(sizes) == 1:
+                self.result = self.original(*self.args, **self.kwargs)
+                return
+            module = engine.trainer.lightning_module
+            parts = split_batch(batch, sizes, split_fn=engine.split_fn(module))
+            outputs = []
+            with LogRecorder(module) as recorder:
+                for part, n in zip(parts, sizes):
+                    recorder.share = n / self.total
+                    outputs.append(self.original(part, *self.args[1:], **self.kwargs))
+            recorder.flush()
+            self.result = None if outputs[0] is None else combine(outputs, sizes)
+
+    def recover(self, failure: str | None) -> None:
+        engine = self.engine
+        if engine.sharded() is not None:
+            engine.sharded().reset()
+        engine.restore()
+        engine.sizes.halve_eval(
+            min(engine.sizes.eval_size or self.total, self.total), hook=self.hook, failure=failure
+        )
+
+
+def _return(value: Any) -> Any:
+    """A closure that was already run: the precision plugin calls it once and gets its loss."""
+    return value

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from lightning_memopt._checks import check_positive_int
+from lightning_memopt.batching.errors import CHECKLIST
 
 __all__ = ["ThrashWatch"]
 
@@ -48,7 +48,8 @@ class ThrashWatch:
     """
 
     def __init__(self, *, window: int = 5, min_steps: int = 2) -> None:
-        check_positive_int("window", window, meaning="recent training steps looked at")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1 (recent training steps looked at), got {window!r}")
         if isinstance(min_steps, bool) or not isinstance(min_steps, int) or not 1 <= min_steps <= window:
             raise ValueError(
                 f"min_steps must be an int from 1 to window={window} (steps of the window with allocator "
@@ -84,31 +85,34 @@ class ThrashWatch:
 
 
 def watch_allocator(
-    watch: ThrashWatch,
-    sizes: Any,
-    *,
-    retries: int,
-    size: int,
-    key: Any,
-    total: int,
-    floor: int,
-    retried: bool,
+    watch: ThrashWatch, sizes: Any, retries: int, step: Any, key: Any, *, failed: bool
 ) -> bool:
     """Feed one training step's allocator ``retries`` to ``watch``; when it says the allocator thrashes,
     lower the size for the next steps (``sizes.near_miss``, a :class:`~.sizes.MicroBatchSizes`).
 
     Args:
-        size: Samples per micro-batch the step ran at.
-        key: What changes exactly when the size does (the budget, or the memory model's revision).
-        retried: The step backed off after an out-of-memory error: the size just changed, a new window.
+        step: The step that trained (its ``size``, ``total`` and ``floor``).
+        key: What changes exactly when the size does (the size in tokens, or the memory model's revision).
+        failed: The step backed off after an out-of-memory error: the size just changed, a new window.
 
     Returns:
         True when the allocator thrashes at the floor, where the size cannot go lower (warn the user).
     """
-    if retried:
+    if failed:
         watch.reset(key)
         return False
     if not watch.step(retries, size=key):
         return False
     sizes.near_misses += 1
-    return not sizes.near_miss(size, total=total, floor=floor)
+    return not sizes.near_miss(step.size, total=step.total, floor=step.floor)
+
+
+def thrashing_at_the_floor(size: int) -> str:
+    """The one warning when the allocator thrashes at the fewest samples the model can run."""
+    return (
+        f"The CUDA caching allocator keeps freeing its cache and retrying allocations (thrashing: every "
+        f"such step synchronizes the device and reallocates, a large slowdown) at {size} samples per "
+        f"micro-batch, the fewest this model can run. Training goes on, slowly. Against fragmentation, set "
+        f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts; to need less "
+        f"memory:\n{CHECKLIST}"
+    )
