@@ -33,6 +33,7 @@ BENCHMARKS = [
     ("anchors.py", "Anchors: torch apply_activation_checkpointing, torch.compile memory budget", [], [], 150),
     ("batching.py", "Micro-batch sizing vs Lightning's BatchSizeFinder", [], [], 150),
     ("engine_overhead.py", "Micro-batch engine step-time overhead at k=1", [], [], 90),
+    ("exactness.py", "Exactness by verification: the loss observer, learned weights, the one-time check", [], [], 300),
     ("memory_monitor.py", "MemoryMonitor: what it reports and what measuring costs", [], [], 90),
     ("batchnorm_swap.py", "BatchNorm -> GroupNorm swap", [], [], 60),
     ("distributed_oom.py", "Out of memory on one of two ranks (DDP, FSDP2)", [], [], 300),
