@@ -58,18 +58,21 @@ def gradients(module: torch.nn.Module) -> list[torch.Tensor | None]:
 
 def difference(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
     """The largest relative difference between two runs' gradients, parameter by parameter (a missing
-    gradient counts as zeros): ``|a - b| / (|a| + |b|)`` in the 2-norm, 0 where both are zero."""
-    worst = 0.0
+    gradient counts as zeros): ``|a - b| / (|a| + |b|)`` in the 2-norm, 0 where both are zero.
+
+    A gradient under a tenth of the largest is measured against that tenth instead of itself: one that
+    is zero in exact arithmetic (a key projection's bias, which softmax cancels) is rounding alone, and
+    relative to itself that rounding would read as a different gradient.
+    """
+    pairs = []
     for x, y in zip(a, b):
         if x is None and y is None:
             continue
-        x = torch.zeros_like(y) if x is None else x
-        y = torch.zeros_like(x) if y is None else y
-        x, y = x.double(), y.double()
-        scale = float(x.norm() + y.norm())
-        if scale > 0:
-            worst = max(worst, float((x - y).norm()) / scale)
-    return worst
+        x = (torch.zeros_like(y) if x is None else x).double()
+        y = (torch.zeros_like(x) if y is None else y).double()
+        pairs.append((float((x - y).norm()), float(x.norm() + y.norm())))
+    floor = 0.1 * max((scale for _, scale in pairs), default=0.0)
+    return max((gap / max(scale, floor) for gap, scale in pairs if scale > 0), default=0.0)
 
 
 def tolerance(module: torch.nn.Module, mixed: bool) -> float:

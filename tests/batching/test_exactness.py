@@ -38,6 +38,16 @@ def test_difference_is_per_parameter_and_treats_a_missing_gradient_as_zeros():
     assert exactness.difference([None], [torch.ones(2)]) == 1.0
 
 
+def test_difference_measures_a_tiny_gradient_against_a_tenth_of_the_largest():
+    """A gradient that is zero in exact arithmetic (a key bias under softmax) differs between two exact
+    splits by rounding alone: relative to itself that is 100%, relative to the step's gradients nothing."""
+    a = [torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([1e-17], dtype=torch.float64)]
+    b = [torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([-1e-17], dtype=torch.float64)]
+    assert exactness.difference(a, b) == 2e-17 / 1.0  # a tenth of |a| + |b| of the largest: 1.0
+    b[1] = torch.tensor([0.5], dtype=torch.float64)  # a real difference in a small gradient still shows
+    assert exactness.difference(a, b) == 0.5
+
+
 def test_tolerance_follows_the_gradients_dtype():
     assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False) == 1e-9
     assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=False) == 1e-5
