@@ -75,9 +75,13 @@ def difference(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> fl
     return max((gap / max(scale, floor) for gap, scale in pairs if scale > 0), default=0.0)
 
 
-def tolerance(module: torch.nn.Module, mixed: bool) -> float:
-    """How far two exact splits may differ by rounding: by the gradients' dtype (``mixed``: autocast)."""
-    dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+def tolerance(module: torch.nn.Module, mixed: bool, loss: torch.dtype | None = None) -> float:
+    """How far two exact splits may differ by rounding: by the least precise of the gradients' dtypes and
+    the ``loss``'s (a float64 model whose loss is computed in float32, as Hugging Face's losses upcast to
+    float32, carries float32 rounding); ``mixed``: autocast."""
+    dtypes = {p.dtype for p in module.parameters() if p.requires_grad} | (
+        {loss} if loss is not None else set()
+    )
     if mixed or dtypes & {torch.float16, torch.bfloat16}:
         return 2e-2
     if dtypes == {torch.float64}:

@@ -300,10 +300,11 @@ class Weighting:
     """The rules learned for the parts of one batch structure's loss (see the module docstring).
 
     Built from a step's first micro-batch (every rule that explains each part's count), narrowed by the
-    step's later micro-batches (:meth:`confirm`). :attr:`single` is the one rule every part follows: then
-    each micro-batch has one weight, known before it runs, and later steps are not observed. None when
-    the parts follow different rules (``ce`` over tokens + ``aux`` over samples): every step is observed
-    and each part weighed by its own rule.
+    step's later micro-batches (:meth:`confirm`) and by later observed steps. Where every rule still
+    possible gives the same weights on a batch (:meth:`agreed_shares`), each micro-batch's weight is
+    known before it runs and the step is not observed; where they differ (parts that follow different
+    rules, ``ce`` over tokens + ``aux`` over samples; or rules a batch can tell apart) it is observed and
+    each part weighed by its own rule.
     """
 
     def __init__(self, parts: list[Part], micro_batch: Any, samples: int) -> None:
@@ -336,6 +337,21 @@ class Weighting:
         """Whether a part is weighed by samples for want of an explanation: a loss that calls no observed
         function, a weighted mean by hand, or a mean whose counts no rule followed (not even samples)."""
         return self.unknown or any(self.lost)
+
+    def agreed_shares(self, micro_batches: Sequence[Any], sizes: Sequence[int]) -> list[float] | None:
+        """The micro-batches' weights when every rule still possible for every part gives the same ones on
+        this batch: then it does not matter which is right, and the step need not be observed. None where
+        they differ (a first batch without padding left ``input_ids`` and ``labels`` both possible; a
+        padded batch tells them apart): the step is observed and the rules narrowed by its counts."""
+        found: list[float] | None = None
+        for rules in self.rules:
+            for rule in [rules] if rules == SUM else rules:
+                weights = shares(rule, micro_batches, sizes)
+                if found is None:
+                    found = weights
+                elif not all(_close(a, b) for a, b in zip(weights, found)):
+                    return None
+        return found if found is not None else shares(Rule(), micro_batches, sizes)
 
     @property
     def single(self) -> Rule | str | None:
@@ -408,8 +424,8 @@ class StepWeights:
             self.weights = [1.0]
         elif weigher.count_fn is not None:
             self.weights = user_shares(weigher.count_fn, micro_batches, sizes)
-        elif learned is not None and learned.single is not None:
-            self.weights = shares(learned.single, micro_batches, sizes)
+        elif learned is not None:
+            self.weights = learned.agreed_shares(micro_batches, sizes)
 
     def observing(self) -> contextlib.AbstractContextManager:
         """Around a micro-batch's ``training_step``: records its loss calls where the weights need them."""

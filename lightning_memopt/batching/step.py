@@ -122,8 +122,11 @@ class TrainingStep:
         checking = bool(self.checking) and (len(self.sizes) > 1 or regimes.is_distributed())
         looking = checking or (self.checking is None and len(self.sizes) > 1 and engine.check_due(key))
         start = engine.capture(self.module) if checking else None
+        # In one process a pass whose weights a later micro-batch proves wrong runs again (redo); ranks
+        # could disagree on that, so there it is said instead.
+        redo = not checking and not regimes.is_distributed()
         with exactness.written_in_place(self.module) if looking else contextlib.nullcontext([]) as written:
-            self.result = self.run_pass(regime, self.sizes, self.pad)
+            self.result = self.run_pass(regime, self.sizes, self.pad, redo=redo)
         engine.written.update(written)
         if self.result.relearned and not checking:
             engine.report_inexact(
@@ -149,13 +152,18 @@ class TrainingStep:
         engine.sizes.failed(self.size, total=self.total, floor=self.floor, failure=engine.last_failure)
 
     # ------------------------------------------------------------------ one pass over the micro-batches
-    def run_pass(self, regime: Regime, sizes: list[int], pad: int, *, check: bool = False) -> Pass:
+    def run_pass(
+        self, regime: Regime, sizes: list[int], pad: int, *, check: bool = False, redo: bool = False
+    ) -> Pass:
         """Run ``sizes`` as micro-batches, then ``pad`` repeats of the last, weighted 0 (their gradients are
         zeros; their outputs and logs are left out). ``check``: a pass of the one-time check, which the
-        engine's counters do not see."""
+        engine's counters do not see. ``redo``: where the weights are learned while the pass runs and a
+        later micro-batch shows that an earlier one was weighed by a wrong rule, run it again from its
+        start with the rules every micro-batch confirmed."""
         engine, module = self.engine, self.module
         parts = split_batch(self.batch, sizes, split_fn=engine.split_fn(module))
         weights = engine.weights.step(self.batch, parts, sizes)
+        start = engine.capture(module) if redo and weights.weights is None else None
         parts = parts + parts[-1:] * pad
         scaler = getattr(engine.trainer.strategy.precision_plugin, "scaler", None)
         if not check:
@@ -181,6 +189,10 @@ class TrainingStep:
                     result.losses.append(loss.detach())
                 del out, loss, weighted
         result.loss, result.relearned = weights.loss, weights.relearned
+        if start is not None and result.relearned:
+            start.restore()
+            drop_attempt(engine.trainer.strategy.model, None)
+            return self.run_pass(regime, sizes, pad, check=check)
         return result
 
     # ------------------------------------------------------------------ the one-time check
@@ -237,7 +249,8 @@ class TrainingStep:
         reference = grads[0] if random else kept
         gap = exactness.difference(reference, grads[-1])
         mixed = "mixed" in type(engine.trainer.strategy.precision_plugin).__name__.lower()
-        inexact = any_rank(gap > exactness.tolerance(module, mixed), device)
+        loss_dtype = self.result.losses[0].dtype if self.result.losses else None
+        inexact = any_rank(gap > exactness.tolerance(module, mixed, loss_dtype), device)
         after.restore()
         engine.put_gradients(kept)
         if inexact:

@@ -53,6 +53,9 @@ def test_tolerance_follows_the_gradients_dtype():
     assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=False) == 1e-5
     assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=True) == 2e-2
     assert exactness.tolerance(torch.nn.Linear(2, 2).half(), mixed=False) == 2e-2
+    # a float64 model whose loss comes back in float32 (Hugging Face's losses upcast to float32)
+    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False, loss=torch.float32) == 1e-5
+    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False, loss=torch.float64) == 1e-9
 
 
 def test_batchnorms_in_training_mode_are_named():
