@@ -307,14 +307,18 @@ UNSHIFTED: dict[str, ZooEntry] = {
 }
 
 
-def entry(name: str) -> ZooEntry:
+def entry(name: str | ZooEntry) -> ZooEntry:
+    """``ZOO[name]`` or ``UNSHIFTED[name]``; an entry built elsewhere (benchmarks/micro_batching_zoo.py's
+    sweep) passes through, so :class:`ZooModule` and :func:`loader` take one in place of a name."""
+    if isinstance(name, ZooEntry):
+        return name
     return ZOO[name] if name in ZOO else UNSHIFTED[name]
 
 
 class ZooModule(pl.LightningModule):
     """A LightningModule as a user writes one around a third-party model: ``model(**batch).loss``."""
 
-    def __init__(self, name: str, lr: float = 0.05, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, name: str | ZooEntry, lr: float = 0.05, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = entry(name).build(dtype).to(dtype)
@@ -327,7 +331,9 @@ class ZooModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def loader(name: str, batch_size: int, batches: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32):
+def loader(
+    name: str | ZooEntry, batch_size: int, batches: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32
+):
     """A DataLoader yielding ``batches`` batches of ``batch_size`` samples for ``ZOO[name]`` (or
     ``UNSHIFTED[name]``)."""
     full = entry(name).batch(batch_size * batches, seed)
