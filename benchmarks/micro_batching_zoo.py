@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -51,6 +52,7 @@ from tests.batching.helpers import quiet_trainer
 from tests.zoo.models import (
     CLASSES,
     IMAGE,
+    SEQ,
     VOCAB,
     ZooEntry,
     ZooModule,
@@ -93,6 +95,112 @@ def eos_classification_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return batch
 
 
+def token_classification_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Padded token batches with a class per real token and -100 at padding (named-entity tagging)."""
+    ids, mask = _padded_tokens(n, seed)
+    gen = torch.Generator().manual_seed(seed + 3)
+    tags = torch.randint(0, CLASSES, ids.shape, generator=gen)
+    return {"input_ids": ids, "attention_mask": mask, "labels": tags.masked_fill(mask == 0, -100)}
+
+
+def question_answering_batch(n: int, seed: int = 0, answerable: int = 0) -> dict[str, torch.Tensor]:
+    """Padded token batches with an answer span inside each sample, except every third sample after the
+    first ``answerable``, whose span lies outside the input (truncated away: Hugging Face clamps such
+    positions to the sequence length and its loss ignores them)."""
+    ids, mask = _padded_tokens(n, seed)
+    gen = torch.Generator().manual_seed(seed + 3)
+    lengths = mask.sum(dim=1)
+    start = (torch.rand(n, generator=gen) * lengths).long()
+    end = torch.minimum(start + torch.randint(0, 3, (n,), generator=gen), lengths - 1)
+    outside = (torch.arange(n) % 3 == 2) & (torch.arange(n) >= answerable)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "start_positions": start.masked_fill(outside, 4 * SEQ),
+        "end_positions": end.masked_fill(outside, 4 * SEQ),
+    }
+
+
+def multiple_choice_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two padded candidate sequences per sample, and the index of the right one."""
+    first, second = _padded_tokens(n, seed), _padded_tokens(n, seed + 5)
+    gen = torch.Generator().manual_seed(seed + 3)
+    return {
+        "input_ids": torch.stack([first[0], second[0]], dim=1),  # (n, 2, SEQ)
+        "attention_mask": torch.stack([first[1], second[1]], dim=1),
+        "labels": torch.randint(0, 2, (n,), generator=gen),
+    }
+
+
+def regression_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Padded token batches with one real-valued target per sample (``num_labels=1``: mean squared error)."""
+    batch = classification_batch(n, seed)
+    batch["labels"] = torch.randn(n, generator=torch.Generator().manual_seed(seed + 4))
+    return batch
+
+
+def multi_label_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Padded token batches with a 0/1 target per class (binary cross-entropy over samples x classes)."""
+    batch = classification_batch(n, seed)
+    gen = torch.Generator().manual_seed(seed + 4)
+    batch["labels"] = (torch.rand(n, CLASSES, generator=gen) < 0.4).float()
+    return batch
+
+
+def masked_image_batch(n: int, seed: int = 0, patches: int = (IMAGE // 4) ** 2) -> dict[str, torch.Tensor]:
+    """Pixels and a random 40% of the patches masked per image (SimMIM: an L1 loss over masked pixels)."""
+    gen = torch.Generator().manual_seed(seed + 4)
+    return {
+        "pixel_values": image_batch(n, seed)["pixel_values"],
+        "bool_masked_pos": torch.rand(n, patches, generator=gen) < 0.4,
+    }
+
+
+def segmentation_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Pixels and a class per pixel, 255 (Hugging Face's ignore value) outside a random box per image."""
+    gen = torch.Generator().manual_seed(seed + 4)
+    labels = torch.randint(0, CLASSES, (n, IMAGE, IMAGE), generator=gen)
+    size = torch.randint(IMAGE // 4, IMAGE + 1, (n,), generator=gen)
+    inside = (torch.arange(IMAGE)[None, :, None] < size[:, None, None]) & (
+        torch.arange(IMAGE)[None, None, :] < size[:, None, None]
+    )
+    return {"pixel_values": image_batch(n, seed)["pixel_values"], "labels": labels.masked_fill(~inside, 255)}
+
+
+def speech_seq2seq_batch(n: int, seed: int = 0, mels: int = 8, frames: int = 32) -> dict[str, torch.Tensor]:
+    """Log-mel features (Whisper's fixed length, silence after each clip) and padded transcripts."""
+    gen = torch.Generator().manual_seed(seed + 4)
+    lengths = torch.randint(frames // 2, frames + 1, (n,), generator=gen)
+    features = (
+        torch.randn(n, mels, frames, generator=gen) * (torch.arange(frames) < lengths[:, None])[:, None, :]
+    )
+    return {"input_features": features, "labels": seq2seq_batch(n, seed)["labels"]}
+
+
+def unpadded_first_batch(fn: Callable[[int, int], dict], labels: str) -> Callable[[int, int], dict]:
+    """``fn``'s batches with the first optimizer step's samples at full length: no padding and no -100
+    label, as length-grouped batching (Hugging Face's ``group_by_length``) gives the longest batch first;
+    the later batches padded as before. ``labels``: what fills the first batch's -100 labels, ``"input_ids"``
+    (a causal LM's labels are its inputs), ``"tokens"`` (a target sequence) or ``"classes"`` (tags)."""
+
+    def batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+        b = fn(n, seed)
+        gen = torch.Generator().manual_seed(seed + 12)
+        first = (torch.arange(n) < BATCH)[:, None]  # (n, 1)
+        tokens = torch.randint(1, VOCAB, b["input_ids"].shape, generator=gen)
+        b["input_ids"] = torch.where(first & (b["attention_mask"] == 0), tokens, b["input_ids"])
+        b["attention_mask"] = b["attention_mask"].masked_fill(first, 1)
+        fill = {
+            "input_ids": b["input_ids"],
+            "tokens": torch.randint(1, VOCAB, b["labels"].shape, generator=gen),
+            "classes": torch.randint(0, CLASSES, b["labels"].shape, generator=gen),
+        }[labels]
+        b["labels"] = torch.where(first & (b["labels"] == -100), fill, b["labels"])
+        return b
+
+    return batch
+
+
 def _audio(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(AUDIO // 2, AUDIO + 1, (n,), generator=gen)
@@ -125,6 +233,12 @@ TASKS: dict[str, tuple[dict[str, str], Callable[[int, int], dict]]] = {
     "seq2seq": (modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, seq2seq_batch),
     "seq_cls": (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, classification_batch),
     "image_cls": (modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, image_batch),
+    "token_cls": (modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, token_classification_batch),
+    "qa": (modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES, question_answering_batch),
+    "choice": (modeling_auto.MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES, multiple_choice_batch),
+    "masked_image": (modeling_auto.MODEL_FOR_MASKED_IMAGE_MODELING_MAPPING_NAMES, masked_image_batch),
+    "segmentation": (modeling_auto.MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES, segmentation_batch),
+    "speech_seq2seq": (modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES, speech_seq2seq_batch),
     "ctc": (modeling_auto.MODEL_FOR_CTC_MAPPING_NAMES, ctc_batch),
     "audio_cls": (modeling_auto.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES, audio_class_batch),
 }
@@ -170,6 +284,7 @@ SEQ2SEQ = dict(
     encoder_layerdrop=0.0,  # LayerDrop skips whole layers at random in training (M2M-100: 0.05)
     decoder_layerdrop=0.0,
 )
+T5 = dict(d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_heads=4)  # T5's names for the sizes
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 VISION = dict(
     image_size=IMAGE,
@@ -247,8 +362,8 @@ def _text(name: str, model_type: str, task: str, drop: tuple[str, ...] = (), **o
     return Arch(name, model_type, task, {**base, **options})
 
 
-def _vision(name: str, model_type: str, **options: Any) -> Arch:
-    return Arch(name, model_type, "image_cls", {**VISION, **options})
+def _vision(name: str, model_type: str, task: str = "image_cls", **options: Any) -> Arch:
+    return Arch(name, model_type, task, {**VISION, **options})
 
 
 def _cnn(name: str, model_type: str, **options: Any) -> Arch:
@@ -387,6 +502,35 @@ ARCHS: list[Arch] = [
         )
     ],
     dataclasses.replace(_text("bart_cls", "bart", "seq_cls", **SEQ2SEQ), batch=eos_classification_batch),
+    # other heads' losses: regression (MSE), multi-label (BCE over samples x classes), tagging (a token mean
+    # over labels != -100), extractive QA (two means over answerable samples, ignore_index = the sequence
+    # length), multiple choice (a mean over samples of (n, 2, T) inputs)
+    dataclasses.replace(_text("bert_regression", "bert", "seq_cls", num_labels=1), batch=regression_batch),
+    dataclasses.replace(_text("llama_regression", "llama", "seq_cls", num_labels=1), batch=regression_batch),
+    dataclasses.replace(
+        _text("bert_multilabel", "bert", "seq_cls", problem_type="multi_label_classification"),
+        batch=multi_label_batch,
+    ),
+    *[
+        _text(f"{t}_token_cls", t, "token_cls")
+        for t in "bert roberta distilbert deberta-v2 gpt2 llama".split()
+    ],
+    *[_text(f"{t}_qa", t, "qa", num_labels=2) for t in "bert roberta distilbert albert llama qwen2".split()],
+    _text("bart_qa", "bart", "qa", **{**SEQ2SEQ, "num_labels": 2}),
+    _text(
+        "t5_qa", "t5", "qa", num_labels=2, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_heads=4
+    ),
+    *[_text(f"{t}_choice", t, "choice") for t in "bert roberta distilbert".split()],
+    _text(
+        "xlnet_choice",
+        "xlnet",
+        "choice",
+        d_model=32,
+        n_layer=2,
+        n_head=4,
+        d_inner=37,
+        drop=("max_position_embeddings",),
+    ),
     # image classification from pixels: a mean over samples
     *[_vision(t, t) for t in ("vit", "deit", "beit", "data2vec-vision", "dinov2", "vit_msn", "ijepa")],
     _cnn("convnext", "convnext", depths=[1, 1], hidden_sizes=[16, 32], num_stages=2),
@@ -466,6 +610,81 @@ ARCHS: list[Arch] = [
         num_groups=4,
     ),
     _cnn("cvt", "cvt", embed_dim=[8, 16, 32], num_heads=[1, 2, 4], depth=[1, 2, 3], drop_path_rate=[0.0] * 3),
+    # masked image modeling (SimMIM: L1 over the masked pixels / (masked patches + 1e-5) / channels) and
+    # semantic segmentation (a pixel mean over labels != 255 of logits upsampled to the labels)
+    _vision("vit_mim", "vit", task="masked_image", encoder_stride=4),
+    _vision("deit_mim", "deit", task="masked_image", encoder_stride=4),
+    dataclasses.replace(
+        _cnn(
+            "swin_mim",
+            "swin",
+            patch_size=2,
+            embed_dim=16,
+            depths=[1, 1],
+            num_heads=[2, 2],
+            window_size=4,
+            encoder_stride=4,
+        ),
+        task="masked_image",
+        batch=lambda n, seed=0: masked_image_batch(n, seed, patches=(IMAGE // 2) ** 2),
+    ),
+    dataclasses.replace(
+        _cnn(
+            "segformer_seg",
+            "segformer",
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            sr_ratios=[2, 1],
+            hidden_sizes=[16, 32],
+            patch_sizes=[7, 3],
+            strides=[4, 2],
+            num_attention_heads=[1, 2],
+            mlp_ratios=[2, 2],
+            decoder_hidden_size=32,
+        ),
+        task="segmentation",
+    ),
+    _vision(
+        "beit_seg",
+        "beit",
+        task="segmentation",
+        num_hidden_layers=4,
+        out_indices=[1, 2, 3, 4],
+        use_auxiliary_head=True,
+        auxiliary_channels=16,
+        pool_scales=[1, 2],
+        channels=32,
+    ),
+    # speech: log-mel features to padded transcripts
+    Arch(
+        "whisper",
+        "whisper",
+        "speech_seq2seq",
+        {**SEQ2SEQ, "num_mel_bins": 8, "max_source_positions": 16, "max_target_positions": 64},
+    ),
+    # the same models when the first batch has no padding (length-grouped batches: the longest first), and
+    # QA when the first batch's answers all lie inside the input: what the engine learns on the first
+    # batch meets padding, or an unanswerable sample, only later
+    *[
+        dataclasses.replace(arch, name=f"{arch.name}_unpadded_first", batch=unpadded_first_batch(*how))
+        for arch, how in [
+            (_text("gpt2", "gpt2", "causal_lm"), (causal_lm_batch, "input_ids")),
+            (_text("llama", "llama", "causal_lm"), (causal_lm_batch, "input_ids")),
+            (_text("qwen2", "qwen2", "causal_lm"), (causal_lm_batch, "input_ids")),
+            (_text("t5", "t5", "seq2seq", **T5), (seq2seq_batch, "tokens")),
+            (_text("bart", "bart", "seq2seq"), (seq2seq_batch, "tokens")),
+            (_text("marian", "marian", "seq2seq"), (seq2seq_batch, "tokens")),
+            (_text("bert_token_cls", "bert", "token_cls"), (token_classification_batch, "classes")),
+            (_text("llama_token_cls", "llama", "token_cls"), (token_classification_batch, "classes")),
+        ]
+    ],
+    *[
+        dataclasses.replace(
+            _text(f"{t}_qa_answerable_first", t, "qa", num_labels=2),
+            batch=functools.partial(question_answering_batch, answerable=BATCH),
+        )
+        for t in ("bert", "llama")
+    ],
     # speech from raw audio: CTC over padded character labels, and one class per clip
     *[
         _audio_arch(f"{t}_ctc", t, "ctc")
