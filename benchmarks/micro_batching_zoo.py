@@ -63,6 +63,7 @@ from tests.zoo.models import (
     masked_lm_batch,
     no_dropout,
     seq2seq_batch,
+    unpadded_first_batch,
 )
 from tests.zoo.test_micro_batching_zoo import relative_difference
 
@@ -175,30 +176,6 @@ def speech_seq2seq_batch(n: int, seed: int = 0, mels: int = 8, frames: int = 32)
         torch.randn(n, mels, frames, generator=gen) * (torch.arange(frames) < lengths[:, None])[:, None, :]
     )
     return {"input_features": features, "labels": seq2seq_batch(n, seed)["labels"]}
-
-
-def unpadded_first_batch(fn: Callable[[int, int], dict], labels: str) -> Callable[[int, int], dict]:
-    """``fn``'s batches with the first optimizer step's samples at full length: no padding and no -100
-    label, as length-grouped batching (Hugging Face's ``group_by_length``) gives the longest batch first;
-    the later batches padded as before. ``labels``: what fills the first batch's -100 labels, ``"input_ids"``
-    (a causal LM's labels are its inputs), ``"tokens"`` (a target sequence) or ``"classes"`` (tags)."""
-
-    def batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
-        b = fn(n, seed)
-        gen = torch.Generator().manual_seed(seed + 12)
-        first = (torch.arange(n) < BATCH)[:, None]  # (n, 1)
-        tokens = torch.randint(1, VOCAB, b["input_ids"].shape, generator=gen)
-        b["input_ids"] = torch.where(first & (b["attention_mask"] == 0), tokens, b["input_ids"])
-        b["attention_mask"] = b["attention_mask"].masked_fill(first, 1)
-        fill = {
-            "input_ids": b["input_ids"],
-            "tokens": torch.randint(1, VOCAB, b["labels"].shape, generator=gen),
-            "classes": torch.randint(0, CLASSES, b["labels"].shape, generator=gen),
-        }[labels]
-        b["labels"] = torch.where(first & (b["labels"] == -100), fill, b["labels"])
-        return b
-
-    return batch
 
 
 def _audio(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
@@ -666,7 +643,7 @@ ARCHS: list[Arch] = [
     # QA when the first batch's answers all lie inside the input: what the engine learns on the first
     # batch meets padding, or an unanswerable sample, only later
     *[
-        dataclasses.replace(arch, name=f"{arch.name}_unpadded_first", batch=unpadded_first_batch(*how))
+        dataclasses.replace(arch, name=f"{arch.name}_unpadded_first", batch=unpadded_first_batch(*how, BATCH))
         for arch, how in [
             (_text("gpt2", "gpt2", "causal_lm"), (causal_lm_batch, "input_ids")),
             (_text("llama", "llama", "causal_lm"), (causal_lm_batch, "input_ids")),
