@@ -396,10 +396,11 @@ ARCHS: list[Arch] = [
         for t in (
             "bert roberta distilbert electra deberta deberta-v2 convbert mpnet roformer xlm-roberta "
             "camembert esm megatron-bert rembert data2vec-text ernie layoutlm nystromformer yoso fnet "
-            "ibert modernbert roc_bert"
+            "ibert modernbert"
         ).split()
     ],
     _text("albert", "albert", "masked_lm", embedding_size=16),
+    _text("roc_bert", "roc_bert", "masked_lm", shape_vocab_size=VOCAB, pronunciation_vocab_size=VOCAB),
     _text(
         "mobilebert",
         "mobilebert",
