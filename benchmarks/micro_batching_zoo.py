@@ -32,6 +32,7 @@ gradient carries float32 rounding and the bar is 1e-5 (the ``loss`` column says 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -47,7 +48,8 @@ import torch
 import transformers
 from transformers.models.auto import modeling_auto
 
-from lightning_memopt import AutoAccumulation, SplitNotExactWarning
+from lightning_memopt import AutoAccumulation, OOMBackoff, SplitNotExactWarning
+from lightning_memopt.testing import OOMInjector
 from tests.batching.helpers import quiet_trainer
 from tests.zoo.models import (
     CLASSES,
@@ -678,7 +680,7 @@ ARCHS: list[Arch] = [
 class Run:
     """One split run: the relative difference, the warnings' texts, or the exception."""
 
-    size: int
+    size: int | str  # micro_batch_size, or "oom" (OOMBackoff)
     rel: float = math.nan
     warnings: list[str] = dataclasses.field(default_factory=list)
     error: str = ""
@@ -742,13 +744,17 @@ def precision(module: SweepModule) -> tuple[str, float]:
     return "float64", BAR[torch.float64]
 
 
-def train(entry: ZooEntry, size: int | None) -> tuple[dict, SweepModule, list[str]]:
-    """STEPS SGD steps on batches of BATCH in float64, unsplit (``size`` None) or split; the start
-    parameters, the module and the texts of the SplitNotExactWarnings."""
+def train(entry: ZooEntry, size: int | str | None) -> tuple[dict, SweepModule, list[str]]:
+    """STEPS SGD steps on batches of BATCH in float64: unsplit (``size`` None), split by
+    ``AutoAccumulation(micro_batch_size=size)``, or (``"oom"``) by ``OOMBackoff`` after an injected
+    out-of-memory error above BATCH // 2 samples; the start parameters, the module and the texts of the
+    SplitNotExactWarnings."""
     module = SweepModule(entry, dtype=torch.float64)
     start = {k: p.detach().clone() for k, p in module.named_parameters()}
-    callbacks = [] if size is None else [AutoAccumulation(micro_batch_size=size, log=False)]
-    with warnings.catch_warnings(record=True) as caught:
+    oom = OOMInjector(module.model, max_size=BATCH // 2) if size == "oom" else contextlib.nullcontext()
+    callbacks = {None: [], "oom": [OOMBackoff(log=False)]}.get(size)
+    callbacks = [AutoAccumulation(micro_batch_size=size, log=False)] if callbacks is None else callbacks
+    with warnings.catch_warnings(record=True) as caught, oom:
         warnings.simplefilter("always")
         quiet_trainer(callbacks, max_steps=STEPS).fit(
             module, loader(entry, BATCH, batches=STEPS, dtype=torch.float64)
@@ -757,7 +763,7 @@ def train(entry: ZooEntry, size: int | None) -> tuple[dict, SweepModule, list[st
     return start, module, found
 
 
-def sweep_one(arch: Arch, sizes: list[int]) -> Result:
+def sweep_one(arch: Arch, sizes: list[int | str]) -> Result:
     result = Result(arch)
     began = time.perf_counter()
     try:
@@ -792,14 +798,18 @@ def _cell(run: Run) -> str:
     return f"{run.outcome} ({'-' if run.error else f'{run.rel:.1e}'})"
 
 
+def _label(size: int | str) -> str:
+    return "OOMBackoff" if size == "oom" else f"k={size}"
+
+
 def _note(result: Result) -> str:
     if result.skipped:
         return result.skipped
     for run in result.runs:  # the first run's text that explains the row
         if run.error:
-            return f"k={run.size}: {run.error}"
+            return f"{_label(run.size)}: {run.error}"
         if run.warnings:
-            return f"k={run.size}: {' '.join(run.warnings[0].split())[:220]}"
+            return f"{_label(run.size)}: {' '.join(run.warnings[0].split())[:220]}"
     return ""
 
 
@@ -810,7 +820,7 @@ def table(results: list[Result], sizes: list[int]) -> str:
         "model type",
         "params",
         "precision",
-        *[f"k={k}" for k in sizes],
+        *[_label(k) for k in sizes],
         "outcome",
         "s",
         "warning / error",
@@ -841,7 +851,9 @@ def totals(results: list[Result], sizes: list[int]) -> str:
     ]
     for i, k in enumerate(sizes):
         runs = [r.runs[i] for r in results if not r.skipped]
-        lines.append(f"k={k}: " + ", ".join(f"{o} {sum(run.outcome == o for run in runs)}" for o in OUTCOMES))
+        lines.append(
+            f"{_label(k)}: " + ", ".join(f"{o} {sum(run.outcome == o for run in runs)}" for o in OUTCOMES)
+        )
     return "\n".join(lines)
 
 
@@ -857,7 +869,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
         default=[2, 3],
         help="micro-batch sizes, comma-separated (default 2,3)",
     )
+    parser.add_argument(
+        "--oom",
+        action="store_true",
+        help="also OOMBackoff after an injected out-of-memory error above 4 samples (8 fails, 4 fits)",
+    )
     args = parser.parse_args(argv)
+    sizes: list[int | str] = [*args.sizes, *(["oom"] if args.oom else [])]
     archs = ARCHS
     if args.only:
         unknown = sorted(set(args.only) - {a.name for a in ARCHS})
@@ -871,14 +889,14 @@ def main(argv: list[str] | None = None) -> list[Result]:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # "GPU available", "max_steps reached"
     results = []
     for arch in archs:
-        results.append(sweep_one(arch, args.sizes))
+        results.append(sweep_one(arch, sizes))
         r = results[-1]
         print(
             f"{arch.name:<22}{r.outcome:<12}{r.seconds:6.1f} s  {_note(r)[:150]}", file=sys.stderr, flush=True
         )
-    print(table(results, args.sizes))
+    print(table(results, sizes))
     print()
-    print(totals(results, args.sizes))
+    print(totals(results, sizes))
     return results
 
 
