@@ -34,6 +34,14 @@ BENCHMARKS = [
     ("batching.py", "Micro-batch sizing vs Lightning's BatchSizeFinder", [], [], 150),
     ("engine_overhead.py", "Micro-batch engine step-time overhead at k=1", [], [], 90),
     ("exactness.py", "Exactness by verification: the loss observer, learned weights, the one-time check", [], [], 300),
+    # micro_batching_zoo.py: ~170 transformers architectures, unsplit and split twice each (~2 minutes).
+    (
+        "micro_batching_zoo.py",
+        "Micro-batching exactness on transformers architectures (tiny configs, float64)",
+        [],
+        ["--sizes", "2"],
+        900,
+    ),
     ("memory_monitor.py", "MemoryMonitor: what it reports and what measuring costs", [], [], 90),
     ("batchnorm_swap.py", "BatchNorm -> GroupNorm swap", [], [], 60),
     ("distributed_oom.py", "Out of memory on one of two ranks (DDP, FSDP2)", [], [], 300),

@@ -83,6 +83,33 @@ def image_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def unpadded_first_batch(
+    fn: Callable[[int, int], dict], labels: str, first_samples: int = 8
+) -> Callable[[int, int], dict]:
+    """``fn``'s batches with the first ``first_samples`` samples (the first step's batch) at full length:
+    no padding and no -100 label, as length-grouped batching (Hugging Face's ``group_by_length``) gives
+    the longest batch first; the later batches padded as before. ``labels``: what fills the first batch's
+    -100 labels, ``"input_ids"`` (a causal LM's labels are its inputs), ``"tokens"`` (a target sequence)
+    or ``"classes"`` (tags)."""
+
+    def batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+        b = fn(n, seed)
+        gen = torch.Generator().manual_seed(seed + 12)
+        first = (torch.arange(n) < first_samples)[:, None]  # (n, 1)
+        tokens = torch.randint(1, VOCAB, b["input_ids"].shape, generator=gen)
+        b["input_ids"] = torch.where(first & (b["attention_mask"] == 0), tokens, b["input_ids"])
+        b["attention_mask"] = b["attention_mask"].masked_fill(first, 1)
+        fill = {
+            "input_ids": b["input_ids"],
+            "tokens": torch.randint(1, VOCAB, b["labels"].shape, generator=gen),
+            "classes": torch.randint(0, CLASSES, b["labels"].shape, generator=gen),
+        }[labels]
+        b["labels"] = torch.where(first & (b["labels"] == -100), fill, b["labels"])
+        return b
+
+    return batch
+
+
 def _tiny_text(**extra: Any) -> dict[str, Any]:
     return {"vocab_size": VOCAB, "pad_token_id": 0, **extra}
 
@@ -307,14 +334,18 @@ UNSHIFTED: dict[str, ZooEntry] = {
 }
 
 
-def entry(name: str) -> ZooEntry:
+def entry(name: str | ZooEntry) -> ZooEntry:
+    """``ZOO[name]`` or ``UNSHIFTED[name]``; an entry built elsewhere (benchmarks/micro_batching_zoo.py's
+    sweep) passes through, so :class:`ZooModule` and :func:`loader` take one in place of a name."""
+    if isinstance(name, ZooEntry):
+        return name
     return ZOO[name] if name in ZOO else UNSHIFTED[name]
 
 
 class ZooModule(pl.LightningModule):
     """A LightningModule as a user writes one around a third-party model: ``model(**batch).loss``."""
 
-    def __init__(self, name: str, lr: float = 0.05, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, name: str | ZooEntry, lr: float = 0.05, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = entry(name).build(dtype).to(dtype)
@@ -327,7 +358,9 @@ class ZooModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def loader(name: str, batch_size: int, batches: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32):
+def loader(
+    name: str | ZooEntry, batch_size: int, batches: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32
+):
     """A DataLoader yielding ``batches`` batches of ``batch_size`` samples for ``ZOO[name]`` (or
     ``UNSHIFTED[name]``)."""
     full = entry(name).batch(batch_size * batches, seed)
