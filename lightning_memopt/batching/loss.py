@@ -231,7 +231,10 @@ class Rule:
     ``path`` None: ``per`` items for each sample (the batch's dim 0). Else the entries of the batch tensor
     at ``path``, after dropping its first (``shift=1``) or last (``shift=-1``) position along dim 1, that
     are not ``ignore`` (nonzero ones for ``ignore=None``: a mask), each counting its class weight if
-    ``weight`` is given. Rules are equal when they give the same shares (``per`` cancels out).
+    ``weight`` is given. ``width``: the ignore index is the length (dim 1) of the batch tensor at that
+    path, whatever the batch (extractive QA ignores answer positions outside the input, ``ignore_index``
+    = its length); ``clamp``: entries at or past the ignore index are ignored too (the loss clamps them
+    onto it first). Rules are equal when they give the same shares (``per`` cancels out).
     """
 
     path: str | None = None
@@ -239,14 +242,21 @@ class Rule:
     ignore: int | None = None
     weight: torch.Tensor | None = field(default=None, compare=False)
     per: float = field(default=1.0, compare=False)
+    width: str | None = None
+    clamp: bool = False
 
     def count(self, micro_batch: Any, samples: int) -> float:
         if self.path is None:
             return self.per * samples
-        x = dict(tensors_of(micro_batch, strict=False))[self.path]
+        tensors = dict(tensors_of(micro_batch, strict=False))
+        x = tensors[self.path]
         if self.shift:
             x = x[:, 1:] if self.shift > 0 else x[:, :-1]
-        counted = x != 0 if self.ignore is None else x != self.ignore
+        ignore = self.ignore if self.width is None else tensors[self.width].shape[1]
+        if ignore is None:
+            counted = x != 0
+        else:
+            counted = x.clamp(0, ignore) != ignore if self.clamp else x != ignore
         if self.weight is None:
             return float(counted.sum())
         return float(self.weight[x.masked_fill(~counted, 0).long()].masked_fill(~counted, 0).sum())
@@ -255,7 +265,8 @@ class Rule:
         if self.path is None:
             return "samples"
         where = {0: "", 1: "[:, 1:]", -1: "[:, :-1]"}[self.shift]
-        test = " != 0" if self.ignore is None else f" != {self.ignore}"
+        ignore = self.ignore if self.width is None else f"{self.width}.shape[1]"
+        test = " != 0" if self.ignore is None else (f" < {ignore}" if self.clamp else f" != {ignore}")
         return f"({self.path}{where}{test}).sum()" + (" weighted by class" if self.weight is not None else "")
 
 
@@ -273,10 +284,19 @@ def _candidates(part: Part, micro_batch: Any) -> list[Rule]:
     found = []
     for ignore in [term.ignore_index, None] if term.target is not None else [None]:
         weight = term.weight if ignore is not None else None
+        ways: list[tuple[str | None, bool]] = [(None, False)]
+        if (
+            ignore is not None and ignore >= 0
+        ):  # an index past the classes (extractive QA: the input's length)
+            widths = [None] + [p for p, x in tensors if x.dim() >= 2 and x.shape[1] == ignore]
+            ways = [
+                (w, clamp) for w in widths for clamp in (False, True)
+            ]  # may follow the length; be clamped
         for path, x in tensors:
             if ignore is not None and x.is_floating_point():
                 continue  # an ignore index compares with integer targets
-            found += [Rule(path, shift, ignore, weight) for shift in ((0, 1, -1) if x.dim() >= 2 else (0,))]
+            for shift in (0, 1, -1) if x.dim() >= 2 else (0,):
+                found += [Rule(path, shift, ignore, weight, width=w, clamp=c) for w, c in ways]
     return found
 
 

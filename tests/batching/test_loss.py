@@ -97,6 +97,30 @@ def test_rules_find_which_batch_entries_a_loss_counts():
     assert [str(r) for r in rules(lambda: F.mse_loss(logits, torch.zeros(4, 4, 10)))] == ["samples"]
 
 
+def test_a_rule_can_follow_the_inputs_length_and_a_clamp():
+    """Extractive QA: positions clamped onto the input's length T, which is the ignore index; T differs
+    from batch to batch. The rules that explain a first batch with every answer inside are all possible;
+    a batch of another length with an answer outside tells them apart."""
+    first = {"input_ids": torch.zeros(2, 6, dtype=torch.long), "start": torch.tensor([1, 5])}
+    logits = torch.randn(2, 6, requires_grad=True)
+    loss, terms = observed(lambda: F.cross_entropy(logits, first["start"].clamp(0, 6), ignore_index=6))
+    (part,) = decompose(loss, terms)
+    possible = [str(r) for r in learn(part, first, 2)]
+    assert possible == [
+        "(batch['start'] != 6).sum()",
+        "(batch['start'] < 6).sum()",
+        "(batch['start'] != batch['input_ids'].shape[1]).sum()",
+        "(batch['start'] < batch['input_ids'].shape[1]).sum()",
+        "(batch['start'] != 0).sum()",
+        "samples",
+    ]
+    later = {"input_ids": torch.zeros(3, 9, dtype=torch.long), "start": torch.tensor([8, 6, 30])}
+    rules = learn(part, first, 2)
+    # only the fourth counts what the loss would: 8 and 6 inside the 9 positions, 30 clamped onto 9
+    assert [r.count(later, 3) for r in rules] == [2.0, 0.0, 3.0, 2.0, 3.0, 3.0]
+    assert rules[3].count(later, 3) == float((later["start"].clamp(0, 9) != 9).sum())
+
+
 def test_shares_reproduce_the_token_mean():
     logits = torch.randn(4, 4, 10, generator=torch.Generator().manual_seed(0))
     batch = {"logits": logits, "labels": LABELS}

@@ -1,28 +1,30 @@
 """Reproductions of what ``benchmarks/micro_batching_zoo.py`` (the sweep over transformers architectures)
 found: each is the smallest step that shows it, plus the zoo model it was found on.
 
-A split step must give the unsplit gradient or warn (``SplitNotExactWarning``); these do neither, or warn
-about an exact split. The tests marked ``xfail(strict=True)`` fail today for the reason given; the one who
-fixes the engine removes the mark. The unmarked tests are the controls: with the weights given by hand
-(``count_fn``) the same runs are exact, so the models are split-invariant and the difference is the
-weighting's (float64, SGD, two steps of 8 samples, ``AutoAccumulation(micro_batch_size=2)``).
+A split step must give the unsplit gradient or warn (``SplitNotExactWarning``); these did neither, or
+warned about an exact split, until the engine was fixed (the cause of each below); now each is exact and
+says nothing. The controls give the weights by hand (``count_fn``): the same runs are exact, so the models
+are split-invariant and a difference would be the weighting's (float64, SGD, two steps of 8 samples,
+``AutoAccumulation(micro_batch_size=2)``).
 
-1. A rule learned on an ambiguous first batch is trusted on later batches without looking again. The
+1. A rule learned on an ambiguous first batch was trusted on later batches without looking again. The
    engine takes the first candidate that reproduces the first batch's count: with no padding and no -100
    label in that batch, ``(batch['input_ids'] != -100).sum()`` (every token) counts what
    ``(batch['labels'] != -100).sum()`` counts, and ``input_ids`` comes first in the batch. Later batches
    are padded; the rule is not observed again and weighs them by their tokens, padding included (T5
    0.12 of the update, Llama 0.65, BERT tagging 0.46; no warning). Length-grouped batching gives exactly
-   such a first batch.
+   such a first batch. Now the rules still possible must agree on a batch's weights, or it is observed.
 2. Extractive QA: Hugging Face clamps answer positions to the sequence length ``T`` and ignores ``T``
    (``ignore_index=T``). When the first batch's answers are all inside, ``(batch['start_positions'] !=
    T).sum()`` reproduces the count; a later answer outside the input (position > T in the batch, clamped
-   to T inside the loss) is counted by the rule and ignored by the loss (BERT 0.28; no warning).
+   to T inside the loss) is counted by the rule and ignored by the loss (BERT 0.28; no warning). Now a
+   rule may follow the input's length and count only positions inside it.
 3. The one-time check's tolerance follows the parameters' dtype (1e-9 for float64), but a float64 model
    whose loss is computed in float32 (Hugging Face's causal-LM and token-classification losses upcast
    logits with ``.float()``, which casts float64 down) carries float32 rounding (about 1e-7) in every
    gradient: two exact splits differ by that much and the check warns "its gradient depends on how the
-   batch is split" (41 of the sweep's float64 causal LMs; their splits are within 1e-7 of unsplit).
+   batch is split" (41 of the sweep's float64 causal LMs; their splits are within 1e-7 of unsplit). Now
+   the tolerance follows the loss's dtype too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from __future__ import annotations
 import warnings
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -144,14 +145,29 @@ def test_unpadded_first_batch_with_the_count_given_is_exact() -> None:
     assert rel <= BAR and warned == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the rule learned on an unpadded first batch, (batch['input_ids'] != -100).sum(), is trusted on "
-    "later padded batches without observing them again: silent, 0.38 of the update",
-)
-def test_unpadded_first_batch_is_exact_or_warned() -> None:
+def test_unpadded_first_batch_is_exact() -> None:
     rel, warned = split_against_unsplit(Tagger, token_data(padded_first=False))
-    assert rel <= BAR or warned
+    assert rel <= BAR and warned == []
+
+
+def test_a_micro_batch_weighed_by_a_rule_a_later_one_disproves_runs_again() -> None:
+    """The first split step's first micro-batch is unpadded (``input_ids`` and ``labels`` count alike), its
+    second is padded: the first was weighed by the wrong rule, so the pass runs again with the rule both
+    confirmed; exact without the one-time check, and nothing said."""
+    data = token_data(padded_first=True)
+    for sample in data[:2]:
+        sample["labels"] = sample["labels"].masked_fill(sample["labels"] == -100, 1)
+        sample["input_ids"] = sample["input_ids"].masked_fill(sample["input_ids"] == 0, 1)
+    runs: list[int] = []
+
+    class Counted(Tagger):
+        def training_step(self, batch, batch_idx):
+            runs.append(len(batch["labels"]))
+            return super().training_step(batch, batch_idx)
+
+    rel, warned = split_against_unsplit(Counted, data, exactness="off")
+    assert rel <= BAR and warned == []
+    assert runs == [8, 8] + [2] * 4 * 2 + [2] * 4  # unsplit; the first split step twice, the second once
 
 
 T5_UNPADDED_FIRST = unpadded_first_batch(seq2seq_batch, "tokens", BATCH)
@@ -164,16 +180,11 @@ def test_t5_unpadded_first_with_the_count_given_is_exact() -> None:
     assert rel <= BAR and warned == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="T5 on an unpadded first batch learns (batch['input_ids'] != -100).sum(): its later padded "
-    "batches are weighed by their source tokens, silently (0.23 of the update)",
-)
-def test_t5_unpadded_first_is_exact_or_warned() -> None:
+def test_t5_unpadded_first_is_exact() -> None:
     make = zoo_module(t5, T5_UNPADDED_FIRST)
     data = loader(ZooEntry(t5, T5_UNPADDED_FIRST, "zoo"), BATCH, batches=STEPS, dtype=torch.float64)
     rel, warned = split_against_unsplit(make, data)
-    assert rel <= BAR or warned
+    assert rel <= BAR and warned == []
 
 
 # ------------------------------------------------------------------------- 2. a count the batch hides (clamp)
@@ -185,14 +196,9 @@ def test_spans_with_the_count_given_is_exact() -> None:
     assert rel <= BAR and warned == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="(batch['start_positions'] != T).sum() is learned on an all-answerable first batch; the loss "
-    "clamps later out-of-input positions to T and ignores them, the rule counts them: silent (0.15)",
-)
-def test_spans_are_exact_or_warned() -> None:
+def test_spans_are_exact() -> None:
     rel, warned = split_against_unsplit(Spans, span_data())
-    assert rel <= BAR or warned
+    assert rel <= BAR and warned == []
 
 
 # ------------------------------------------------------------------------- 3. a float32 loss in a float64 model
@@ -202,21 +208,11 @@ def test_float32_loss_split_is_exact_to_float32_rounding() -> None:
     assert rel <= 1e-5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the check's tolerance is 1e-9 for float64 parameters, but a loss computed in float32 puts "
-    "float32 rounding in every gradient: two exact splits differ by 2.9e-8 and the check warns",
-)
 def test_float32_loss_is_no_false_alarm() -> None:
     _, warned = split_against_unsplit(lambda: Tagger(torch.float32), token_data(padded_first=True))
     assert warned == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GPT-2 in float64: Hugging Face's causal-LM loss upcasts logits with .float() (float32); the "
-    "check (1e-9) warns on a split that is within 4.6e-8 of unsplit",
-)
 def test_gpt2_float64_is_no_false_alarm() -> None:
     data = loader(ZooEntry(gpt2, causal_lm_batch, "zoo"), BATCH, batches=STEPS, dtype=torch.float64)
     rel, warned = split_against_unsplit(zoo_module(gpt2, causal_lm_batch), data)
