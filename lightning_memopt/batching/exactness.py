@@ -119,7 +119,7 @@ def written_in_place(module: torch.nn.Module) -> Iterator[list[str]]:
         written += [name for name, b, saved in buffers if not torch.equal(b, saved)]
 
 
-def causes(*, batchnorm: list[str], written: list[str], unexplained: bool) -> str:
+def causes(*, batchnorm: list[str], written: list[str], unexplained: bool, drawn: bool = False) -> str:
     """Why a split step differs from another split of the same batch, and what to do: from what it showed."""
     found = []
     if batchnorm:
@@ -138,6 +138,12 @@ def causes(*, batchnorm: list[str], written: list[str], unexplained: bool) -> st
             "the loss it returns is not explained by the torch loss functions it calls, so micro-batches are "
             "weighed by samples; pass count_fn=... (the number of items the loss averages over in a "
             "micro-batch, or 'sum' for a loss that is a sum)"
+        )
+    if drawn and not found:
+        found.append(
+            "training_step draws random numbers besides dropout's (LayerDrop, noise, random masks), and each "
+            "micro-batch draws its own where the whole batch drew once; turn that randomness off, or draw "
+            "it once per batch (in the DataLoader's collate function), to train as the unsplit batch would"
         )
     if not found:
         found.append(

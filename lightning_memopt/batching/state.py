@@ -111,6 +111,10 @@ class StepState:
             if per_optimizer is not None:
                 per_optimizer.clear()
 
+    def drawn_since(self) -> bool:
+        """Whether a random number has been drawn since this capture (or its restore)."""
+        return self._rng is not None and not RngState.capture().same(self._rng)
+
     def same_rng(self, other: StepState) -> bool:
         """Whether no random number was drawn between ``other``'s capture and this one's."""
         return self._rng is not None and other._rng is not None and self._rng.same(other._rng)

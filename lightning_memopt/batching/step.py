@@ -236,7 +236,7 @@ class TrainingStep:
         moved = [half, *self.sizes[:-1], self.sizes[-1] - half]
         runs = [(self.sizes, self.pad)] if random else []  # the step itself again, without dropout
         runs.append((moved, self.pad))
-        grads = []
+        grads, drawn = [], False
         for sizes, pad in runs:
             start.restore()
             drop_attempt(engine.trainer.strategy.model, None)
@@ -245,6 +245,7 @@ class TrainingStep:
                 replaying(),
             ):  # what learns from forwards (AutoCheckpoint) skips these
                 self.run_pass(regime, sizes, pad, check=True)
+            drawn = drawn or start.drawn_since()  # random numbers drawn beside dropout's
             grads.append(exactness.gradients(module))
         reference = grads[0] if random else kept
         gap = exactness.difference(reference, grads[-1])
@@ -255,7 +256,7 @@ class TrainingStep:
         engine.put_gradients(kept)
         if inexact:
             cause = exactness.causes(
-                batchnorm=[], written=[], unexplained=engine.weights.unexplained(self.batch)
+                batchnorm=[], written=[], unexplained=engine.weights.unexplained(self.batch), drawn=drawn
             )
             engine.report_inexact(f"{cause} (relative difference {gap:.2g} between two splits of one batch)")
 

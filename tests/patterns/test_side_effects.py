@@ -1,5 +1,6 @@
 """Steps that a split cannot reproduce, and must say so: BatchNorm statistics, EMA teachers and queues
-written inside ``training_step``, losses that couple the samples of a batch.
+written inside ``training_step``, losses that couple the samples of a batch, random draws per forward
+beside dropout (LayerDrop).
 
 Each is trained plain and with the package forcing a split; the split run must warn with a
 :class:`~lightning_memopt.SplitNotExactWarning` (default), or raise a
@@ -150,6 +151,22 @@ class LoadBalancedMoE(Base):
         return F.mse_loss(out, y) + 0.5 * balance
 
 
+class LayerDrop(Base):
+    """A draw per forward beside dropout's, as LayerDrop (fairseq, M2M-100, Wav2Vec2) draws whether to skip a
+    layer: here the middle layer's residual branch is scaled by ``torch.rand(())``, one draw for the whole
+    batch (a scale, so that two splits never agree by chance); split, each micro-batch draws its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.middle, self.head = nn.Linear(FEATURES, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.tanh(self.net(x))
+        h = h + torch.rand(()) * torch.tanh(self.middle(h))
+        return F.mse_loss(self.head(h), y)
+
+
 # What the message must contain, in any order and across lines ((?s): "." matches a newline too)
 CASES = {
     "batchnorm": (BatchNormNet, regression, r"(?s)^(?=.*BatchNorm(?!ToGroupNorm))(?=.*BatchNormToGroupNorm)"),
@@ -157,6 +174,7 @@ CASES = {
     "moco_queue": (MoCoQueue, views, r"(?s)^(?=.*\bqueue\b)(?=.*in place)"),
     "in_batch_contrastive": (InBatchContrastive, views, re.escape("depends on how the batch is split")),
     "moe_load_balancing": (LoadBalancedMoE, regression, re.escape("depends on how the batch is split")),
+    "layer_drop": (LayerDrop, regression, r"(?s)^(?=.*random numbers besides dropout)(?=.*LayerDrop)"),
 }
 
 
