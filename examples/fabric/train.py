@@ -41,7 +41,9 @@ def parse_args(args: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus size in bytes")
-    parser.add_argument("--max-memory", default=None, help="the step's limit, e.g. 40MiB (default: none on CPU)")
+    parser.add_argument(
+        "--max-memory", default=None, help="the step's limit, e.g. 40MiB (default: none on CPU)"
+    )
     parser.add_argument("--headroom", type=float, default=0.1)
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--precision", default="32-true")
