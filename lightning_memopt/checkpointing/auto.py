@@ -89,6 +89,21 @@ class AutoCheckpointer:
 
     Raises:
         ValueError: For an option of the wrong kind or value (the message names it and the fix).
+
+    Example::
+
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(3)])
+        >>> checkpointer = AutoCheckpointer(mode="selective")
+        >>> checkpointer.prepare("cpu")
+        >>> checkpointer.install(model)  # None: installed (else the reason it was not, to warn with)
+        >>> checkpointer.start_step(((4, 8),))  # the batch's shapes
+        >>> loss = model(torch.randn(4, 8)).sum()
+        >>> checkpointer.forward_done()
+        >>> loss.backward()
+        >>> outcome = checkpointer.finish_step()  # profiled and planned: the first measured step
+        >>> outcome.planned.choices, outcome.planned.activation_bytes < outcome.planned.baseline_bytes
+        ({'0': 'selective', '1': 'selective', '2': 'selective'}, True)
+        >>> checkpointer.remove()
     """
 
     def __init__(
@@ -129,16 +144,14 @@ class AutoCheckpointer:
         self._by_shape = False  # whether plans are made per batch shape: auto under a known limit
         self._probe: ForwardProbe | None = None  # measures a step's forward (and records block inputs)
 
-    def prepare(self, device: torch.device | str, *, capacity: int | None | str = "query") -> None:
-        """Resolve the limit and the treatments for ``device`` (``capacity`` in bytes, None where unknown;
-        by default what the device reports).
+    def prepare(self, device: torch.device | str) -> None:
+        """Resolve the limit (a fraction of ``device``'s capacity where given so) and the treatments.
 
         Raises:
             ValueError: For a fraction of an unknown capacity.
         """
         device = torch.device(device)
-        if capacity == "query":
-            capacity = device_memory(device, tracker=MemoryTracker()).capacity()
+        capacity = device_memory(device, tracker=MemoryTracker()).capacity()
         offload = self.allow_offload if self.allow_offload is not None else device.type != "cpu"
         limit = StepLimit.resolve(self.max_memory, self.headroom, capacity, name=self._limit_name)
         self._policy = PlanPolicy.for_mode(

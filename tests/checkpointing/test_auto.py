@@ -205,3 +205,11 @@ def test_the_model_checkpointing_itself_is_left_alone():
         ):
             handle = auto_checkpoint(model, batches()[0])
     assert isinstance(handle, AutoCheckpointer) and not handle.active
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import lightning_memopt.checkpointing.auto as auto
+
+    assert doctest.testmod(auto, raise_on_error=True).attempted == 15
