@@ -1,12 +1,13 @@
 """lightning_memopt: make large models fit in accelerator memory, as Lightning callbacks.
 
 The callbacks are imported on first use, so that ``import lightning_memopt.memory`` (or any other
-plain-torch core) does not import Lightning.
+plain-torch core) does not import Lightning, except where Lightning is already imported: see the end.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -56,3 +57,12 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(list(globals()) + __all__)
+
+
+# LightningCLI (jsonargparse) resolves a short ``class_path: AutoCheckpoint`` among the subclasses of
+# ``Callback`` imported so far, so the callbacks must be imported before the config is parsed. A script
+# that imports Lightning first (``from lightning.pytorch.cli import LightningCLI``, which isort puts before
+# ``import lightning_memopt``) gets them here: ``import lightning_memopt`` is all it needs. Without Lightning
+# imported they stay lazy (``import lightning_memopt.callbacks`` registers them at any time).
+if "lightning.pytorch" in sys.modules:
+    importlib.import_module("lightning_memopt.callbacks")

@@ -1,4 +1,8 @@
-"""AutoCheckpoint: selective activation checkpointing planned under a memory limit."""
+"""AutoCheckpoint: selective activation checkpointing planned under a memory limit.
+
+The Lightning adapter of :class:`~lightning_memopt.checkpointing.auto.AutoCheckpointer` (which
+``auto_checkpoint`` also uses outside Lightning): the hooks below say *when* each of its steps runs.
+"""
 
 from __future__ import annotations
 
@@ -8,43 +12,23 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
 from lightning_memopt.callbacks._hooks import ReleasingCallback, wrap_instance_hook
 from lightning_memopt.callbacks._micro_batching import engine_of
-from lightning_memopt.checkpointing import (
-    ActivationMeter,
-    CostModel,
-    InfeasibleBudgetError,
-    Plan,
-    PlanPolicy,
-    StepLimit,
-    apply_checkpointing,
-    check_blocks,
-    check_mode,
-    deprecated_budget,
-    find_blocks,
-    framework_checkpointing,
-    initial_choices,
-    prediction_gap,
-    profile_blocks,
-    remove_checkpointing,
-    state_bytes,
-)
-from lightning_memopt.checkpointing.profile import ForwardProbe
-from lightning_memopt.checkpointing.ranks import Agreed, Measured, agree, gather_over_ranks, most_over_ranks
-from lightning_memopt.checkpointing.shapes import ShapePlans, full_peak, step_signature
-from lightning_memopt.memory import MemoryTracker
-from lightning_memopt.memory.budget import check_headroom, check_max_memory
-from lightning_memopt.memory.device import device_memory
+from lightning_memopt.callbacks._output import info
+from lightning_memopt.checkpointing import CostModel, InfeasibleBudgetError
+from lightning_memopt.checkpointing.auto import AutoCheckpointer
+from lightning_memopt.checkpointing.ranks import gather_over_ranks, most_over_ranks
+from lightning_memopt.checkpointing.shapes import step_signature
 
 __all__ = ["AutoCheckpoint"]
 
 
-class AutoCheckpoint(ReleasingCallback):
+class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
     """Checkpoint the model's repeated blocks: the least step time whose activations fit in memory.
 
     With no arguments it finds every stack of repeated blocks (GPT-2's ``h``, T5's encoder and decoder
@@ -119,31 +103,11 @@ class AutoCheckpoint(ReleasingCallback):
         log: bool = True,
         budget: int | float | str | None = None,
     ) -> None:
-        max_memory, headroom, self._limit_name = deprecated_budget(max_memory, headroom, budget)
-        check_max_memory(max_memory, name=self._limit_name)
-        check_mode(mode, every_n, max_memory, cost_model, name=self._limit_name)
-        check_bool("allow_offload", allow_offload, none_ok=True)
+        options = dict(blocks=blocks, max_memory=max_memory, mode=mode, every_n=every_n, headroom=headroom)
+        super().__init__(**options, cost_model=cost_model, allow_offload=allow_offload, budget=budget)
         check_bool("log", log)
-        check_blocks(blocks)
-        self.blocks = blocks
-        self.max_memory = max_memory
-        self.mode = mode
-        self.every_n = every_n
-        self.headroom = check_headroom(headroom)
-        self.cost_model = cost_model
-        self.allow_offload = allow_offload
         # Not `self.log`: Lightning sets `callback.log = pl_module.log` on every callback at fit start.
         self.log_metrics = log
-        self.plan: Plan | None = None
-        self._loaded_plan: Plan | None = None
-        self._blocks: list[tuple[str, torch.nn.Module]] = []
-        self._module: pl.LightningModule | None = None
-        self._policy: PlanPolicy | None = None  # mode, limit, treatments: resolved in setup
-        self._needs_check = False  # the next batch measures the plan and compares
-        self.shape_plans = ShapePlans()  # under a limit: the plans made, by the shapes they were made for
-        self._signature: tuple = ()  # the shapes of the batch running
-        self._by_shape = False  # whether plans are made per batch shape: auto under a known limit
-        self._probe: ForwardProbe | None = None  # measures a batch's forward (and records block inputs)
         self._unwrap: Callable[[], None] | None = None  # undoes the configure_model wrapper
 
     @property
@@ -157,145 +121,77 @@ class AutoCheckpoint(ReleasingCallback):
         strategy = trainer.strategy
         # FSDPStrategy's, listed (and tested) in lightning_memopt/_lightning.py.
         if getattr(strategy, "_activation_checkpointing_kwargs", None):
-            return self._step_aside("the strategy (FSDPStrategy's activation_checkpointing_policy)")
-        capacity = device_memory(strategy.root_device, tracker=MemoryTracker()).capacity()
-        offload = self.allow_offload if self.allow_offload is not None else strategy.root_device.type != "cpu"
+            return rank_zero_warn(
+                "AutoCheckpoint: the strategy (FSDPStrategy's activation_checkpointing_policy) already "
+                "checkpoints activations and AutoCheckpoint does nothing, so that blocks are not "
+                "checkpointed twice. Remove one of the two."
+            )
         try:
-            limit = StepLimit.resolve(self.max_memory, self.headroom, capacity, name=self._limit_name)
+            self.prepare(strategy.root_device)
         except ValueError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
-        self._policy = PlanPolicy.for_mode(
-            self.mode, limit, offload=offload, cost_model=self.cost_model, device=strategy.root_device
-        )
-        self._module, self._by_shape = pl_module, self.mode == "auto" and limit.usable is not None
         # An instance attribute, removed in teardown; Lightning calls it since it differs from the base hook.
         self._unwrap = wrap_instance_hook(
-            pl_module, "configure_model", after=lambda: self._install(trainer, pl_module)
+            pl_module, "configure_model", after=lambda: self._install(pl_module)
         )
 
-    def _step_aside(self, who: str) -> None:
-        rank_zero_warn(
-            f"AutoCheckpoint: {who} already checkpoints activations and AutoCheckpoint does nothing, so that "
-            "blocks are not checkpointed twice. Remove one of the two."
-        )
-
-    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _install(self, pl_module: pl.LightningModule) -> None:
         # Order (DESIGN.md): BatchNorm swap, checkpointing HERE (after configure_model, before precision and
         # DDP/FSDP wrapping), strategy.setup, micro-batching. Only the blocks' instance `forward` changes.
-        own = framework_checkpointing(pl_module)
-        if own is not None:
-            return self._step_aside(own)
-        blocks = find_blocks(pl_module, self.blocks)
-        if not blocks:
-            rank_zero_warn(
-                f"AutoCheckpoint found no repeated blocks in {type(pl_module).__name__} and changes nothing; "
-                "pass blocks=[YourBlockClass] or module-name patterns like blocks=['layers.*']"
-            )
-            return
-        self._blocks = blocks
-        loaded, names = self._loaded_plan, [n for n, _ in blocks]
-        choices = dict(loaded.choices) if loaded else initial_choices(names, self.mode, self.every_n)
-        apply_checkpointing(pl_module, choices)
-        self.plan, self._needs_check = loaded or Plan.unprofiled(choices), loaded is None
+        why = self.install(pl_module)
+        if why is not None:
+            rank_zero_warn(why)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._blocks or self.plan is None:
+        if not self.active:
             return
         engine = engine_of(trainer)
-        self._signature = step_signature(batch, None if engine is None else engine.peek(batch))
-        if self._by_shape and self.plan.predicted:  # a plan covering every rank's batch, or profile them
-            most = lambda flags: most_over_ranks(trainer.strategy, flags)  # noqa: E731
-            plan = self.shape_plans.next_plan(self._signature, self.plan, most)
-            self._needs_check = self._needs_check or not plan.predicted
-            if plan is not self.plan:
-                self.plan = plan
-                apply_checkpointing(pl_module, plan.choices)
-        if self._needs_check and self._probe is None:
-            self._probe = ForwardProbe(pl_module, self._blocks, record=not self.plan.predicted)
+        signature = step_signature(batch, None if engine is None else engine.peek(batch))
+        self.start_step(signature, lambda flags: most_over_ranks(trainer.strategy, flags))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._probe is not None:
-            self._probe.forward_done()  # measure the forward only: backward runs untracked
+        self.forward_done()  # measure the forward only: backward runs untracked
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx
     ) -> None:
-        probe, self._probe = self._probe, None
-        if probe is None:
+        if not self.measuring:
             return
-        probe.close()
-        if not self.plan.predicted:
-            policy, context = self._policy, trainer.precision_plugin.forward_context
-            # auto under a limit also times each treatment on the policy's clock: plans priced in seconds
-            options = dict(
-                inputs=probe.inputs, context=context, choices=policy.treatments, clock=policy.clock
-            )
-            profiles = profile_blocks(pl_module, self._blocks, **options)
-            states = state_bytes(pl_module, trainer.optimizers) if policy.limit.usable is not None else 0
-            if engine := engine_of(trainer):  # profiled: the last (largest) micro-batch
-                self._signature = step_signature(batch, engine.ran_size)
-            # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.
-            mine = Measured(self._signature, profiles, states, probe.outside_bytes)
-            agreed = agree(gather_over_ranks(trainer.strategy, mine))
-            ran = self.plan.choices
-            self.plan = self._choose(agreed)
-            rank_zero_info("AutoCheckpoint plan:\n" + self.plan.table())
-            if self._by_shape:
-                first, *others = agreed.signatures
-                self.shape_plans.add(first, self.plan, full_bytes=full_peak(agreed.profiles), also=others)
-            if self.plan.choices != ran:
-                apply_checkpointing(pl_module, self.plan)
-                return  # the next batch runs the new plan: measure that one
-        self._needs_check = False
-        self._compare(pl_module, probe.meter)
-
-    def _choose(self, agreed: Agreed) -> Plan:
-        """The plan to run from now on, given what the ranks measured (the same on every rank)."""
-        held = lambda: (agreed.states, agreed.outside)  # noqa: E731
+        engine = engine_of(trainer)  # profiled: the last (largest) micro-batch
+        ran = step_signature(batch, engine.ran_size) if engine is not None else None
         try:
-            return self._policy.choose(agreed.profiles, list(self.plan.choices.values()), held)
+            outcome = self.finish_step(
+                context=trainer.precision_plugin.forward_context,
+                optimizers=trainer.optimizers,
+                gather=lambda mine: gather_over_ranks(trainer.strategy, mine),
+                signature=ran,
+            )
         except InfeasibleBudgetError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
-
-    def _compare(self, pl_module: pl.LightningModule, meter: ActivationMeter) -> None:
-        if self.log_metrics:
-            metrics = {f"checkpoint/{k}": v for k, v in self.plan.metrics(meter.total).items()}
+        if outcome.planned is not None:
+            info("AutoCheckpoint plan:\n" + outcome.planned.table())
+        if outcome.metrics and self.log_metrics:
+            metrics = {f"checkpoint/{k}": v for k, v in outcome.metrics.items()}
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
-        # A batch smaller than the one planned for holds less: only holding more is then a gap.
-        exact = self.shape_plans.exact(self._signature, self.plan)
-        measured = meter.total if exact else max(meter.total, self.plan.activation_bytes)
-        if (gap := prediction_gap(self.plan.activation_bytes, measured)) is not None:
-            rank_zero_warn(f"AutoCheckpoint: {gap}")
+        if outcome.gap is not None:
+            rank_zero_warn(f"AutoCheckpoint: {outcome.gap}")
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        plan = self.plan.to_dict() if self.plan is not None else None
-        return {"plan": plan, "shapes": self.shape_plans.state()}
+        return self.state()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("plan") is None:
-            return
-        self.plan = self._loaded_plan = Plan.from_dict(state_dict["plan"])
-        self.shape_plans.load(state_dict.get("shapes"), self._loaded_plan)
-        self._needs_check = False
-        if self._module is not None and self._blocks:
-            apply_checkpointing(self._module, self._loaded_plan)
+        self.load_state(state_dict)
 
     @override
     def _release(self) -> None:
-        # Also after an exception: a MemoryTracker left entered would track every later op of the process.
-        if self._probe is not None:
-            self._probe.close()
-            self._probe = None
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
-        if self._blocks and self._module is not None:
-            remove_checkpointing(self._module)
-        self._blocks, self._module = [], None
+        self.remove()

@@ -7,12 +7,13 @@ from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool, check_positive_int
 from lightning_memopt.callbacks._hooks import ReleasingCallback, wrap_instance_hook
+from lightning_memopt.callbacks._output import info
 from lightning_memopt.callbacks._train_loaders import (
     dataloaders,
     expected_epochs,
@@ -174,7 +175,7 @@ class DataLoaderMonitor(ReleasingCallback):
             rank_zero_warn(f"DataLoaderMonitor: not tuned: {error}")
             return
         self.tune_results.append(result)
-        rank_zero_info(f"DataLoaderMonitor: num_workers={result.best} (measured):\n{result.table()}")
+        info(f"DataLoaderMonitor: num_workers={result.best} (measured):\n{result.table()}")
 
     # ------------------------------------------------------------------ set-up and tear-down
     @override

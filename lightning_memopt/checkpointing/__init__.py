@@ -2,7 +2,9 @@
 
 Find the repeated blocks (and the stem before them), profile each treatment (bytes held for backward,
 recompute cost), choose the cheapest plan that fits a budget (exactly; a training step's limit becomes
-the blocks' budget in ``budget.py``), apply it without changing the model's module tree.
+the blocks' budget in ``budget.py``), apply it without changing the model's module tree. ``auto.py``
+does all of it from one measured step: :func:`auto_checkpoint` for a plain training loop, and the
+``AutoCheckpoint`` callback.
 """
 
 from lightning_memopt.checkpointing.apply import (
@@ -14,6 +16,7 @@ from lightning_memopt.checkpointing.apply import (
     observe_saved,
     remove_checkpointing,
 )
+from lightning_memopt.checkpointing.auto import AutoCheckpointer, StepOutcome, auto_checkpoint
 from lightning_memopt.checkpointing.blocks import candidate_classes, check_blocks, find_blocks
 from lightning_memopt.checkpointing.budget import (
     PlanPolicy,
@@ -48,6 +51,7 @@ from lightning_memopt.checkpointing.profile import (
 
 __all__ = [
     "ActivationMeter",
+    "AutoCheckpointer",
     "CHOICES",
     "BlockInputs",
     "BlockProfile",
@@ -59,7 +63,9 @@ __all__ = [
     "Plan",
     "PlanPolicy",
     "StepLimit",
+    "StepOutcome",
     "apply_checkpointing",
+    "auto_checkpoint",
     "brute_force_plan",
     "candidate_classes",
     "capture_block_inputs",

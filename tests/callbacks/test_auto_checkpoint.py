@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_memopt.callbacks.auto_checkpoint as ac_module
+import lightning_memopt.checkpointing.auto as ac_module
 from lightning_memopt import AutoCheckpoint
 from lightning_memopt.checkpointing import checkpointed_blocks, find_blocks
 from tests.checkpointing.models import TinyGPT

@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
-import lightning_memopt.callbacks.auto_checkpoint as ac_module
+import lightning_memopt.checkpointing.auto as ac_module
 from lightning_memopt import AutoCheckpoint
 from lightning_memopt.checkpointing import ActivationMeter, find_blocks
 from tests.batching.helpers import quiet_trainer

@@ -1,0 +1,462 @@
+"""Checkpointing planned from a measured step, for any ``nn.Module`` (plain torch; no Lightning import).
+
+:class:`AutoCheckpointer` is the one implementation of what ``AutoCheckpoint`` does: find the blocks,
+run them all ``full`` (the least memory) until a step has been measured, profile the blocks on the
+inputs that step recorded, plan under the step's memory limit, apply the plan, re-plan for larger batch
+shapes, and take everything off again. The Lightning callback calls it from its hooks;
+:func:`auto_checkpoint` calls it once, on an example batch, for a plain training loop (or Fabric)::
+
+    handle = auto_checkpoint(model, batch, max_memory="6GiB")
+    for batch in loader:  # the training loop, unchanged
+        ...
+    handle.remove()  # the model as it was
+
+One step is measured like this: :meth:`AutoCheckpointer.start_step` opens a
+:class:`~lightning_memopt.checkpointing.profile.ForwardProbe` (activation bytes, block inputs),
+:meth:`~AutoCheckpointer.forward_done` closes it before backward, :meth:`~AutoCheckpointer.finish_step`
+profiles and plans (the first time) or compares the plan with what was measured (the next time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memopt._checks import check_bool
+from lightning_memopt._rng import RngState
+from lightning_memopt.checkpointing.apply import (
+    apply_checkpointing,
+    framework_checkpointing,
+    remove_checkpointing,
+)
+from lightning_memopt.checkpointing.blocks import check_blocks, find_blocks
+from lightning_memopt.checkpointing.budget import PlanPolicy, StepLimit, deprecated_budget
+from lightning_memopt.checkpointing.planner import (
+    CostModel,
+    Plan,
+    check_mode,
+    initial_choices,
+    prediction_gap,
+)
+from lightning_memopt.checkpointing.profile import ForwardProbe, profile_blocks
+from lightning_memopt.checkpointing.ranks import Measured, agree
+from lightning_memopt.checkpointing.shapes import ShapePlans, Signature, full_peak, shape_signature
+from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory
+from lightning_memopt.memory.device import device_memory
+from lightning_memopt.memory.tracker import state_bytes
+
+__all__ = ["AutoCheckpointer", "StepOutcome", "auto_checkpoint"]
+
+Gather = Callable[[Any], list[Any]]
+"""What every process measured, in rank order (``lambda value: [value]`` in one process)."""
+Most = Callable[[list[int]], list[int]]
+"""Each value's largest over processes (the identity in one process)."""
+
+
+def _alone(value: Any) -> list[Any]:
+    return [value]
+
+
+def _same(values: list[int]) -> list[int]:
+    return list(values)
+
+
+@dataclass
+class StepOutcome:
+    """What :meth:`AutoCheckpointer.finish_step` did with the step it measured."""
+
+    planned: Plan | None = None
+    """The plan made from this step's profiles (its table is worth showing); None if none was made."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Where the step ran a profiled plan: its predicted and measured figures (:meth:`Plan.metrics`)."""
+    gap: str | None = None
+    """Where the measured bytes are more than 10% from the prediction: why (:func:`prediction_gap`)."""
+
+
+class AutoCheckpointer:
+    """Activation checkpointing of a model's blocks, planned from a measured step under a memory limit.
+
+    The options are ``AutoCheckpoint``'s (its page documents each); ``name`` is how messages call the
+    caller (``"AutoCheckpoint"``, ``"auto_checkpoint"``). Use :func:`auto_checkpoint` in a plain training
+    loop; this class is the step-by-step form a training framework drives from its hooks.
+
+    Raises:
+        ValueError: For an option of the wrong kind or value (the message names it and the fix).
+
+    Example::
+
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(3)])
+        >>> checkpointer = AutoCheckpointer(mode="selective")
+        >>> checkpointer.prepare("cpu")
+        >>> checkpointer.install(model)  # None: installed (else the reason it was not, to warn with)
+        >>> checkpointer.start_step(((4, 8),))  # the batch's shapes
+        >>> loss = model(torch.randn(4, 8)).sum()
+        >>> checkpointer.forward_done()
+        >>> loss.backward()
+        >>> outcome = checkpointer.finish_step()  # profiled and planned: the first measured step
+        >>> outcome.planned.choices, outcome.planned.activation_bytes < outcome.planned.baseline_bytes
+        ({'0': 'selective', '1': 'selective', '2': 'selective'}, True)
+        >>> checkpointer.remove()
+    """
+
+    def __init__(
+        self,
+        *,
+        blocks: list[type[nn.Module] | str] | str | None = None,
+        max_memory: MemoryLimit = None,
+        mode: str = "auto",
+        every_n: int = 2,
+        headroom: float = 0.1,
+        cost_model: CostModel | None = None,
+        allow_offload: bool | None = None,
+        budget: MemoryLimit = None,
+        name: str = "AutoCheckpoint",
+    ) -> None:
+        max_memory, headroom, self._limit_name = deprecated_budget(max_memory, headroom, budget)
+        check_max_memory(max_memory, name=self._limit_name)
+        check_mode(mode, every_n, max_memory, cost_model, name=self._limit_name)
+        check_bool("allow_offload", allow_offload, none_ok=True)
+        check_blocks(blocks)
+        self.blocks = blocks
+        self.max_memory = max_memory
+        self.mode = mode
+        self.every_n = every_n
+        self.headroom = check_headroom(headroom)
+        self.cost_model = cost_model
+        self.allow_offload = allow_offload
+        self.name = name
+        self.plan: Plan | None = None
+        """The plan the blocks run; None before :meth:`install` (or where no blocks were found)."""
+        self.shape_plans = ShapePlans()  # under a limit: the plans made, by the shapes they were made for
+        self._loaded_plan: Plan | None = None  # from a checkpoint: applied at install, never profiled
+        self._found: list[tuple[str, nn.Module]] = []
+        self._model: nn.Module | None = None
+        self._policy: PlanPolicy | None = None  # mode, limit, treatments: resolved in prepare
+        self._needs_check = False  # the next step measures the plan and compares
+        self._signature: Signature = ()  # the shapes of the step running
+        self._by_shape = False  # whether plans are made per batch shape: auto under a known limit
+        self._probe: ForwardProbe | None = None  # measures a step's forward (and records block inputs)
+
+    def prepare(self, device: torch.device | str) -> None:
+        """Resolve the limit (a fraction of ``device``'s capacity where given so) and the treatments.
+
+        Raises:
+            ValueError: For a fraction of an unknown capacity.
+        """
+        device = torch.device(device)
+        capacity = device_memory(device, tracker=MemoryTracker()).capacity()
+        offload = self.allow_offload if self.allow_offload is not None else device.type != "cpu"
+        limit = StepLimit.resolve(self.max_memory, self.headroom, capacity, name=self._limit_name)
+        self._policy = PlanPolicy.for_mode(
+            self.mode, limit, offload=offload, cost_model=self.cost_model, device=device
+        )
+        self._by_shape = self.mode == "auto" and limit.usable is not None
+
+    @property
+    def active(self) -> bool:
+        """Whether blocks were found and are checkpointed."""
+        return bool(self._found) and self.plan is not None
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the step running is measured (:meth:`finish_step` has work to do)."""
+        return self._probe is not None
+
+    @property
+    def found(self) -> list[tuple[str, nn.Module]]:
+        """The ``(name, module)`` blocks found at :meth:`install`."""
+        return list(self._found)
+
+    def install(self, model: nn.Module) -> str | None:
+        """Find the blocks of ``model`` and run them ``full`` (or the mode's treatment, or a loaded plan).
+
+        Returns:
+            Why nothing was installed (the model checkpoints itself, no blocks were found), for the
+            caller to warn with; None once installed.
+
+        Raises:
+            ValueError: For ``blocks`` that match nothing, with the candidate classes found.
+        """
+        own = framework_checkpointing(model)
+        if own is not None:
+            return (
+                f"{self.name}: {own} already checkpoints activations and {self.name} does nothing, so that "
+                "blocks are not checkpointed twice. Remove one of the two."
+            )
+        blocks = find_blocks(model, self.blocks)
+        if not blocks:
+            return (
+                f"{self.name} found no repeated blocks in {type(model).__name__} and changes nothing; "
+                "pass blocks=[YourBlockClass] or module-name patterns like blocks=['layers.*']"
+            )
+        self._found, self._model = blocks, model
+        loaded, names = self._loaded_plan, [n for n, _ in blocks]
+        choices = dict(loaded.choices) if loaded else initial_choices(names, self.mode, self.every_n)
+        apply_checkpointing(model, choices)
+        self.plan, self._needs_check = loaded or Plan.unprofiled(choices), loaded is None
+        return None
+
+    def start_step(self, signature: Signature, most: Most = _same) -> None:
+        """Before a step on a batch of ``signature`` (:func:`~lightning_memopt.checkpointing.shapes.step_signature`):
+        under a limit, switch to the plan made for its shapes (a batch larger than all planned runs every
+        block ``full`` and is profiled); open the probe where the step is to be measured."""
+        if not self.active:
+            return
+        self._signature = signature
+        if self._by_shape and self.plan.predicted:  # a plan covering every rank's batch, or profile them
+            plan = self.shape_plans.next_plan(signature, self.plan, most)
+            self._needs_check = self._needs_check or not plan.predicted
+            if plan is not self.plan:
+                self.plan = plan
+                apply_checkpointing(self._model, plan.choices)
+        if self._needs_check and self._probe is None:
+            self._probe = ForwardProbe(self._model, self._found, record=not self.plan.predicted)
+
+    def forward_done(self) -> None:
+        """The step's forward ended: measure no more (backward runs untracked)."""
+        if self._probe is not None:
+            self._probe.forward_done()
+
+    def finish_step(
+        self,
+        *,
+        context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        gather: Gather = _alone,
+        signature: Signature | None = None,
+    ) -> StepOutcome:
+        """After the step: profile the blocks and plan (the step ran unprofiled choices), or compare the
+        profiled plan with the bytes the step measured.
+
+        Args:
+            context: The precision context the step's forward ran under (autocast), for profiling.
+            optimizers: Whose state counts in the step's memory (with parameters and gradients).
+            gather: What every process measured (:func:`~lightning_memopt.checkpointing.ranks.gather_over_ranks`):
+                every rank plans on each figure's largest, so all run one plan.
+            signature: The shapes the blocks really ran (the last micro-batch's), if not the batch's.
+
+        Raises:
+            InfeasibleBudgetError: Under a limit, if no plan fits.
+        """
+        probe, self._probe = self._probe, None
+        if probe is None:
+            return StepOutcome()
+        probe.close()
+        planned = None
+        if not self.plan.predicted:
+            self._signature = signature or self._signature
+            ran, planned = self.plan.choices, self._plan_from(probe, context, optimizers, gather)
+            if planned.choices != ran:
+                apply_checkpointing(self._model, planned)  # the next step runs the new plan: measure that one
+                return StepOutcome(planned=planned)
+        self._needs_check = False
+        total = probe.meter.total
+        # A batch smaller than the one planned for holds less: only holding more is then a gap.
+        exact = self.shape_plans.exact(self._signature, self.plan)
+        measured = total if exact else max(total, self.plan.activation_bytes)
+        gap = prediction_gap(self.plan.activation_bytes, measured)
+        return StepOutcome(planned=planned, metrics=self.plan.metrics(total), gap=gap)
+
+    def _plan_from(self, probe: ForwardProbe, context, optimizers, gather: Gather) -> Plan:
+        """Profile the blocks on the inputs ``probe`` recorded and choose the plan (every rank the same)."""
+        policy = self._policy
+        # auto under a limit also times each treatment on the policy's clock: plans priced in seconds
+        options = dict(inputs=probe.inputs, context=context, choices=policy.treatments, clock=policy.clock)
+        profiles = profile_blocks(self._model, self._found, **options)
+        states = state_bytes(self._model, optimizers) if policy.limit.usable is not None else 0
+        # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.
+        agreed = agree(gather(Measured(self._signature, profiles, states, probe.outside_bytes)))
+        held = lambda: (agreed.states, agreed.outside)  # noqa: E731
+        self.plan = policy.choose(agreed.profiles, list(self.plan.choices.values()), held)
+        if self._by_shape:
+            first, *others = agreed.signatures
+            self.shape_plans.add(first, self.plan, full_bytes=full_peak(agreed.profiles), also=others)
+        return self.plan
+
+    def state(self) -> dict[str, Any]:
+        """The plans as plain values, for a checkpoint (:meth:`load_state`)."""
+        plan = self.plan.to_dict() if self.plan is not None else None
+        return {"plan": plan, "shapes": self.shape_plans.state()}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Take the plans of :meth:`state`: applied now if installed, else at :meth:`install`; not profiled."""
+        if state.get("plan") is None:
+            return
+        self.plan = self._loaded_plan = Plan.from_dict(state["plan"])
+        self.shape_plans.load(state.get("shapes"), self._loaded_plan)
+        self._needs_check = False
+        if self._model is not None and self._found:
+            apply_checkpointing(self._model, self._loaded_plan)
+
+    def remove(self) -> None:
+        """Take everything off the model: its blocks run their own ``forward`` again (safe to call twice)."""
+        # Also after an exception: a MemoryTracker left entered would track every later op of the process.
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        if self._found and self._model is not None:
+            remove_checkpointing(self._model)
+        self._found, self._model = [], None
+
+    def __repr__(self) -> str:
+        if not self.active:
+            return f"{type(self).__name__}(mode={self.mode!r}, not installed)"
+        return f"{type(self).__name__}(mode={self.mode!r}, {self.plan_limit()}):\n{self.plan.table()}"
+
+    def plan_limit(self) -> str:
+        """The limit planned under, in the user's terms (``"max_memory='6GiB'"``; ``"no limit"``)."""
+        if self._policy is None or self._policy.limit.usable is None:
+            return "no limit"
+        return self._policy.limit.describe()
+
+
+def _forward_of(model: nn.Module, example_batch: Any) -> Callable[[], Any]:
+    """How the example batch runs the model's forward: ``model(t)``, ``model(*batch)``, ``model(**batch)``,
+    or the callable itself."""
+    if isinstance(example_batch, torch.Tensor):
+        return lambda: model(example_batch)
+    if isinstance(example_batch, (tuple, list)):
+        return lambda: model(*example_batch)
+    if isinstance(example_batch, Mapping):
+        return lambda: model(**example_batch)
+    if callable(example_batch) and not isinstance(example_batch, nn.Module):
+        return example_batch
+    raise TypeError(
+        f"example_batch must be a tensor, a tuple or list (model(*batch)), a dict (model(**batch)) or a "
+        f"callable taking no arguments that runs the forward and returns the loss; got "
+        f"{type(example_batch).__name__}"
+    )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module) -> Iterator[None]:
+    """Run a measuring forward that training must not notice: the random generators and the buffers
+    (BatchNorm statistics) are put back, and a ``backward`` inside it is refused (it would write ``.grad``)."""
+    rng, grads = RngState.capture(), [p.grad for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        rng.restore()
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    if any(p.grad is not g for p, g in zip(model.parameters(), grads)):
+        raise ValueError(
+            "example_batch ran backward (the parameters' .grad changed): the callable must run the forward "
+            "and return the loss only; auto_checkpoint measures the forward and leaves .grad alone"
+        )
+
+
+def auto_checkpoint(
+    model: nn.Module,
+    example_batch: Any,
+    *,
+    max_memory: MemoryLimit = None,
+    mode: str = "auto",
+    blocks: list[type[nn.Module] | str] | str | None = None,
+    every_n: int = 2,
+    headroom: float = 0.1,
+    cost_model: CostModel | None = None,
+    allow_offload: bool | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    context: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> AutoCheckpointer:
+    """Checkpoint ``model``'s repeated blocks with the plan ``AutoCheckpoint`` would choose, without Lightning.
+
+    One forward of ``example_batch`` is measured (the blocks' activations and their inputs), each block
+    is profiled under each treatment, and the plan of least step time whose step fits in
+    ``max_memory * (1 - headroom)`` is applied. Give the largest batch training will see: the plan is
+    made for it. Call it before a wrapper (DDP, FSDP, ``fabric.setup``) wraps the model. The forward
+    leaves no trace: random generators, buffers and ``.grad`` are as before.
+
+    Args:
+        model: The model (any ``nn.Module``); its blocks are found as ``AutoCheckpoint`` finds them.
+        example_batch: A tensor (``model(batch)``), a tuple or list (``model(*batch)``), a dict
+            (``model(**batch)``), or a callable taking no arguments that runs the forward and returns the
+            loss (``lambda: loss_fn(model(x), y)``; it must not call ``backward``).
+        max_memory: The memory a training step may use: bytes (``int``), a string such as ``"6GiB"``, or
+            a ``float`` in (0, 1], a fraction of the device's capacity. Default: the CUDA capacity; on a
+            CPU none (every block is fully checkpointed where that saves memory).
+        mode: ``"auto"`` plans under the limit; ``"full"``, ``"selective"``, ``"offload"``,
+            ``"pointwise"`` force that treatment on every block; ``"every_n"`` checkpoints every n-th.
+        blocks: Which modules are blocks (classes, class names, name patterns). Default: discovered.
+        every_n: The stride of ``mode="every_n"``.
+        headroom: Fraction of ``max_memory`` kept free (default 0.1).
+        cost_model: How treatments are priced (:class:`~lightning_memopt.checkpointing.CostModel`).
+        allow_offload: Whether ``auto`` may offload to CPU. Default: only off the CPU.
+        optimizer: Its state counts in the step's memory with the parameters and their gradients (state
+            an optimizer such as Adam creates at its first step is not there yet: leave headroom for it).
+        context: A callable returning the context the training forward runs under (e.g.
+            ``lambda: torch.autocast("cuda", torch.bfloat16)``), used for the measured forward and profiling.
+
+    Returns:
+        The :class:`AutoCheckpointer` applied: ``.plan`` (``print(handle)`` shows its table) and
+        ``.remove()``, which gives the blocks their own ``forward`` back (``state_dict`` keys never change).
+
+    Raises:
+        TypeError: For a ``model`` that is not an ``nn.Module`` or an ``example_batch`` of another kind.
+        ValueError: For a bad option, ``blocks`` that match nothing, an ``example_batch`` callable that
+            runs backward, or a fraction of an unknown capacity.
+        InfeasibleBudgetError: If no plan fits ``max_memory`` (the message says what the step must hold);
+            the model is left as it was.
+
+    Example::
+
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
+        >>> handle = auto_checkpoint(model, torch.randn(32, 64), max_memory="1.2MiB", headroom=0.0)
+        >>> handle.plan.activation_bytes < handle.plan.baseline_bytes  # print(handle): the plan's table
+        True
+        >>> handle.remove()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    forward = _forward_of(model, example_batch)
+    checkpointer = AutoCheckpointer(
+        blocks=blocks,
+        max_memory=max_memory,
+        mode=mode,
+        every_n=every_n,
+        headroom=headroom,
+        cost_model=cost_model,
+        allow_offload=allow_offload,
+        name="auto_checkpoint",
+    )
+    checkpointer.prepare(_device_of(model))
+    why = checkpointer.install(model)
+    if why is not None:
+        warnings.warn(why, UserWarning, stacklevel=2)
+        return checkpointer
+    try:
+        _measure_and_plan(checkpointer, model, example_batch, forward, optimizer, context)
+    except BaseException:
+        checkpointer.remove()  # a failed call leaves the model as it was
+        raise
+    return checkpointer
+
+
+def _measure_and_plan(checkpointer, model, example_batch, forward, optimizer, context) -> None:
+    """One measured forward of the example, then the profiles and the plan (:meth:`~AutoCheckpointer.finish_step`)."""
+    signature = shape_signature(example_batch) if not callable(example_batch) else ()
+    with _untouched(model), torch.enable_grad():
+        checkpointer.start_step(signature)
+        try:
+            with context() if context is not None else contextlib.nullcontext():
+                out = forward()
+            checkpointer.forward_done()  # measured while the forward's graph is alive
+            del out  # the graph goes: nothing stays held
+        finally:
+            checkpointer.forward_done()  # closes the probe if the forward raised (safe twice)
+    checkpointer.finish_step(context=context, optimizers=[optimizer] if optimizer is not None else [])
