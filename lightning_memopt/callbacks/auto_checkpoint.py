@@ -34,7 +34,7 @@ from lightning_memopt.checkpointing import (
     remove_checkpointing,
     state_bytes,
 )
-from lightning_memopt.checkpointing.profile import ForwardProbe
+from lightning_memopt.checkpointing.profile import ForwardProbe, profile_blocks_run
 from lightning_memopt.checkpointing.ranks import Agreed, Measured, agree, gather_over_ranks, most_over_ranks
 from lightning_memopt.checkpointing.shapes import ShapePlans, full_peak, step_signature
 from lightning_memopt.memory import MemoryTracker
@@ -47,14 +47,12 @@ __all__ = ["AutoCheckpoint"]
 class AutoCheckpoint(ReleasingCallback):
     """Checkpoint the model's repeated blocks: the least step time whose activations fit in memory.
 
-    With no arguments it finds every stack of repeated blocks (GPT-2's ``h``, T5's encoder and decoder
-    blocks, all stages of a ResNet) and the stem before them (a CNN's first convolution, norm and pooling,
-    a patch embedding), each a unit (the rule: :func:`~lightning_memopt.checkpointing.find_blocks`). Where
-    a memory limit is known (``max_memory``, or a CUDA device's capacity), it plans per unit among keep /
-    op-level selective / pointwise modules / full / CPU offload, by the time each is measured to take, so
-    that the step fits in ``max_memory * (1 - headroom)``. Where none is known (CPU), every unit is fully
-    checkpointed, except units where that lowers neither the bytes held nor the peak: those keep their
-    activations, so the peak never rises.
+    With no arguments its units are every stack of layers the forward runs (hybrid stacks too) and the
+    stem before them (:func:`~lightning_memopt.checkpointing.find_blocks`); one that writes state keeps its
+    activations, with a note. Where a memory limit is known (``max_memory``, or a CUDA device's capacity),
+    it plans per unit among keep / op-level selective / pointwise modules / full / CPU offload, by the time
+    each is measured to take, so that the step fits in ``max_memory * (1 - headroom)``. Where none is known
+    (CPU), every unit is fully checkpointed, except where that lowers neither the bytes held nor the peak.
 
     When (details on the docs page): installed after ``configure_model``, before the strategy wraps the
     model; profiled and planned after the first batch, whose successor is measured against the plan (a
@@ -232,10 +230,11 @@ class AutoCheckpoint(ReleasingCallback):
         if not self.plan.predicted:
             policy, context = self._policy, trainer.precision_plugin.forward_context
             # auto under a limit also times each treatment on the policy's clock: plans priced in seconds
-            options = dict(
-                inputs=probe.inputs, context=context, choices=policy.treatments, clock=policy.clock
-            )
-            profiles = profile_blocks(pl_module, self._blocks, **options)
+            opts = dict(inputs=probe.inputs, context=context, choices=policy.treatments, clock=policy.clock)
+            opts.update(discovered=self.blocks is None, profile=profile_blocks)  # blocks run, never raising
+            self._blocks, profiles, notes = profile_blocks_run(pl_module, self._blocks, **opts)
+            for note in notes:
+                rank_zero_warn(f"AutoCheckpoint: {note}")
             states = state_bytes(pl_module, trainer.optimizers) if policy.limit.usable is not None else 0
             if engine := engine_of(trainer):  # profiled: the last (largest) micro-batch
                 self._signature = step_signature(batch, engine.ran_size)
@@ -258,7 +257,7 @@ class AutoCheckpoint(ReleasingCallback):
         """The plan to run from now on, given what the ranks measured (the same on every rank)."""
         held = lambda: (agreed.states, agreed.outside)  # noqa: E731
         try:
-            return self._policy.choose(agreed.profiles, list(self.plan.choices.values()), held)
+            return self._policy.choose(agreed.profiles, self.plan.choices, held)
         except InfeasibleBudgetError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
 
