@@ -14,7 +14,7 @@ from lightning_memopt.checkpointing.apply import (
     observe_saved,
     remove_checkpointing,
 )
-from lightning_memopt.checkpointing.blocks import candidate_classes, check_blocks, find_blocks
+from lightning_memopt.checkpointing.blocks import blocks_run, candidate_classes, check_blocks, find_blocks
 from lightning_memopt.checkpointing.budget import (
     PlanPolicy,
     StepLimit,
@@ -44,6 +44,7 @@ from lightning_memopt.checkpointing.profile import (
     OptionCost,
     capture_block_inputs,
     profile_blocks,
+    profile_blocks_run,
 )
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "PlanPolicy",
     "StepLimit",
     "apply_checkpointing",
+    "blocks_run",
     "brute_force_plan",
     "candidate_classes",
     "capture_block_inputs",
@@ -78,6 +80,7 @@ __all__ = [
     "plan_within",
     "prediction_gap",
     "profile_blocks",
+    "profile_blocks_run",
     "remove_checkpointing",
     "state_bytes",
     "treatments",
