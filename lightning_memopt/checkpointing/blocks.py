@@ -219,6 +219,11 @@ def find_blocks(
     """
     if blocks is None:
         return _discovered(model)[0]
+    return _given(model, blocks)
+
+
+def _given(model: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
+    """The modules matching ``blocks`` (outermost wins), or ``ValueError`` listing what was found."""
     specs = check_blocks(blocks)
     chosen: list[tuple[str, nn.Module]] = []
     inside: set[int] = set()

@@ -36,7 +36,7 @@ def fake_call(block: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tup
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
-    buffers = [(b, b.detach().clone()) for b in block.buffers()]
+    buffers = [(b, b._version, b.detach().clone()) for b in block.buffers()]
     attributes = Snapshot(block)  # a forward that keeps state must not keep fake tensors (written.py)
     # Autocast caches the casts of parameters while its region lasts: a cast made on fake tensors must
     # not be found by the real forward (nor change which casts the real forward and its recomputation run).
@@ -63,5 +63,6 @@ def fake_call(block: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tup
         torch.set_autocast_cache_enabled(autocast_cache)
         attributes.restore()
         with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+            for b, version, saved in buffers:
+                if b._version != version:  # untouched buffers keep their version: no state seen written
+                    b.copy_(saved)

@@ -184,3 +184,14 @@ def test_covers_every_layer_hf_gradient_checkpointing_covers(name):
     ours = {n for n, c in seen[1].items() if c != "keep"}
     assert covered and set(covered) <= ours
     assert peaks[1] <= hf_peak + 0.05 * plain_peak
+
+
+if __name__ == "__main__":
+    # The table of the closing note (not run by pytest): PYTHONPATH=$PWD python tests/zoo/test_robust_zoo.py
+    print("| model | step-2 peak / plain | checkpointed | kept | notes |")
+    print("|---|---|---|---|---|")
+    for name in sorted(ROBUST):
+        module, seen, peaks, notes = _fit(name, [AutoCheckpoint()])
+        _assert_exact(module, _plain(name)[0])
+        on = sum(c != "keep" for c in seen[1].values())
+        print(f"| {name} | {peaks[1] / _plain(name)[1]:.3f} | {on} | {len(seen[1]) - on} | {len(notes)} |")
