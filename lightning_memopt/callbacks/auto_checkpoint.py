@@ -31,14 +31,12 @@ __all__ = ["AutoCheckpoint"]
 class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
     """Checkpoint the model's repeated blocks: the least step time whose activations fit in memory.
 
-    With no arguments it finds every stack of repeated blocks (GPT-2's ``h``, T5's encoder and decoder
-    blocks, all stages of a ResNet) and the stem before them (a CNN's first convolution, norm and pooling,
-    a patch embedding), each a unit (the rule: :func:`~lightning_memopt.checkpointing.find_blocks`). Where
-    a memory limit is known (``max_memory``, or a CUDA device's capacity), it plans per unit among keep /
-    op-level selective / pointwise modules / full / CPU offload, by the time each is measured to take, so
-    that the step fits in ``max_memory * (1 - headroom)``. Where none is known (CPU), every unit is fully
-    checkpointed, except units where that lowers neither the bytes held nor the peak: those keep their
-    activations, so the peak never rises.
+    With no arguments its units are every stack of layers the forward runs (hybrid stacks too) and the
+    stem before them (:func:`~lightning_memopt.checkpointing.find_blocks`); one that writes state keeps its
+    activations, with a note. Where a memory limit is known (``max_memory``, or a CUDA device's capacity),
+    it plans per unit among keep / op-level selective / pointwise modules / full / CPU offload, by the time
+    each is measured to take, so that the step fits in ``max_memory * (1 - headroom)``. Where none is known
+    (CPU), every unit is fully checkpointed, except where that lowers neither the bytes held nor the peak.
 
     When (details on the docs page): installed after ``configure_model``, before the strategy wraps the
     model; profiled and planned after the first batch, whose successor is measured against the plan (a
@@ -173,6 +171,8 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
             )
         except InfeasibleBudgetError as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
+        for note in outcome.notes:
+            rank_zero_warn(f"AutoCheckpoint: {note}")
         if outcome.planned is not None:
             info("AutoCheckpoint plan:\n" + outcome.planned.table())
         if outcome.metrics and self.log_metrics:

@@ -17,7 +17,7 @@ from lightning_memopt.checkpointing.apply import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing.auto import AutoCheckpointer, StepOutcome, auto_checkpoint
-from lightning_memopt.checkpointing.blocks import candidate_classes, check_blocks, find_blocks
+from lightning_memopt.checkpointing.blocks import blocks_run, candidate_classes, check_blocks, find_blocks
 from lightning_memopt.checkpointing.budget import (
     PlanPolicy,
     StepLimit,
@@ -47,6 +47,7 @@ from lightning_memopt.checkpointing.profile import (
     OptionCost,
     capture_block_inputs,
     profile_blocks,
+    profile_blocks_run,
 )
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "StepOutcome",
     "apply_checkpointing",
     "auto_checkpoint",
+    "blocks_run",
     "brute_force_plan",
     "candidate_classes",
     "capture_block_inputs",
@@ -84,6 +86,7 @@ __all__ = [
     "plan_within",
     "prediction_gap",
     "profile_blocks",
+    "profile_blocks_run",
     "remove_checkpointing",
     "state_bytes",
     "treatments",

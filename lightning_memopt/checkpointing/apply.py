@@ -49,6 +49,7 @@ from lightning_memopt.checkpointing._inputs import tensors as _tensors
 from lightning_memopt.checkpointing.dry_run import fake_call
 from lightning_memopt.checkpointing.offload import overlapped_offload
 from lightning_memopt.checkpointing.pointwise import pointwise_forward, pointwise_modules
+from lightning_memopt.checkpointing.written import Snapshot
 
 __all__ = [
     "CHOICES",
@@ -234,6 +235,10 @@ class _BlockState:
         self.cache_policies: dict[str, _CachePolicy] = {}
         # pointwise: per input signature, which sub-modules to recompute
         self.pointwise: dict[str, tuple[str, ...]] = {}
+        self.calls = 0  # forwards run through the instance ``forward`` (also ``block.forward(...)``)
+        self.verified = False  # a recomputing forward ran and wrote no state (written.py)
+        self.unrepeatable: str | None = None  # why a recomputation cannot reproduce the forward
+        self.recompute: Snapshot | None = None  # the state a recomputation starts from, where written
 
 
 def _signature(value) -> str:
@@ -251,7 +256,8 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
     state: _BlockState = block.__dict__[_STATE]
     fn = state.own_forward if state.own_forward is not None else functools.partial(type(block).forward, block)
     choice = state.choice
-    if choice == "keep" or not block.training or not torch.is_grad_enabled():
+    state.calls += 1
+    if choice == "keep" or state.unrepeatable or not block.training or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     args, kwargs = _without_cache(block, args, kwargs)
     if choice == "offload":
@@ -259,28 +265,48 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
         hooks = overlapped_offload(block, (args, kwargs), functools.partial(_notify, "offloaded"))
         with hooks or _OffloadHooks(block):
             return fn(*args, **kwargs)
+    # Until a recomputing forward of this block was seen to write no state, each is watched (written.py):
+    # one that writes state is recomputed from the state it started from, and kept from then on.
+    before = None if state.verified else Snapshot(block, values=choice != "pointwise")
     if choice == "pointwise":
         key = _signature((args, kwargs))
         if key not in state.pointwise:
             state.pointwise[key] = pointwise_modules(block, fn, args, kwargs, is_compute=is_compute_op)
-        return pointwise_forward(block, fn, args, kwargs, state.pointwise[key])
-    if choice == "selective":
+        out = pointwise_forward(block, fn, args, kwargs, state.pointwise[key])
+    else:
+        out = _recomputed(block, state, fn, args, kwargs)
+    if before is not None:
+        _watched(block, state, before)
+    return out
+
+
+def _recomputed(block: nn.Module, state: _BlockState, fn, args: tuple, kwargs: dict):
+    """``fn`` under non-reentrant checkpointing (``full``, or ``selective``'s cache policy)."""
+    if state.choice == "selective":
         key = _signature((args, kwargs))
         if key not in state.cache_policies:
             state.cache_policies[key] = _cache_policy(block, fn, args, kwargs)
         contexts = functools.partial(_selective_contexts, state.cache_policies[key])
     else:
         contexts = _noop_contexts
-    buffers = [b for b in block.buffers() if b.is_floating_point() or b.dtype == torch.long]
 
     def context_fn():
         forward_ctx, recompute_ctx = contexts()
-        if not buffers:
-            return forward_ctx, recompute_ctx
-        return forward_ctx, _RestoreBuffers(buffers, recompute_ctx)
+        return forward_ctx, _Recompute(block, state, recompute_ctx)
 
     # Non-reentrant only: reentrant checkpoint breaks with kwargs, DDP and inputs that need no grad.
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _watched(block: nn.Module, state: _BlockState, before: Snapshot) -> None:
+    """After a watched forward: verified, or unrepeatable (recomputed from ``before``, kept afterwards)."""
+    written = before.written()
+    if not written:
+        state.verified = True
+        return
+    shown = ", ".join(written[:4]) + (f", ... ({len(written)} in all)" if len(written) > 4 else "")
+    state.unrepeatable = f"its forward writes state ({shown}): a recomputation would not reproduce it"
+    state.recompute = before
 
 
 def _is_kv_cache(value) -> bool:
@@ -311,24 +337,36 @@ def _noop_contexts():
     return contextlib.nullcontext(), contextlib.nullcontext()
 
 
-class _RestoreBuffers:
-    """Around recomputation: put the block's buffers back as they were, so BatchNorm's running statistics
-    are updated once per step (by the forward), not twice (forward and recomputation)."""
+class _Recompute:
+    """Around a block's recomputation in backward: its BatchNorms' running statistics stay as the forward
+    left them (updated once per step, by the forward: momentum 0 and no batch count while it runs, so
+    nothing is copied), and a block whose forward wrote state (:mod:`written`) recomputes from the state
+    it started from, which is put back as it is now afterwards."""
 
-    def __init__(self, buffers: list[torch.Tensor], inner) -> None:
-        self.buffers, self.inner = buffers, inner
+    def __init__(self, block: nn.Module, state: _BlockState, inner) -> None:
+        self.block, self.state, self.inner = block, state, inner
+        self.norms: list[tuple[nn.Module, object, object]] = []
+        self.now: Snapshot | None = None
 
     def __enter__(self):
-        self.saved = [b.detach().clone() for b in self.buffers]
+        for m in self.block.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats:
+                self.norms.append((m, m.momentum, m._buffers.get("num_batches_tracked")))
+                m.momentum, m._buffers["num_batches_tracked"] = 0.0, None
+        if self.state.recompute is not None:
+            self.now = Snapshot(self.block, values=True)
+            self.state.recompute.restore()
         return self.inner.__enter__()
 
     def __exit__(self, *exc):
         try:
             return self.inner.__exit__(*exc)
         finally:
-            with torch.no_grad():
-                for b, saved in zip(self.buffers, self.saved):
-                    b.copy_(saved)
+            for m, momentum, count in self.norms:
+                m.momentum, m._buffers["num_batches_tracked"] = momentum, count
+            if self.now is not None:
+                self.now.restore()
+                self.state.recompute = None  # one recomputation per forward: nothing to hold on to
 
 
 def apply_checkpointing(model: nn.Module, plan) -> None:

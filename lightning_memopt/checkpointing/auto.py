@@ -44,7 +44,7 @@ from lightning_memopt.checkpointing.planner import (
     initial_choices,
     prediction_gap,
 )
-from lightning_memopt.checkpointing.profile import ForwardProbe, profile_blocks
+from lightning_memopt.checkpointing.profile import ForwardProbe, profile_blocks, profile_blocks_run
 from lightning_memopt.checkpointing.ranks import Measured, agree
 from lightning_memopt.checkpointing.shapes import ShapePlans, Signature, full_peak, shape_signature
 from lightning_memopt.memory import MemoryTracker
@@ -78,6 +78,8 @@ class StepOutcome:
     """Where the step ran a profiled plan: its predicted and measured figures (:meth:`Plan.metrics`)."""
     gap: str | None = None
     """Where the measured bytes are more than 10% from the prediction: why (:func:`prediction_gap`)."""
+    notes: list[str] = field(default_factory=list)
+    """Blocks left out or kept whole while profiling, and why (:func:`profile_blocks_run`), once each."""
 
 
 class AutoCheckpointer:
@@ -249,32 +251,35 @@ class AutoCheckpointer:
         if probe is None:
             return StepOutcome()
         probe.close()
-        planned = None
+        planned, notes = None, []
         if not self.plan.predicted:
             self._signature = signature or self._signature
             ran, planned = self.plan.choices, self._plan_from(probe, context, optimizers, gather)
+            notes = self._notes
             if planned.choices != ran:
                 apply_checkpointing(self._model, planned)  # the next step runs the new plan: measure that one
-                return StepOutcome(planned=planned)
+                return StepOutcome(planned=planned, notes=notes)
         self._needs_check = False
         total = probe.meter.total
         # A batch smaller than the one planned for holds less: only holding more is then a gap.
         exact = self.shape_plans.exact(self._signature, self.plan)
         measured = total if exact else max(total, self.plan.activation_bytes)
         gap = prediction_gap(self.plan.activation_bytes, measured)
-        return StepOutcome(planned=planned, metrics=self.plan.metrics(total), gap=gap)
+        return StepOutcome(planned=planned, metrics=self.plan.metrics(total), gap=gap, notes=notes)
 
     def _plan_from(self, probe: ForwardProbe, context, optimizers, gather: Gather) -> Plan:
         """Profile the blocks on the inputs ``probe`` recorded and choose the plan (every rank the same)."""
         policy = self._policy
         # auto under a limit also times each treatment on the policy's clock: plans priced in seconds
         options = dict(inputs=probe.inputs, context=context, choices=policy.treatments, clock=policy.clock)
-        profiles = profile_blocks(self._model, self._found, **options)
+        # blocks the forward ran, profiled without ever raising: what cannot be profiled is left out or kept
+        options.update(discovered=self.blocks is None, profile=profile_blocks)
+        self._found, profiles, self._notes = profile_blocks_run(self._model, self._found, **options)
         states = state_bytes(self._model, optimizers) if policy.limit.usable is not None else 0
         # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.
         agreed = agree(gather(Measured(self._signature, profiles, states, probe.outside_bytes)))
         held = lambda: (agreed.states, agreed.outside)  # noqa: E731
-        self.plan = policy.choose(agreed.profiles, list(self.plan.choices.values()), held)
+        self.plan = policy.choose(agreed.profiles, self.plan.choices, held)
         if self._by_shape:
             first, *others = agreed.signatures
             self.shape_plans.add(first, self.plan, full_bytes=full_peak(agreed.profiles), also=others)
@@ -459,4 +464,8 @@ def _measure_and_plan(checkpointer, model, example_batch, forward, optimizer, co
             del out  # the graph goes: nothing stays held
         finally:
             checkpointer.forward_done()  # closes the probe if the forward raised (safe twice)
-    checkpointer.finish_step(context=context, optimizers=[optimizer] if optimizer is not None else [])
+    outcome = checkpointer.finish_step(
+        context=context, optimizers=[optimizer] if optimizer is not None else []
+    )
+    for note in outcome.notes:
+        warnings.warn(f"auto_checkpoint: {note}", UserWarning, stacklevel=3)

@@ -14,7 +14,7 @@ says so in the user's terms: the option as passed, what the step must hold, and 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -234,9 +234,13 @@ class PlanPolicy:
         return cls(mode, limit, tuple(chosen), cost_model, clock)
 
     def choose(
-        self, profiles: Sequence[BlockProfile], ran: Sequence[str], held: Callable[[], tuple[int, int]]
+        self,
+        profiles: Sequence[BlockProfile],
+        ran: Sequence[str] | Mapping[str, str],
+        held: Callable[[], tuple[int, int]],
     ) -> Plan:
-        """The plan to run once the blocks are profiled, ``ran`` being what the first batch ran.
+        """The plan to run once the blocks are profiled, ``ran`` being what the first batch ran (per
+        profile, or by block name: blocks the forward did not run are not profiled).
 
         A forced mode keeps ``ran``. ``auto`` without a known limit keeps ``ran`` (every block ``full``)
         except where that lowers neither the bytes held nor the peak (:func:`keep_where_no_gain`); under
@@ -245,6 +249,7 @@ class PlanPolicy:
         Raises:
             InfeasibleBudgetError: Under a limit, if no plan fits (:func:`plan_step`).
         """
+        ran = [ran[p.name] for p in profiles] if isinstance(ran, Mapping) else list(ran)
         if self.mode != "auto" or self.limit.usable is None:
             chosen = list(ran) if self.mode != "auto" else keep_where_no_gain(profiles, ran)
             return evaluate_plan(profiles, chosen, self.cost_model)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_memopt.checkpointing._inputs import tensors
+from lightning_memopt.checkpointing.written import Snapshot
 
 __all__ = ["fake_call"]
 
@@ -26,7 +27,8 @@ def fake_call(block: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tup
     """Yield fake copies of ``(args, kwargs)`` (same shapes, dtypes, devices and ``requires_grad``), inside
     a fake-tensor mode with every mode the caller entered switched off, for one dry run of ``block``.
 
-    Afterwards the global RNG state, the autocast cache and ``block``'s buffers are as before. Errors of
+    Afterwards the global RNG state, the autocast cache and ``block``'s buffers and attributes are as
+    before. Errors of
     the dry run (an op fake tensors do not support, a data-dependent op) propagate: callers fall back to
     what is always correct.
     """
@@ -34,7 +36,8 @@ def fake_call(block: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tup
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
-    buffers = [(b, b.detach().clone()) for b in block.buffers()]
+    buffers = [(b, b._version, b.detach().clone()) for b in block.buffers()]
+    attributes = Snapshot(block)  # a forward that keeps state must not keep fake tensors (written.py)
     # Autocast caches the casts of parameters while its region lasts: a cast made on fake tensors must
     # not be found by the real forward (nor change which casts the real forward and its recomputation run).
     autocast_cache = torch.is_autocast_cache_enabled()
@@ -58,6 +61,8 @@ def fake_call(block: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tup
     finally:
         fake_log.setLevel(fake_level)
         torch.set_autocast_cache_enabled(autocast_cache)
+        attributes.restore()
         with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+            for b, version, saved in buffers:
+                if b._version != version:  # untouched buffers keep their version: no state seen written
+                    b.copy_(saved)

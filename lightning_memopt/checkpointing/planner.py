@@ -222,6 +222,7 @@ def evaluate_plan(
     block_bytes = {}
     prev = prev_keep = False
     for p, choice in zip(profiles, choices):
+        choice = _usable(p, choice)
         if choice not in p.options:
             raise ValueError(
                 f"block {p.name!r} has no profile for choice {choice!r}; profiled: {list(p.options)}"
@@ -238,7 +239,7 @@ def evaluate_plan(
         seconds += o.seconds or 0.0
         prev, prev_keep = o.saves_output, p.options["keep"].saves_output
     return Plan(
-        dict(zip((p.name for p in profiles), choices)),
+        {p.name: _usable(p, c) for p, c in zip(profiles, choices)},
         total,
         baseline,
         flops,
@@ -250,6 +251,11 @@ def evaluate_plan(
         peak_bytes=max(peak, total),
         seconds=seconds if cost_model.use_time else None,
     )
+
+
+def _usable(profile: BlockProfile, choice: str) -> str:
+    """``choice``, or ``keep`` for a block that can only keep (``BlockProfile.note``: it writes state)."""
+    return "keep" if profile.note is not None and choice not in profile.options else choice
 
 
 def keep_where_no_gain(profiles: Sequence[BlockProfile], choices: Sequence[str]) -> list[str]:
@@ -326,7 +332,7 @@ def plan_checkpointing(
             raise ValueError(f"allowed treatments must be among {CHOICES}, got {choice!r}")
     if not allowed:
         raise ValueError(f"allowed must name at least one treatment of {CHOICES}, got an empty list")
-    missing = sorted({c for p in profiles for c in allowed if c not in p.options})
+    missing = sorted({c for p in profiles for c in allowed if c not in p.options and p.note is None})
     if missing:
         raise ValueError(f"profiles lack the treatments {missing}; profile them or leave them out of allowed")
     cost_model = (cost_model or CostModel()).for_profiles(profiles)
@@ -440,8 +446,8 @@ def treatments(mode: str, *, planned: bool, offload: bool) -> list[str]:
 
 
 def _profiled(profiles: Sequence[BlockProfile]) -> list[str]:
-    """The treatments every profile carries, in :data:`CHOICES` order."""
-    return [c for c in CHOICES if all(c in p.options for p in profiles)]
+    """The treatments every profile carries (a block that can only keep aside), in :data:`CHOICES` order."""
+    return [c for c in CHOICES if all(c in p.options or p.note is not None for p in profiles)]
 
 
 def _smallest_feasible(profiles, allowed, cost_model) -> int:
@@ -461,7 +467,7 @@ def _search(profiles, allowed, cost_model, budget):
     for p in profiles:
         new: dict[bool, list] = defaultdict(list)
         for prev, entries in states.items():
-            for choice in allowed:
+            for choice in dict.fromkeys(_usable(p, c) for c in allowed):
                 o = p.options[choice]
                 add, c = _step(p, o, prev), cost_model.cost(o)
                 extra = _backward_peak(p, choice, prev, 0)  # what the block holds in its backward

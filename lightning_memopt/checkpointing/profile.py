@@ -51,6 +51,7 @@ from lightning_memopt.checkpointing.apply import (
     _signature as _signature_of,
 )
 from lightning_memopt.checkpointing.timing import time_treatments
+from lightning_memopt.checkpointing.written import Snapshot, detach_state
 from lightning_memopt.data.clock import Clock
 from lightning_memopt.memory import MemoryTracker
 
@@ -61,6 +62,8 @@ __all__ = [
     "capture_block_inputs",
     "record_block_inputs",
     "profile_blocks",
+    "profile_blocks_run",
+    "UnprofilableBlockError",
     "ActivationMeter",
     "ForwardProbe",
 ]
@@ -110,6 +113,9 @@ class BlockProfile:
     first block saves its output): then keeping the input costs the block nothing."""
     seconds: float | None = None
     """Measured seconds of the block's forward and backward, kept (median); None where not timed."""
+    note: str | None = None
+    """Why the block can only keep its activations (its recomputation would not reproduce its forward);
+    then ``options`` holds ``keep`` alone. None for a block every treatment applies to."""
 
     def activation_bytes(self, choice: str) -> int:
         """Bytes the block alone holds for backward under ``choice`` (boundaries included)."""
@@ -142,6 +148,9 @@ class BlockInputs:
     """Positions (in ``_tensors((args, kwargs))`` order) of inputs that required grad in the model's
     forward; None where unknown (captured without gradients): then every floating-point input does. A
     stem's input (the batch) needs none, and autograd saves less when it does not."""
+    same_shape: bool = True
+    """Whether the block's primary output had the shape of its primary input (a layer of a stack maps the
+    hidden state to the hidden state: ``find_blocks``' rule 6)."""
 
 
 class _OpCounter(TorchDispatchMode):
@@ -218,14 +227,20 @@ def record_block_inputs(
 
         return hook
 
-    def post_hook(module, a, kw, out):
-        if not in_backward() and not is_replaying():
-            last_output[0] = next(iter(_tensors(out)), None)
+    def post_hook(name):
+        def hook(module, a, kw, out):
+            if not in_backward() and not is_replaying():
+                last_output[0] = first = next(iter(_tensors(out)), None)
+                primary = next(iter(_tensors((a, kw))), None)
+                if name in captured and first is not None and primary is not None:
+                    captured[name].same_shape = first.shape == primary.shape
+
+        return hook
 
     handles = []
     for name, block in blocks:
         handles.append(block.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
-        handles.append(block.register_forward_hook(post_hook, with_kwargs=True))
+        handles.append(block.register_forward_hook(post_hook(name), with_kwargs=True))
     try:
         yield captured
     finally:
@@ -345,6 +360,69 @@ def profile_blocks(
     return profiles
 
 
+class UnprofilableBlockError(RuntimeError):
+    """A block that does not run alone on the inputs it took in the model's forward (a reversible layer
+    that its model runs inside its own autograd function, a block that reads state the forward set)."""
+
+    def __init__(self, name: str, err: BaseException) -> None:
+        super().__init__(f"block {name!r} does not run alone on its recorded inputs: {_first_line(err)}")
+        self.name = name
+        self.reason = (
+            f"it does not run alone on its recorded inputs ({type(err).__name__}: {_first_line(err)})"
+        )
+
+
+def profile_blocks_run(
+    model: nn.Module,
+    blocks: Iterable[tuple[str, nn.Module]],
+    inputs: dict[str, BlockInputs],
+    *,
+    discovered: bool = True,
+    profile: Callable[..., list[BlockProfile]] | None = None,
+    **options,
+) -> tuple[list[tuple[str, nn.Module]], list[BlockProfile], list[str]]:
+    """Profile the blocks a training forward ran, never raising for one that cannot be profiled.
+
+    The blocks the forward did not run are left out (``find_blocks``' rule 6, :func:`~lightning_memopt.
+    checkpointing.blocks_run`) and their treatment taken off; every block left is profiled
+    (:func:`profile_blocks` with ``options``), those whose recomputation would not reproduce the forward
+    with ``keep`` alone (``BlockProfile.note``). ``profile``: what profiles (default :func:`profile_blocks`).
+
+    Returns:
+        The blocks kept, their profiles, and one note per reason a block keeps its activations (blocks of
+        one class for one reason share a note).
+    """
+    from lightning_memopt.checkpointing.blocks import blocks_run
+
+    blocks = list(blocks)
+    kept, notes = blocks_run(model, blocks, inputs, discovered=discovered)
+    names = {n for n, _ in kept}
+    _take_off([b for n, b in blocks if n not in names])
+    while True:  # a block that does not run alone keeps its activations; the others are profiled
+        try:
+            profiles = (profile or profile_blocks)(model, kept, inputs=inputs, **options)
+            break
+        except UnprofilableBlockError as err:
+            block = dict(kept)[err.name]
+            notes.append(f"{err.name} ({type(block).__name__}) keeps its activations: {err.reason}")
+            kept = [(n, b) for n, b in kept if n != err.name]
+            _take_off([block])
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for (name, block), profile in zip(kept, profiles):
+        if profile.note is not None:
+            grouped.setdefault((type(block).__name__, profile.note), []).append(name)
+    notes += [f"{', '.join(n)} ({cls}) keep their activations: {note}" for (cls, note), n in grouped.items()]
+    return kept, profiles, notes
+
+
+def _take_off(blocks: list[nn.Module]) -> None:
+    """Take the treatment off ``blocks`` (apply.py's instance ``forward``)."""
+    holder = nn.Module()
+    for i, block in enumerate(blocks):
+        holder.add_module(str(i), block)
+    remove_checkpointing(holder)
+
+
 def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
     inputs = _signature_of((captured.args, captured.kwargs))
@@ -379,25 +457,38 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context, c
     before = state.choice if state is not None else None
     fake_model = nn.Module()  # apply_checkpointing works on a model; give the block a one-entry tree
     fake_model.add_module("b", block)
-    buffers = {n: b.detach().clone() for n, b in block.named_buffers()}
     options: dict[str, OptionCost] = {}
     keep_bwd = (0, 0)
     forward_flops = in_bytes = out_bytes = 0
     seconds = None
+    note = state.unrepeatable if state is not None else None
     try:
-        for choice in choices:
-            apply_checkpointing(fake_model, {"b": choice})
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                cost, fwd_flops, bwd, sizes = _run(block, call, captured, context)
-            with torch.no_grad():
-                for n, b in block.named_buffers():
-                    b.copy_(buffers[n])
+        for choice in choices if note is None else ["keep"]:
+            try:
+                cost, fwd_flops, bwd, sizes, written = _run_choice(
+                    fake_model, choice, call, captured, context
+                )
+            except Exception as err:  # noqa: BLE001 - whatever fails, the block keeps and the fit goes on
+                if isinstance(err, torch.OutOfMemoryError):
+                    raise
+                if choice == "keep":  # not even as in the model's forward: it cannot be profiled at all
+                    raise UnprofilableBlockError(name, err) from err
+                note, options = f"its recomputation fails ({type(err).__name__}: {_first_line(err)})", {}
+                break  # profiled again below, keep alone
             if choice == "keep":
                 keep_bwd, forward_flops, (in_bytes, out_bytes) = bwd, fwd_flops, sizes
+                if written:  # the forward writes state: no recomputation can reproduce it (written.py)
+                    note = f"its forward writes state ({', '.join(written[:4])})"
             cost.recompute_flops = max(bwd[0] - keep_bwd[0], 0)
             cost.recompute_bytes = max(bwd[1] - keep_bwd[1], 0)
             options[choice] = cost
+            if note is not None:
+                break
+        if note is not None and not options:
+            cost, forward_flops, keep_bwd, (in_bytes, out_bytes), _ = _run_choice(
+                fake_model, "keep", call, captured, context
+            )
+            options["keep"] = cost
         if clock is not None:
             seconds = _time_options(fake_model, call, captured, context, options, clock)
     finally:
@@ -406,9 +497,36 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context, c
         else:
             state.choice = before
         del fake_model._modules["b"]
-    return BlockProfile(
+    profile = BlockProfile(
         name, forward_flops, in_bytes, out_bytes, captured.chained, options, captured.input_held, seconds
     )
+    profile.note = None if note is None else f"{note}: a recomputation would not reproduce the forward"
+    return profile
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:160]
+
+
+def _run_choice(fake_model: nn.Module, choice: str, call, captured: BlockInputs, context):
+    """One profile run of the block under ``choice``: :func:`_run`'s figures and what the run wrote
+    (attributes, buffers, random draws: written.py). The block's state is put back afterwards."""
+    block = fake_model.b
+    apply_checkpointing(fake_model, {"b": choice})
+    original = Snapshot(block)
+    detach_state(block)
+    before = Snapshot(block, values=True)
+    buffers = {n: b.detach().clone() for n, b in block.named_buffers()}  # BatchNorm's statistics too
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return (*_run(block, call, captured, context), before.written())
+    finally:
+        before.restore()
+        original.restore()
+        with torch.no_grad():
+            for n, b in block.named_buffers():
+                b.copy_(buffers[n])
 
 
 def _fresh_inputs(captured: BlockInputs) -> tuple[tuple, dict, list[torch.Tensor]]:
@@ -429,6 +547,7 @@ def _time_options(fake_model, call, captured: BlockInputs, context, options: dic
     block = fake_model.b
     params = [p for p in block.parameters() if p.requires_grad]
     buffers = {n: b.detach().clone() for n, b in block.named_buffers()}
+    before = Snapshot(block)  # attributes a forward writes (written.py)
 
     def prepare(choice):
         apply_checkpointing(fake_model, {"b": choice})
@@ -444,6 +563,7 @@ def _time_options(fake_model, call, captured: BlockInputs, context, options: dic
 
     with torch.random.fork_rng(devices=[]):
         timings = time_treatments(prepare, list(options), clock)
+    before.restore()
     with torch.no_grad():
         for n, b in block.named_buffers():
             b.copy_(buffers[n])

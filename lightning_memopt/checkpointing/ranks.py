@@ -68,14 +68,18 @@ class Agreed:
 
 def _largest(name: str, values: Sequence[Any]) -> Any:
     first = values[0]
+    if name == "note":  # a block that can only keep on one process keeps on all
+        return next((v for v in values if v is not None), None)
     if isinstance(first, bool):
         return all(values) if name in _SHARED else any(values)
     if isinstance(first, (int, float)):  # bytes, FLOPs, seconds (timed on every process, or on none)
         return max(values)
     if isinstance(first, OptionCost):
         return _merged(values)
-    if isinstance(first, dict):
-        return {key: _largest(key, [v[key] for v in values]) for key in first}
+    if isinstance(first, dict):  # options: those every process profiled
+        return {
+            key: _largest(key, [v[key] for v in values]) for key in first if all(key in v for v in values)
+        }
     return first  # a name: the same on every process
 
 
