@@ -68,6 +68,12 @@ def _plain(name: str):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, max(peaks)
 
 
+@functools.cache
+def _auto(name: str):
+    """The zero-argument fit (shared by the tests below)."""
+    return _fit(name, [AutoCheckpoint()])
+
+
 def _assert_exact(module, reference: dict) -> None:
     state = module.state_dict()
     assert list(state) == list(reference)
@@ -115,7 +121,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_zero_arguments_trains_exactly_and_checkpoints_what_it_can(name):
-    module, seen, peaks, notes = _fit(name, [AutoCheckpoint()])
+    module, seen, peaks, notes = _auto(name)
     reference, plain_peak = _plain(name)
     _assert_exact(module, reference)
     checkpointed, expected_notes = EXPECTED[name]
@@ -129,7 +135,7 @@ def test_zero_arguments_trains_exactly_and_checkpoints_what_it_can(name):
 
 @pytest.mark.parametrize("name", ["resnet_small", "bit"])
 def test_small_cnns_never_raise_the_peak(name):
-    module, seen, peaks, notes = _fit(name, [AutoCheckpoint()])
+    module, seen, peaks, notes = _auto(name)
     reference, plain_peak = _plain(name)
     _assert_exact(module, reference)
     # The step with the plan, byte-exact live tensor bytes (the first step also profiles: 1.2x here).
@@ -180,7 +186,7 @@ def _hf_fit(name: str):
 def test_covers_every_layer_hf_gradient_checkpointing_covers(name):
     covered, hf_peak = _hf_fit(name)
     _, plain_peak = _plain(name)
-    _, seen, peaks, _ = _fit(name, [AutoCheckpoint()])
+    _, seen, peaks, _ = _auto(name)
     ours = {n for n, c in seen[1].items() if c != "keep"}
     assert covered and set(covered) <= ours
     assert peaks[1] <= hf_peak + 0.05 * plain_peak
@@ -191,7 +197,7 @@ if __name__ == "__main__":
     print("| model | step-2 peak / plain | checkpointed | kept | notes |")
     print("|---|---|---|---|---|")
     for name in sorted(ROBUST):
-        module, seen, peaks, notes = _fit(name, [AutoCheckpoint()])
+        module, seen, peaks, notes = _auto(name)
         _assert_exact(module, _plain(name)[0])
         on = sum(c != "keep" for c in seen[1].values())
         print(f"| {name} | {peaks[1] / _plain(name)[1]:.3f} | {on} | {len(seen[1]) - on} | {len(notes)} |")
