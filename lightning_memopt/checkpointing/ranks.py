@@ -34,7 +34,7 @@ import torch
 from lightning_memopt.checkpointing.profile import BlockProfile, OptionCost
 from lightning_memopt.checkpointing.shapes import Signature
 
-__all__ = ["Agreed", "Measured", "agree", "gather_over_ranks", "largest_profiles", "most_over_ranks"]
+__all__ = ["AgreedMeasures", "Measured", "agree", "gather_over_ranks", "largest_profiles", "most_over_ranks"]
 
 # Booleans that lower a plan's bytes when true (an input already held elsewhere costs the block nothing):
 # true only where true on every process. The other booleans (what a treatment saves) are true where any is.
@@ -56,7 +56,7 @@ class Measured:
 
 
 @dataclass
-class Agreed:
+class AgreedMeasures:
     """What every process plans on: :func:`agree` of every process's :class:`Measured`."""
 
     signatures: list[Signature]
@@ -105,9 +105,9 @@ def largest_profiles(per_rank: Sequence[Sequence[BlockProfile]]) -> list[BlockPr
     return [_merged(block) for block in zip(*per_rank)]
 
 
-def agree(measured: Sequence[Measured]) -> Agreed:
+def agree(measured: Sequence[Measured]) -> AgreedMeasures:
     """The figures every process plans on: each one's largest over ``measured`` (one per process)."""
-    return Agreed(
+    return AgreedMeasures(
         [m.signature for m in measured],
         largest_profiles([m.profiles for m in measured]),
         max(m.states for m in measured),
