@@ -37,6 +37,7 @@ from lightning_memopt.checkpointing import (
 from lightning_memopt.checkpointing.profile import ForwardProbe
 from lightning_memopt.checkpointing.ranks import Agreed, Measured, agree, gather_over_ranks, most_over_ranks
 from lightning_memopt.checkpointing.shapes import ShapePlans, full_peak, step_signature
+from lightning_memopt.head.causal_lm import HeadMode, check_head, take_over_heads
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.memory.budget import check_headroom, check_max_memory
 from lightning_memopt.memory.device import device_memory
@@ -80,6 +81,7 @@ class AutoCheckpoint(ReleasingCallback):
             take while profiling (``use_time=False``: in FLOPs, with offload priced by a timed copy).
         allow_offload: Whether ``auto`` may offload to CPU. Default: only when the device is not the CPU.
         log: Whether to log the keys below.
+        head: A Hugging Face causal LM's loss without its logits (:data:`~lightning_memopt.head.HeadMode`).
         budget: Deprecated, use ``max_memory``. ``budget=X`` means ``max_memory=X, headroom=0`` (the old
             meaning: the whole budget was usable).
 
@@ -118,6 +120,7 @@ class AutoCheckpoint(ReleasingCallback):
         allow_offload: bool | None = None,
         log: bool = True,
         budget: int | float | str | None = None,
+        head: HeadMode = "auto",
     ) -> None:
         max_memory, headroom, self._limit_name = deprecated_budget(max_memory, headroom, budget)
         check_max_memory(max_memory, name=self._limit_name)
@@ -125,15 +128,11 @@ class AutoCheckpoint(ReleasingCallback):
         check_bool("allow_offload", allow_offload, none_ok=True)
         check_bool("log", log)
         check_blocks(blocks)
-        self.blocks = blocks
-        self.max_memory = max_memory
-        self.mode = mode
-        self.every_n = every_n
+        self.blocks, self.head, self._undo_head = blocks, check_head(head), lambda: None
+        # log_metrics, not `self.log`: Lightning sets `callback.log = pl_module.log` on every callback.
+        self.max_memory, self.mode, self.every_n, self.log_metrics = max_memory, mode, every_n, log
         self.headroom = check_headroom(headroom)
-        self.cost_model = cost_model
-        self.allow_offload = allow_offload
-        # Not `self.log`: Lightning sets `callback.log = pl_module.log` on every callback at fit start.
-        self.log_metrics = log
+        self.cost_model, self.allow_offload = cost_model, allow_offload
         self.plan: Plan | None = None
         self._loaded_plan: Plan | None = None
         self._blocks: list[tuple[str, torch.nn.Module]] = []
@@ -181,17 +180,16 @@ class AutoCheckpoint(ReleasingCallback):
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Order (DESIGN.md): BatchNorm swap, checkpointing HERE (after configure_model, before precision and
-        # DDP/FSDP wrapping), strategy.setup, micro-batching. Only the blocks' instance `forward` changes.
-        own = framework_checkpointing(pl_module)
-        if own is not None:
+        # DDP/FSDP wrapping), strategy.setup, micro-batching. Only the blocks' (and LM's) `forward` changes.
+        self._undo_head = take_over_heads(pl_module, self.head, note=rank_zero_warn)
+        if (own := framework_checkpointing(pl_module)) is not None:
             return self._step_aside(own)
         blocks = find_blocks(pl_module, self.blocks)
         if not blocks:
-            rank_zero_warn(
+            return rank_zero_warn(
                 f"AutoCheckpoint found no repeated blocks in {type(pl_module).__name__} and changes nothing; "
                 "pass blocks=[YourBlockClass] or module-name patterns like blocks=['layers.*']"
             )
-            return
         self._blocks = blocks
         loaded, names = self._loaded_plan, [n for n, _ in blocks]
         choices = dict(loaded.choices) if loaded else initial_choices(names, self.mode, self.every_n)
@@ -296,6 +294,7 @@ class AutoCheckpoint(ReleasingCallback):
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
+        self._undo_head()
         if self._blocks and self._module is not None:
             remove_checkpointing(self._module)
         self._blocks, self._module = [], None

@@ -126,7 +126,8 @@ def _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reductio
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
-            f"weight must be (V, H) with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}; "
+            f"weight must be (V, H) with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+            f"got {tuple(weight.shape)}; "
             "pass the output projection's weight (nn.Linear(H, V).weight)"
         )
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
@@ -135,7 +136,8 @@ def _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reductio
         )
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(
-            f"labels must have hidden's shape without its last dim, {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
+            f"labels must have hidden's shape without its last dim, {tuple(hidden.shape[:-1])}, "
+            f"got {tuple(labels.shape)}"
         )
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be (V,) = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
