@@ -143,9 +143,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads"
     )
-    print(
-        f"chunk size (default): {default_chunk_size(size * (seq - 1), config.n_embd, config.vocab_size)} tokens\n"
-    )
+    print(f"chunk size (default): {default_chunk_size(size * (seq - 1))} tokens\n")
     print("| step (forward + backward, fp32) | peak live bytes |")
     print("|---|---:|")
     for name, options in (
