@@ -47,6 +47,8 @@ BENCHMARKS = [
     ("distributed_oom.py", "Out of memory on one of two ranks (DDP, FSDP2)", [], [], 300),
     ("dataloader.py", "DataLoaderMonitor: input stalls and the named fix", [], [], 180),
     ("plan.py", "lightning-memopt plan on a Llama-2-7B-shaped config (time, resident memory)", [], [], 300),
+    # head.py: GPT-2 small at 2 x 1,024 on CPU, 5 timed rounds (~15 minutes on a 2-core machine).
+    ("head.py", "The output head without its logits (GPT-2 small: step peak, head bytes, exactness, time)", [], ["--small"], 2400),
     # The full run trains on variable-length batches for a few minutes; --quick prints the padding table.
     (
         "variable_length.py",

@@ -26,6 +26,7 @@ def test_fixed_public_names_import_and_callbacks_need_no_arguments():
         plan_checkpointing,
         remove_checkpointing,
     )
+    from lightning_memopt.head import linear_cross_entropy  # noqa: F401
     from lightning_memopt.memory import MemoryTracker  # noqa: F401
     from lightning_memopt.norm import convert_batchnorm  # noqa: F401
 
@@ -62,7 +63,8 @@ def test_unknown_attribute_is_an_attribute_error():
 def test_plain_torch_cores_do_not_import_lightning():
     code = (
         "import sys; import lightning_memopt.memory, lightning_memopt.norm, lightning_memopt.checkpointing, "
-        "lightning_memopt.batching.split, lightning_memopt.batching.sizing, lightning_memopt.data; "
+        "lightning_memopt.batching.split, lightning_memopt.batching.sizing, lightning_memopt.data, "
+        "lightning_memopt.head, lightning_memopt.head.causal_lm, lightning_memopt.batching.loss; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

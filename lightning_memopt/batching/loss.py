@@ -38,6 +38,7 @@ from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 
 from lightning_memopt.batching.split import micro_batch_weights, tensors_of
+from lightning_memopt.head.loss import linear_cross_entropy
 
 __all__ = [
     "LOSS_FUNCTIONS",
@@ -109,7 +110,11 @@ LOSS_FUNCTIONS: dict[Callable, Callable[[dict], torch.Tensor]] = {
     F.multilabel_margin_loss: _batch_dim("input", 2),
     F.triplet_margin_loss: _batch_dim("anchor", 2),
     F.ctc_loss: _batch_dim("log_probs", 3),
+    linear_cross_entropy: lambda a: _class_count(a),
 }
+# Arguments named otherwise than F.cross_entropy's: the labels are its target, and its weight is the
+# output projection, not class weights.
+_RENAMED = {linear_cross_entropy: lambda a: {**a, "target": a["labels"], "weight": None}}
 _SIGNATURES = {func: inspect.signature(func) for func in LOSS_FUNCTIONS}
 
 
@@ -155,6 +160,7 @@ def _term(func: Callable, args: tuple, kwargs: dict, out: torch.Tensor) -> Term:
     bound = _SIGNATURES[func].bind(*args, **kwargs)
     bound.apply_defaults()
     a = dict(bound.arguments)
+    a = _RENAMED.get(func, dict)(a)
     if a.get("size_average") is not None or a.get("reduce") is not None:  # the pre-1.0 spelling
         a["reduction"] = _reduction.legacy_get_string(a.get("size_average"), a.get("reduce"))
     reduction = a.get("reduction", "mean")

@@ -62,6 +62,7 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
             take while profiling (``use_time=False``: in FLOPs, with offload priced by a timed copy).
         allow_offload: Whether ``auto`` may offload to CPU. Default: only when the device is not the CPU.
         log: Whether to log the keys below.
+        head: A Hugging Face causal LM's loss without its logits (:data:`~lightning_memopt.head.HeadMode`).
         budget: Deprecated, use ``max_memory``. ``budget=X`` means ``max_memory=X, headroom=0`` (the old
             meaning: the whole budget was usable).
 
@@ -100,13 +101,18 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
         allow_offload: bool | None = None,
         log: bool = True,
         budget: int | float | str | None = None,
+        head: Literal["auto", "chunked", "keep"] = "auto",
     ) -> None:
         options = dict(blocks=blocks, max_memory=max_memory, mode=mode, every_n=every_n, headroom=headroom)
-        super().__init__(**options, cost_model=cost_model, allow_offload=allow_offload, budget=budget)
+        options.update(cost_model=cost_model, allow_offload=allow_offload, budget=budget, head=head)
+        super().__init__(**options)
         check_bool("log", log)
         # Not `self.log`: Lightning sets `callback.log = pl_module.log` on every callback at fit start.
         self.log_metrics = log
         self._unwrap: Callable[[], None] | None = None  # undoes the configure_model wrapper
+
+    def note(self, text: str) -> None:
+        rank_zero_warn(text)
 
     @property
     def state_key(self) -> str:

@@ -47,6 +47,7 @@ from lightning_memopt.checkpointing.planner import (
 from lightning_memopt.checkpointing.profile import ForwardProbe, profile_blocks, profile_blocks_run
 from lightning_memopt.checkpointing.ranks import Measured, agree
 from lightning_memopt.checkpointing.shapes import ShapePlans, Signature, full_peak, shape_signature
+from lightning_memopt.head.causal_lm import HeadMode, check_head, take_over_heads
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory
 from lightning_memopt.memory.device import device_memory
@@ -119,6 +120,7 @@ class AutoCheckpointer:
         cost_model: CostModel | None = None,
         allow_offload: bool | None = None,
         budget: MemoryLimit = None,
+        head: HeadMode = "auto",
         name: str = "AutoCheckpoint",
     ) -> None:
         max_memory, headroom, self._limit_name = deprecated_budget(max_memory, headroom, budget)
@@ -134,6 +136,8 @@ class AutoCheckpointer:
         self.cost_model = cost_model
         self.allow_offload = allow_offload
         self.name = name
+        self.head = check_head(head)
+        self._undo_head: Callable[[], None] = lambda: None
         self.plan: Plan | None = None
         """The plan the blocks run; None before :meth:`install` (or where no blocks were found)."""
         self.shape_plans = ShapePlans()  # under a limit: the plans made, by the shapes they were made for
@@ -186,6 +190,8 @@ class AutoCheckpointer:
         Raises:
             ValueError: For ``blocks`` that match nothing, with the candidate classes found.
         """
+        # A causal LM's output head computes its loss chunk by chunk (lightning_memopt.head), where it can.
+        self._undo_head = take_over_heads(model, self.head, note=self.note)
         own = framework_checkpointing(model)
         if own is not None:
             return (
@@ -308,7 +314,13 @@ class AutoCheckpointer:
             self._probe = None
         if self._found and self._model is not None:
             remove_checkpointing(self._model)
+        self._undo_head()
+        self._undo_head = lambda: None
         self._found, self._model = [], None
+
+    def note(self, text: str) -> None:
+        """Say ``text`` to the user (a warning; the callback says it on rank zero)."""
+        warnings.warn(text, UserWarning, stacklevel=3)
 
     def __repr__(self) -> str:
         if not self.active:

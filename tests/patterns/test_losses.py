@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memopt import SplitNotExactWarning
+from lightning_memopt.head import linear_cross_entropy
 from tests.patterns.helpers import (
     BATCH,
     CLASSES,
@@ -227,6 +228,20 @@ class CausalLMOwnShift(TokenModel):
         return loss
 
 
+class ChunkedHeadTied(TokenModel):
+    """A causal LM whose loss is :func:`linear_cross_entropy` (chunks of 3 tokens) on the embedding's
+    weight (tied), shifting in ``training_step``: micro-batches count its labels that are not -100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Tanh())
+
+    def training_step(self, batch, batch_idx):
+        hidden = self.net(batch["input_ids"])[:, :-1]  # (B, T - 1, 8)
+        labels = batch["labels"][:, 1:]
+        return linear_cross_entropy(hidden, self.net[0].weight, labels, chunk_size=3, label_smoothing=0.1)
+
+
 class IgnoreIndexZero(TokenModel):
     """Token tagging where 0 is the padding tag: ``ignore_index=0``, not -100."""
 
@@ -295,6 +310,7 @@ EXACT = [
         tagging,
         id="ignore_index_0",
     ),
+    pytest.param(ChunkedHeadTied, lm_batches, id="linear_cross_entropy_tied"),
     pytest.param(
         CEPlusAux,
         lm_with_length,

@@ -1,0 +1,184 @@
+"""The output head without its logits: GPT-2 small's step peak, the head's bytes, exactness and time.
+
+Run: python benchmarks/head.py            # GPT2Config() (12 layers, h=768, vocab 50,257), batch 2 x 1,024
+     python benchmarks/head.py --small    # 2 layers, h=128, GPT-2's vocabulary, 2 x 512: about 2 minutes
+
+Prints, for a random-init fp32 GPT-2 on CPU (train mode, forward + backward of ``model(input_ids,
+labels=labels).loss``, no optimizer):
+
+1. the step's peak live tensor bytes (MemoryTracker: parameters, gradients, everything autograd and the
+   step hold) with the model's own head, with every block checkpointed (what ``AutoCheckpoint`` does on a
+   CPU), and with the blocks checkpointed and the chunked head (``AutoCheckpoint(head="auto")``);
+2. the head's own bytes: the peak of the head alone (own: ``cross_entropy(hidden @ W.T)``; chunked:
+   ``linear_cross_entropy``) above its inputs, split for the chunked head into the gradients it hands
+   back (hidden- and weight-sized, held from forward to backward) and its transient chunk of logits;
+3. loss and gradient relative differences of the chunked head against the model's own logits with a
+   float64 cross-entropy, in float64 on a small config (largest over all parameters);
+4. the step time with the chunked head divided by the step time with the model's own head (both with
+   checkpointed blocks), alternated in one process, median of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from lightning_memopt.checkpointing import apply_checkpointing, find_blocks
+from lightning_memopt.head import default_chunk_size, linear_cross_entropy
+from lightning_memopt.head.causal_lm import take_over_heads
+from lightning_memopt.memory import MemoryTracker
+
+MiB = 2**20
+
+
+def build(config: transformers.GPT2Config, dtype=torch.float32, blocks=False, head=False):
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(dtype).train()
+    if blocks:
+        apply_checkpointing(model, {name: "full" for name, _ in find_blocks(model)})
+    if head:
+        take_over_heads(model, "chunked", note=print)
+    return model
+
+
+def batch(config, size, seq):
+    ids = torch.randint(0, config.vocab_size, (size, seq), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def step(model, inputs) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach()
+
+
+def step_peak(model, inputs) -> int:
+    step(model, inputs)  # the first call verifies the chunked head: measure the second
+    model.zero_grad(set_to_none=True)
+    with MemoryTracker(model) as tracker:
+        step(model, inputs)
+    return tracker.peak
+
+
+def head_bytes(config, size, seq) -> dict[str, int]:
+    """The head alone, above its inputs (hidden, weight, labels): own vs chunked."""
+    torch.manual_seed(0)
+    hidden = torch.randn(size * (seq - 1), config.n_embd, requires_grad=True)
+    weight = torch.randn(config.vocab_size, config.n_embd, requires_grad=True)
+    labels = torch.randint(0, config.vocab_size, (size * (seq - 1),))
+    out = {}
+    for name, fn in (
+        ("own", lambda: F.cross_entropy(hidden @ weight.t(), labels)),
+        ("chunked", lambda: linear_cross_entropy(hidden, weight, labels)),
+    ):
+        with MemoryTracker() as tracker:
+            (hidden.sum(), weight.sum(), labels.sum())  # the inputs are counted before
+            before = tracker.current
+            tracker.reset_peak()
+            loss = fn()
+            held = tracker.current - before
+            forward_peak = tracker.peak - before
+            loss.backward()
+            out[name], out[name + "_held"] = max(forward_peak, tracker.peak - before), held
+        hidden.grad = weight.grad = None
+    out["logits"] = size * (seq - 1) * config.vocab_size * 4
+    out["gradients"] = hidden.numel() * 4 + weight.numel() * 4
+    return out
+
+
+def exactness() -> tuple[float, float]:
+    """Relative loss and gradient differences, float64, chunked head vs own logits + float64 CE."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
+    inputs = batch(config, 2, 64)
+    inputs["labels"] = inputs["labels"].clone()
+    inputs["labels"][0, 40:] = -100  # padding
+    results = []
+    for head in (False, True):
+        model = build(config, torch.float64, head=head).eval()  # no dropout: the same function
+        if head:
+            loss = model(**inputs).loss
+        else:
+            logits = model(input_ids=inputs["input_ids"]).logits[:, :-1]
+            loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), inputs["labels"][:, 1:].reshape(-1))
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (own, own_grads), (mine, my_grads) = results
+    rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
+    return rel(mine, own), max(rel(a, b) for a, b in zip(my_grads, own_grads))
+
+
+def time_ratio(config, inputs, reps: int) -> tuple[float, list[float]]:
+    own, chunked = build(config, blocks=True), build(config, blocks=True, head=True)
+    step(own, inputs), step(chunked, inputs)  # warm-up (and the chunked head's first-batch check)
+    ratios = []
+    for _ in range(reps):  # alternate, so a burst of load on the machine hits both sides
+        times = []
+        for model in (own, chunked):
+            start = time.perf_counter()
+            step(model, inputs)
+            times.append(time.perf_counter() - start)
+        ratios.append(times[1] / times[0])
+    return statistics.median(ratios), ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--small", action="store_true", help="2 layers, h=128, GPT-2's vocabulary, 2 x 512")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
+    )
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds (each: one step of each head)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.small:
+        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=512)
+        size, seq = 2, 512
+    else:
+        config, size, seq = transformers.GPT2Config(), 2, 1024
+    inputs = batch(config, size, seq)
+    print(
+        f"GPT-2 {config.n_layer} layers, h={config.n_embd}, vocab {config.vocab_size:,}, batch {size} x {seq:,}"
+    )
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(f"chunk size (default): {default_chunk_size(size * (seq - 1))} tokens\n")
+    print("| step (forward + backward, fp32) | peak live bytes |")
+    print("|---|---:|")
+    for name, options in (
+        ("own head, no checkpointing", {}),
+        ("own head, every block checkpointed", dict(blocks=True)),
+        ("chunked head, every block checkpointed", dict(blocks=True, head=True)),
+    ):
+        print(f"| {name} | {step_peak(build(config, **options), inputs) / MiB:,.0f} MiB |")
+    b = head_bytes(config, size, seq)
+    print("\n| the head alone, above its inputs | bytes |")
+    print("|---|---:|")
+    print(f"| one logits tensor | {b['logits'] / MiB:,.1f} MiB |")
+    print(f"| own head's peak | {b['own'] / MiB:,.1f} MiB |")
+    print(f"| chunked head's peak | {b['chunked'] / MiB:,.1f} MiB |")
+    print(
+        f"| of which the gradients it computes in forward (hidden, weight) | {b['gradients'] / MiB:,.1f} MiB |"
+    )
+    print(
+        f"| of which the rest (one chunk of logits, per-token vectors) | {(b['chunked'] - b['gradients']) / MiB:,.1f} MiB |"
+    )
+    loss_rel, grad_rel = exactness()
+    print(
+        f"\nfloat64, 2-layer GPT-2: loss rel diff {loss_rel:.1e}, largest parameter-gradient rel diff {grad_rel:.1e}"
+    )
+    median, ratios = time_ratio(config, inputs, args.reps)
+    print(
+        f"step time chunked / own head (blocks checkpointed): {median:.3f} (median of {args.reps}: "
+        f"{', '.join(f'{r:.3f}' for r in ratios)})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""A Hugging Face causal LM's loss through :func:`~lightning_memopt.head.linear_cross_entropy`.
+
+``model(input_ids, labels=labels)`` of a ``*ForCausalLM`` (or GPT-2's ``*LMHeadModel``) computes every
+logit, then ``cross_entropy`` on them shifted by one position: the logits-sized tensors dominate a step
+whose blocks are checkpointed. :func:`take_over_heads` patches such a model's instance ``forward``: a call
+with ``labels`` runs the base model (``getattr(model, model.base_model_prefix)``) for the last hidden
+state and computes the shifted loss chunk by chunk from it and ``lm_head``'s weight and bias; it returns
+the model's output type with that ``loss`` and ``logits=None`` (``keep_logits=True`` also returns the
+logits, computed without gradient). Calls without labels, or without gradient, run the model's own
+forward. Nothing else changes: the parameters, ``state_dict`` and the model's own forward (restored by
+the returned undo).
+
+Which models are taken. Only what reproduces the model's own loss:
+
+1. Declined from the config (one note naming why): a final logit soft-capping
+   (``final_logit_softcapping``, Gemma 2/3), logit scaling (``logit_scale``, ``logits_scaling``), a
+   router's auxiliary loss added to the loss (``output_router_logits=True``, Mixtral and other MoE).
+2. Verified at the first call with labels and gradient: on the batch's first sample (its first 64
+   positions), the model's own loss and its gradient w.r.t. the base model's output are compared with
+   the chunked path's (same random state, so dropout draws the same masks; the random state is put back
+   after). A difference beyond rounding (relative 1e-4; 1e-2 in half precision) declines the head,
+   naming the difference. The check's own logits are those of 64 positions, not of the batch.
+
+The model's own loss upcasts logits to float32 (``logits.float()``), also a float64 model's; the chunked
+loss keeps float64 in float64 and computes half-precision chunks in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+import torch
+
+from lightning_memopt._patch import patch
+from lightning_memopt._rng import RngState
+from lightning_memopt.head.loss import linear_cross_entropy
+
+__all__ = ["HeadMode", "ChunkedHead", "causal_lms", "check_head", "decline_reason", "take_over_heads"]
+
+HeadMode = Literal["auto", "chunked", "keep"]
+"""``"auto"``: take each causal LM whose loss the chunked head reproduces, decline others with a note;
+``"chunked"``: the same, but a model that cannot be taken (or none found) is an error; ``"keep"``: off."""
+
+_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+VERIFY_TOKENS = 64  # positions of the first sample on which the first batch's check compares
+_NOT_FOR_BASE = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
+# config attribute -> what it does to the logits or the loss that the chunked head does not reproduce
+_DECLINED = {
+    "final_logit_softcapping": "a final logit soft-capping",
+    "logit_scale": "logit scaling",
+    "logits_scaling": "logit scaling",
+    "output_router_logits": "a router auxiliary loss added to the loss",
+}
+
+
+def check_head(head: Any) -> HeadMode:
+    """``head``; ``ValueError`` unless it is one of :data:`HeadMode`."""
+    if head not in get_args(HeadMode):
+        raise ValueError(
+            f"head must be one of {get_args(HeadMode)}, got {head!r}; 'keep' leaves the head alone"
+        )
+    return head
+
+
+def causal_lms(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Hugging Face causal LMs in ``module`` (itself included): an ``nn.Linear`` ``lm_head``, a
+    ``base_model_prefix`` and a class named ``*ForCausalLM`` or ``*LMHeadModel``."""
+    return [
+        m
+        for m in module.modules()
+        if type(m).__name__.endswith(_SUFFIXES)
+        and isinstance(getattr(m, "lm_head", None), torch.nn.Linear)
+        and isinstance(getattr(m, getattr(m, "base_model_prefix", ""), None), torch.nn.Module)
+    ]
+
+
+def decline_reason(model: torch.nn.Module) -> str | None:
+    """Why the chunked head cannot reproduce ``model``'s loss, read from its config; None if nothing says."""
+    config = getattr(model, "config", None)
+    for name, what in _DECLINED.items():
+        value = getattr(config, name, None)
+        neutral = value is None or value is False or (not isinstance(value, bool) and value == 1)
+        if not neutral:  # a scaling of 1 changes nothing
+            return f"{type(model).__name__} has {what} (config.{name}={value!r})"
+    return None
+
+
+class ChunkedHead:
+    """``model``'s instance ``forward`` patched to compute its loss chunk by chunk (module docstring).
+
+    Args:
+        model: A Hugging Face causal LM (:func:`causal_lms`).
+        note: Called once with the reason when the head is declined at verification.
+        strict: Raise ``RuntimeError`` instead of declining.
+        keep_logits: Also return the logits (computed without gradient).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        note: Callable[[str], None],
+        strict: bool = False,
+        keep_logits: bool = False,
+    ) -> None:
+        self.model, self.note, self.strict, self.keep_logits = model, note, strict, keep_logits
+        self.verified = False
+        self.declined: str | None = None
+        self._signature = inspect.signature(model.forward)
+        self._undo: Callable[[], None] | None = patch(model, "forward", self._forward)
+
+    def undo(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+    def _forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        bound = self._signature.bind(*args, **kwargs).arguments
+        call = {**bound.pop("kwargs", {}), **bound}
+        if call.get("labels") is None or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        if not self.verified:
+            self.verified = True
+            reason = self._verify(original, call)
+            if reason is not None:
+                return self._decline(reason, original(*args, **kwargs))
+        return self.chunked(call)
+
+    def _decline(self, reason: str, result: Any) -> Any:
+        self.declined = reason
+        self.undo()
+        if self.strict:
+            raise RuntimeError(
+                f"head='chunked': {reason}; use head='auto' to fall back to the model's own head"
+            )
+        self.note(
+            f"the chunked output head (lightning_memopt.head) is not used: {reason}; "
+            "the model's own head computes the loss"
+        )
+        return result
+
+    def chunked(self, call: dict[str, Any]) -> Any:
+        """The model's output for ``call`` (its forward's arguments by name), the loss chunked."""
+        model = self.model
+        base = getattr(model, model.base_model_prefix)
+        outputs = base(**_for_base(base, call))
+        hidden = outputs[0]  # (B, T, H): last_hidden_state
+        head = model.lm_head
+        labels = call.get("shift_labels")
+        if labels is None:  # position t predicts token t + 1
+            hidden, labels = hidden[..., :-1, :], call["labels"][..., 1:]
+        num_items = call.get("num_items_in_batch")
+        loss = linear_cross_entropy(
+            hidden,
+            head.weight,
+            labels.to(hidden.device),
+            bias=head.bias,
+            reduction="mean" if num_items is None else "sum",
+        )
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        logits = None
+        if self.keep_logits:
+            with torch.no_grad():
+                logits = head(outputs[0])
+        return _output(model, outputs, loss, logits)
+
+    def _verify(self, original: Callable[..., Any], call: dict[str, Any]) -> str | None:
+        """Why the chunked path differs from the model's own on a slice of the batch, or None (both agree).
+
+        Compared: the loss and its gradient w.r.t. the base model's output (which decides every gradient
+        before the head), on the first sample's first :data:`VERIFY_TOKENS` positions (a causal LM's loss
+        on a prefix is its loss on that prefix alone): the own path's logits there are small.
+        """
+        part = _prefix(call, VERIFY_TOKENS)
+        base = getattr(self.model, self.model.base_model_prefix)
+        state, results = RngState.capture(), []
+        seen: list[torch.Tensor] = []
+        handle = base.register_forward_hook(lambda module, args, out: seen.append(out[0]))
+        try:
+            for run in (lambda: original(**part), lambda: self.chunked(part)):
+                state.restore()  # the same dropout masks in both
+                loss = run().loss
+                results.append((loss.detach(), *torch.autograd.grad(loss, seen.pop())))
+        finally:
+            handle.remove()
+            state.restore()
+        (own, own_grad), (mine, my_grad) = results
+        if not bool(torch.isfinite(own)):  # every label of the slice ignored: check the next call
+            self.verified = False
+            return None
+        tol = 1e-2 if own.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        if (gap := _gap(mine, own)) > tol:
+            return f"its loss differs from the model's own by {gap:.2g} (relative) on the first batch"
+        if (gap := _gap(my_grad, own_grad)) > tol:
+            return f"its gradient differs from the model's own by {gap:.2g} (relative) on the first batch"
+        return None
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _prefix(call: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """``call`` cut to the first sample and its first ``tokens`` positions (the labels' dims 0 and 1)."""
+    n, t = call["labels"].shape[:2]
+
+    def cut(v: Any) -> Any:
+        if not (torch.is_tensor(v) and v.dim() and v.shape[0] == n):
+            return v
+        return v[:1, :tokens] if v.dim() > 1 and v.shape[1] == t else v[:1]
+
+    return {k: cut(v) for k, v in call.items()}
+
+
+def _for_base(base: torch.nn.Module, call: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(base.forward).parameters
+    open_ = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in call.items() if k not in _NOT_FOR_BASE and (open_ or k in params)}
+
+
+def _output(model: torch.nn.Module, outputs: Any, loss: torch.Tensor, logits: torch.Tensor | None) -> Any:
+    """The model's own output type (its forward's return annotation) with the base model's fields."""
+    kind = inspect.signature(type(model).forward).return_annotation
+    if not (dataclasses.is_dataclass(kind) and isinstance(kind, type)):
+        from transformers.modeling_outputs import CausalLMOutputWithPast as kind  # noqa: N813
+    names = {f.name for f in dataclasses.fields(kind)}
+    fields = {k: v for k, v in outputs.items() if k in names}
+    result = kind(**fields, loss=loss, logits=logits)
+    if logits is None:  # reading them says why there are none, rather than handing back None
+        result.__class__ = _without_logits(kind)
+    return result
+
+
+_WITHOUT_LOGITS: dict[type, type] = {}
+NO_LOGITS = (
+    "this output has no logits: its loss was computed chunk by chunk from the hidden states without them "
+    "(AutoCheckpoint's head='auto', lightning_memopt.head); pass AutoCheckpoint(head='keep') to read "
+    "outputs.logits"
+)
+
+
+def _without_logits(kind: type) -> type:
+    """``kind`` whose ``logits`` attribute raises :data:`NO_LOGITS` (one subclass per output type)."""
+    if kind not in _WITHOUT_LOGITS:
+
+        def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
+            if name == "logits":
+                raise AttributeError(NO_LOGITS)
+            return kind.__getattribute__(self, name)
+
+        _WITHOUT_LOGITS[kind] = type(kind.__name__, (kind,), {"__getattribute__": __getattribute__})
+    return _WITHOUT_LOGITS[kind]
+
+
+def take_over_heads(
+    module: torch.nn.Module, head: HeadMode, *, note: Callable[[str], None], keep_logits: bool = False
+) -> Callable[[], None]:
+    """Patch every causal LM in ``module`` (:func:`causal_lms`) to compute its loss chunked; return the undo.
+
+    ``head="auto"`` notes each model declined from its config (and, later, at verification); ``"chunked"``
+    raises ``RuntimeError`` instead, and when ``module`` holds no causal LM; ``"keep"`` changes nothing.
+    """
+    check_head(head)
+    heads: list[ChunkedHead] = []
+    if head != "keep":
+        models = causal_lms(module)
+        if not models and head == "chunked":
+            raise RuntimeError(
+                "head='chunked' found no Hugging Face causal LM (a *ForCausalLM with an nn.Linear lm_head) "
+                f"in {type(module).__name__}; call linear_cross_entropy in training_step instead, or pass "
+                "head='auto'"
+            )
+        for model in models:
+            if (reason := decline_reason(model)) is None:
+                heads.append(ChunkedHead(model, note=note, strict=head == "chunked", keep_logits=keep_logits))
+            elif head == "chunked":
+                raise RuntimeError(f"head='chunked': {reason}; use head='auto' to keep the model's own head")
+            else:
+                note(f"the chunked output head (lightning_memopt.head) is not used: {reason}")
+    return lambda: [h.undo() for h in heads] and None

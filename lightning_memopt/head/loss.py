@@ -1,0 +1,243 @@
+"""``cross_entropy(hidden @ weight.T + bias, labels)`` without ever holding the whole logits.
+
+A language model's output head turns ``N`` tokens of ``H`` features into ``N x V`` logits (V: the
+vocabulary, 50,257 for GPT-2). Plain autograd then holds three tensors of that size at once: the logits,
+the log-softmax ``cross_entropy`` saves, and the logits' gradient; with checkpointed blocks they dominate
+the step. :func:`linear_cross_entropy` computes the same loss a chunk of tokens at a time, and each chunk's
+gradient while its logits are at hand (the softmax minus the smoothed one-hot target), so at most one
+chunk's logits exist at any time and nothing logits-sized is kept for backward:
+
+* ``reduction="mean"`` or ``"sum"``: the gradients w.r.t. ``hidden``, ``weight`` and ``bias`` are complete
+  after the forward (the loss is a scalar: backward only scales them by its incoming gradient). Held from
+  forward to backward: tensors of the inputs' sizes, no logits. The matmuls are the same three as
+  autograd's (logits, and the two gradient products), so the time is the same.
+* ``reduction="none"``: each token's gradient is scaled by its own incoming gradient, known only in
+  backward; the forward keeps each token's log-sum-exp (``N`` numbers) and backward recomputes each
+  chunk's logits (one more matmul than autograd's three).
+
+The loss per token ``i`` with target ``y`` and label smoothing ``e`` over ``V`` classes (PyTorch's
+definition) is ``(1 - e) * (lse_i - z_iy) + e * (lse_i - mean_j z_ij)``, and its gradient w.r.t. the
+logits is ``softmax(z_i) - (1 - e) * onehot(y) - e / V``; tokens whose label is ``ignore_index`` count
+zero and are not counted by the mean.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function
+
+from lightning_memopt._checks import check_positive_int
+
+__all__ = ["linear_cross_entropy", "default_chunk_size"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+CHUNKS = 16  # the default number of chunks: one chunk's logits are 1/16 of the whole logits
+
+
+def default_chunk_size(tokens: int) -> int:
+    """Tokens per chunk when ``chunk_size`` is None: ``ceil(tokens / 16)``.
+
+    Sixteen chunks keep one chunk's logits at 1/16 of the whole (GPT-2 small at 2 x 1,024 tokens: 128
+    tokens, 24.5 MiB in fp32) while each matmul stays large: every chunk reads the whole weight three
+    times (logits, and the two gradient products), so many small chunks cost memory traffic.
+    """
+    return max(1, math.ceil(tokens / CHUNKS))
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), labels, ...)``, computed a chunk of tokens at a time.
+
+    Loss and gradients (w.r.t. ``hidden``, ``weight`` and ``bias``) equal the unchunked computation's up
+    to rounding; only the order of the sums differs. A weight shared with an embedding (tied) gets both
+    gradients added, as with autograd. Micro-batching (:class:`~lightning_memopt.AutoAccumulation`,
+    :class:`~lightning_memopt.OOMBackoff`) sees the call like ``F.cross_entropy``'s and counts the labels
+    that are not ``ignore_index``.
+
+    Args:
+        hidden: The features, ``(..., H)`` (any number of leading dims, e.g. ``(B, T, H)`` or ``(N, H)``).
+        weight: The output projection, ``(V, H)`` (an ``nn.Linear``'s or a tied embedding's weight).
+        labels: Class indices, ``hidden.shape[:-1]``; ``ignore_index`` marks positions not counted.
+        bias: Optional ``(V,)``.
+        ignore_index: The label of positions that count zero (default -100, as ``F.cross_entropy``).
+        label_smoothing: In ``[0, 1]`` (default 0), as ``F.cross_entropy``'s.
+        reduction: ``"mean"`` over counted positions (default), ``"sum"`` or ``"none"`` (per position,
+            shaped like ``labels``).
+        chunk_size: Tokens per chunk. Default (None): :func:`default_chunk_size` (at most 1/16 of the
+            tokens). Larger chunks run fewer, larger matmuls and hold more.
+
+    Returns:
+        The loss: a scalar, or ``labels``-shaped for ``reduction="none"``.
+
+    Raises:
+        ValueError: For shapes that do not match, a label outside ``[0, V)`` other than
+            ``ignore_index``, an unknown reduction, a smoothing outside ``[0, 1]``, a bad ``chunk_size``.
+        TypeError: For labels that are not integers, or features that are not floating point.
+
+    Example::
+
+        >>> hidden, head = torch.randn(2, 5, 8), torch.nn.Linear(8, 11)
+        >>> labels = torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 7, 8]])
+        >>> loss = linear_cross_entropy(hidden, head.weight, labels, bias=head.bias, chunk_size=3)
+        >>> ref = torch.nn.functional.cross_entropy(head(hidden).flatten(0, 1), labels.flatten())
+        >>> torch.allclose(loss, ref)
+        True
+    """
+    args = (hidden, weight, labels) + (() if bias is None else (bias,))
+    if has_torch_function(args):  # a TorchFunctionMode (the loss observer) or a tensor subclass
+        return handle_torch_function(
+            linear_cross_entropy,
+            args,
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+            chunk_size=chunk_size,
+        )
+    _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, chunk_size)
+    h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    y = labels.reshape(-1)  # (N,)
+    chunk = chunk_size or default_chunk_size(h.shape[0])
+    opts = (ignore_index, float(label_smoothing), reduction, chunk)
+    loss = _LinearCrossEntropy.apply(h, weight, bias, y, opts)
+    return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, chunk_size) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    check_positive_int("chunk_size", chunk_size, meaning="tokens per chunk", none_ok=True)
+    if not hidden.is_floating_point() or hidden.dim() < 1:
+        raise TypeError(
+            f"hidden must be a floating-point tensor (..., H), got {hidden.dtype} {tuple(hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be (V, H) with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+            f"got {tuple(weight.shape)}; "
+            "pass the output projection's weight (nn.Linear(H, V).weight)"
+        )
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(
+            f"labels must be integer class indices, got {labels.dtype}; probabilities are not supported"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels must have hidden's shape without its last dim, {tuple(hidden.shape[:-1])}, "
+            f"got {tuple(labels.shape)}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be (V,) = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
+    with torch.no_grad():  # one host sync: a clear error here instead of a device assert later
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(
+                f"labels must be class indices in [0, {weight.shape[0]}) or ignore_index={ignore_index}, "
+                f"got {labels[bad][0].item()}; mark positions not to count with ignore_index"
+            )
+
+
+def _chunk_grad(h, weight, bias, y, opts, scale):
+    """One chunk's losses ``(c,)`` and their gradient w.r.t. its logits, each row times ``scale`` ``(c,)``.
+
+    One ``(c, V)`` buffer: the logits become the softmax, then the gradient, in place.
+    """
+    ignore_index, smoothing, _, _ = opts
+    z = torch.matmul(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())  # (c, V)
+    if z.dtype in (torch.float16, torch.bfloat16):
+        z = z.float()  # softmax and its sums in float32, as F.cross_entropy's kernels accumulate
+    counted = y != ignore_index  # (c,)
+    target = y.masked_fill(~counted, 0)
+    picked = z.gather(1, target[:, None]).squeeze(1)  # z_iy
+    average = z.mean(1) if smoothing else None  # mean_j z_ij
+    top = z.amax(1)
+    z.sub_(top[:, None]).exp_()
+    total = z.sum(1)
+    lse = top + total.log()
+    loss = (1 - smoothing) * (lse - picked)
+    if smoothing:
+        loss = loss + smoothing * (lse - average)
+    weights = counted.to(z.dtype) * scale.to(z.dtype)  # (c,)
+    z.mul_((weights / total)[:, None])  # the softmax, scaled
+    z.scatter_add_(1, target[:, None], (-(1 - smoothing) * weights)[:, None])
+    if smoothing:
+        z.sub_((smoothing / z.shape[1]) * weights[:, None])
+    return loss.masked_fill(~counted, 0), z
+
+
+def _chunks(h, weight, bias, y, opts, scale, needs, losses=None):
+    """The gradients w.r.t. ``h``, ``weight``, ``bias`` (None where not ``needs``) of ``sum_i scale_i *
+    loss_i``, one chunk of tokens at a time; each token's loss written into ``losses`` if given."""
+    chunk = opts[3]
+    low = h.dtype in (torch.float16, torch.bfloat16)  # accumulate the weight's gradient in float32
+    acc = torch.float32 if low else h.dtype
+    dh = torch.empty_like(h) if needs[0] else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if needs[1] else None
+    db = torch.zeros(weight.shape[:1], dtype=acc, device=h.device) if needs[2] else None
+    for start in range(0, h.shape[0], chunk):
+        part = slice(start, start + chunk)
+        hc = h[part]
+        loss, dz = _chunk_grad(hc, weight, bias, y[part], opts, scale[part])  # dz: (c, V)
+        if losses is not None:
+            losses[part] = loss
+        if dh is not None:
+            torch.matmul(dz.to(h.dtype), weight, out=dh[part])
+        if dw is not None:
+            dw.addmm_(dz.t(), hc.to(acc))
+        if db is not None:
+            db.add_(dz.sum(0))
+        del dz  # before the next chunk's logits: one chunk at a time
+    cast = lambda g: None if g is None else g.to(weight.dtype)  # noqa: E731
+    return dh, cast(dw), cast(db)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``h (N, H)``, ``weight (V, H)``, ``bias (V,)``, ``y (N,)``; ``opts``: (ignore_index, smoothing,
+    reduction, chunk). See the module docstring for what is held between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, opts):
+        needs = ctx.needs_input_grad[:3]
+        losses = torch.empty(h.shape[0], dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+        ctx.opts, ctx.ahead = opts, opts[2] != "none"
+        ones = torch.ones((), dtype=losses.dtype, device=h.device).expand(h.shape[0])
+        # A scalar loss: every gradient now, while each chunk's logits exist. Per-token losses: in backward.
+        ctx.grads = _chunks(h, weight, bias, y, opts, ones, needs if ctx.ahead else (False,) * 3, losses)
+        if not ctx.ahead:
+            ctx.save_for_backward(h, weight, bias, y)
+            return losses.to(h.dtype)
+        total = losses.sum().to(h.dtype)
+        if opts[2] == "sum":
+            return total
+        count = (y != opts[0]).sum()
+        # Every label ignored: the loss is 0/0 (NaN) and the gradients zero, as F.cross_entropy's.
+        ctx.grads = tuple(None if g is None else g.div_(count.clamp(min=1)) for g in ctx.grads)
+        return total / count
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if ctx.ahead:
+            grads, ctx.grads = ctx.grads, None  # autograd takes them over: no copy
+            dh, dw, db = (None if g is None else g.mul_(grad) for g in grads)
+            del grads
+        else:
+            h, weight, bias, y = ctx.saved_tensors
+            dh, dw, db = _chunks(h, weight, bias, y, ctx.opts, grad.reshape(-1), ctx.needs_input_grad[:3])
+        return dh, dw, db, None, None

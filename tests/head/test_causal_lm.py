@@ -1,0 +1,132 @@
+"""take_over_heads / ChunkedHead on a tiny Hugging Face GPT-2, without Lightning: which calls it takes, what
+it returns, the first batch's check, and that its undo leaves the model as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_memopt.head.causal_lm import ChunkedHead, causal_lms, decline_reason, take_over_heads
+
+transformers = pytest.importorskip("transformers")
+V = 50
+
+
+def _gpt2(**extra):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=V, n_layer=2, n_embd=16, n_head=2, n_positions=80, **extra)
+    return transformers.GPT2LMHeadModel(config).double().eval()
+
+
+def _batch(n=3, t=12, seed=0):
+    ids = torch.randint(0, V, (n, t), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[0, 7:] = -100
+    return ids, labels
+
+
+def _own_float64(model, ids, labels, num_items=None):
+    logits = model(input_ids=ids).logits[:, :-1].reshape(-1, V)
+    reduction = "mean" if num_items is None else "sum"
+    loss = F.cross_entropy(logits, labels[:, 1:].reshape(-1), reduction=reduction)
+    return loss if num_items is None else loss / num_items
+
+
+@pytest.mark.parametrize("num_items", [None, 17])
+def test_loss_and_gradients_equal_the_own_logits(num_items):
+    model = _gpt2()
+    ids, labels = _batch()
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    undo = take_over_heads(model, "chunked", note=pytest.fail)
+    out = model(ids, labels=labels, **extra)  # input_ids positional, as a user may call it
+    assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithCrossAttentions)
+    # no logits: reading them says why and what to do, rather than handing back None
+    with pytest.raises(AttributeError, match=r"no logits.*head='keep'"):
+        out.logits  # noqa: B018
+    assert "logits" not in out and out.to_tuple()[0] is out.loss
+    got = torch.autograd.grad(out.loss, list(model.parameters()))
+    undo()
+    ref = _own_float64(model, ids, labels, num_items)
+    want = torch.autograd.grad(ref, list(model.parameters()))
+    assert abs(float(out.loss.detach() - ref.detach())) <= 1e-12 * abs(float(ref.detach()))
+    for a, b in zip(got, want):
+        assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())
+
+
+def test_calls_without_labels_or_gradient_run_the_own_forward():
+    model = _gpt2()
+    ids, labels = _batch()
+    undo = take_over_heads(model, "auto", note=pytest.fail)
+    assert model(ids).logits.shape == (3, 12, V)
+    with torch.no_grad():
+        assert model(ids, labels=labels).logits is not None
+    assert "forward" in vars(model)  # still patched: those calls passed through
+    undo()
+    assert "forward" not in vars(model)
+
+
+def test_keep_logits_returns_them_without_gradient():
+    model = _gpt2()
+    ids, labels = _batch()
+    head = ChunkedHead(model, note=pytest.fail, keep_logits=True)
+    out = model(ids, labels=labels)
+    head.undo()
+    assert torch.equal(out.logits, model(ids).logits.detach()) and not out.logits.requires_grad
+
+
+def test_first_check_waits_for_a_slice_with_counted_labels():
+    """A first sample whose labels are all ignored gives a NaN loss: nothing to compare; the next call is
+    checked instead."""
+    model = _gpt2()
+    head = ChunkedHead(model, note=pytest.fail)
+    ids, labels = _batch()
+    labels[0] = -100
+    model(ids, labels=labels)
+    assert not head.verified
+    model(*_batch(seed=1)[:1], labels=_batch(seed=1)[1])
+    assert head.verified and head.declined is None
+    head.undo()
+
+
+def test_the_check_compares_on_a_64_token_prefix_of_one_sample():
+    model = _gpt2()
+    ids, labels = _batch(n=4, t=80)
+    seen = []
+    model.transformer.wte.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
+    head = ChunkedHead(model, note=pytest.fail)
+    model(ids, labels=labels)
+    head.undo()
+    assert seen == [(1, 64), (1, 64), (4, 80)]  # own, chunked, then the step itself
+
+
+def test_decline_reasons_from_the_config():
+    assert decline_reason(_gpt2()) is None
+    gemma = transformers.Gemma2Config(final_logit_softcapping=30.0)
+    assert "final logit soft-capping (config.final_logit_softcapping=30.0)" in decline_reason(
+        type("M", (), {"config": gemma})()
+    )
+    granite = type("M", (), {"config": type("C", (), {"logits_scaling": 1.0})()})()
+    assert decline_reason(granite) is None  # a scaling of 1 changes nothing
+    granite.config.logits_scaling = 8.0
+    assert "logit scaling (config.logits_scaling=8.0)" in decline_reason(granite)
+
+
+def test_found_inside_a_wrapper_and_declined_with_a_note():
+    notes = []
+    wrapper = torch.nn.ModuleDict({"lm": _gpt2(), "other": torch.nn.Linear(2, 2)})
+    assert causal_lms(wrapper) == [wrapper["lm"]]
+    wrapper["lm"].config.output_router_logits = True  # as a mixture of experts with its auxiliary loss
+    undo = take_over_heads(wrapper, "auto", note=notes.append)
+    assert notes == [
+        "the chunked output head (lightning_memopt.head) is not used: GPT2LMHeadModel has a router auxiliary "
+        "loss added to the loss (config.output_router_logits=True)"
+    ]
+    assert "forward" not in vars(wrapper["lm"])
+    undo()
+
+
+def test_keep_changes_nothing():
+    model = _gpt2()
+    take_over_heads(model, "keep", note=pytest.fail)
+    assert "forward" not in vars(model)

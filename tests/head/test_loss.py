@@ -1,0 +1,198 @@
+"""linear_cross_entropy: the unchunked loss and gradients, with at most one chunk of logits alive."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from lightning_memopt.head import default_chunk_size, linear_cross_entropy
+from lightning_memopt.memory import MemoryTracker
+
+V, H = 11, 8
+
+
+def _inputs(shape=(3, 7), dtype=torch.float64, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, H, dtype=dtype, generator=g).requires_grad_()
+    weight = torch.randn(V, H, dtype=dtype, generator=g).requires_grad_()
+    b = torch.randn(V, dtype=dtype, generator=g).requires_grad_() if bias else None
+    labels = torch.randint(0, V, shape, generator=g)
+    return hidden, weight, b, labels
+
+
+def _reference(hidden, weight, labels, bias=None, **kw):
+    out = F.cross_entropy(F.linear(hidden, weight, bias).reshape(-1, V), labels.reshape(-1), **kw)
+    return out.reshape(labels.shape) if kw.get("reduction") == "none" else out
+
+
+def _grads(out, inputs, seed=1):
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad(out, [t for t in inputs if t is not None], g)
+
+
+def _rel(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 4, 21, 100, None])
+def test_equals_unchunked_float64(reduction, smoothing, bias, chunk_size):
+    hidden, weight, b, labels = _inputs(bias=bias)
+    labels[0, :] = -100  # a whole chunk of 4 (and of 1) ignored
+    labels[2, 3] = -100
+    kw = dict(label_smoothing=smoothing, reduction=reduction)
+    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk_size, **kw)
+    ref = _reference(hidden, weight, labels, b, **kw)
+    assert out.shape == ref.shape
+    assert _rel(out, ref) <= 1e-12
+    for got, want in zip(_grads(out, (hidden, weight, b)), _grads(ref, (hidden, weight, b))):
+        assert _rel(got, want) <= 1e-12
+
+
+def test_ignore_index_other_than_default_and_float32():
+    hidden, weight, _, labels = _inputs(dtype=torch.float32)
+    labels[1, ::2] = 3  # class 3 is ignored here
+    out = linear_cross_entropy(hidden, weight, labels, ignore_index=3, chunk_size=5)
+    ref = _reference(hidden, weight, labels, ignore_index=3)
+    assert _rel(out, ref) <= 1e-6
+    for got, want in zip(_grads(out, (hidden, weight)), _grads(ref, (hidden, weight))):
+        assert _rel(got, want) <= 1e-5
+
+
+def test_every_label_ignored_is_nan_with_zero_gradients_as_cross_entropy():
+    hidden, weight, _, labels = _inputs()
+    labels.fill_(-100)
+    out = linear_cross_entropy(hidden, weight, labels, chunk_size=4)
+    ref = _reference(hidden, weight, labels)
+    assert out.isnan() and ref.isnan()
+    dh, dw = torch.autograd.grad(out, (hidden, weight))
+    assert torch.equal(dh, torch.zeros_like(dh)) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_tied_weight_gets_both_gradients():
+    g = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(V, H, dtype=torch.float64)
+    ids = torch.randint(0, V, (2, 6), generator=g)
+    labels = torch.randint(0, V, (2, 6), generator=g)
+    linear_cross_entropy(torch.tanh(embed(ids)), embed.weight, labels, chunk_size=5).backward()
+    got, embed.weight.grad = embed.weight.grad, None
+    _reference(torch.tanh(embed(ids)), embed.weight, labels).backward()
+    assert _rel(got, embed.weight.grad) <= 1e-12
+
+
+def test_non_contiguous_and_2d_inputs():
+    hidden, weight, b, labels = _inputs(shape=(6, 5), bias=True)
+    h2 = hidden.transpose(0, 1)  # (5, 6, H), not contiguous
+    w2 = weight.detach().t().contiguous().t().requires_grad_()  # (V, H) stored transposed
+    y2 = labels.t()
+    out = linear_cross_entropy(h2, w2, y2, bias=b, chunk_size=7)
+    ref = _reference(h2, w2, y2, b)
+    assert _rel(out, ref) <= 1e-12
+    for got, want in zip(_grads(out, (hidden, w2, b)), _grads(ref, (hidden, w2, b))):
+        assert _rel(got, want) <= 1e-12
+    flat = linear_cross_entropy(hidden.reshape(-1, H), weight, labels.reshape(-1), reduction="none")
+    assert (
+        flat.shape == (30,)
+        and _rel(flat, _reference(hidden, weight, labels, reduction="none").reshape(-1)) <= 1e-12
+    )
+
+
+def test_frozen_weight_and_hidden_without_grad():
+    hidden, weight, _, labels = _inputs()
+    weight.requires_grad_(False)
+    out = linear_cross_entropy(hidden, weight, labels)
+    (dh,) = torch.autograd.grad(out, hidden)
+    (want,) = torch.autograd.grad(_reference(hidden, weight, labels), hidden)
+    assert _rel(dh, want) <= 1e-12
+    with torch.no_grad():
+        assert not linear_cross_entropy(hidden, weight, labels).requires_grad
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(2046) == 128  # GPT-2 small, 2 x 1,023 shifted tokens
+    assert default_chunk_size(64) == 4
+    assert default_chunk_size(3) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (dict(reduction="avg"), ValueError, "reduction must be one of"),
+        (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a float in \[0, 1\], got 1.5"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
+        (
+            dict(weight=torch.randn(V, H + 1)),
+            ValueError,
+            r"weight must be \(V, H\) with H = hidden.shape\[-1\] = 8",
+        ),
+        (dict(labels=torch.zeros(3, 6, dtype=torch.long)), ValueError, "labels must have hidden's shape"),
+        (dict(labels=torch.zeros(3, 7)), TypeError, "labels must be integer class indices"),
+        (dict(hidden=torch.zeros(3, 7, H, dtype=torch.long)), TypeError, "hidden must be a floating-point"),
+        (dict(bias=torch.zeros(V + 1)), ValueError, r"bias must be \(V,\) = \(11,\)"),
+        (
+            dict(labels=torch.full((3, 7), V)),
+            ValueError,
+            r"labels must be class indices in \[0, 11\) or ignore_index=-100, got 11",
+        ),
+    ],
+)
+def test_bad_arguments(change, error, match):
+    args = dict(
+        hidden=torch.randn(3, 7, H), weight=torch.randn(V, H), labels=torch.zeros(3, 7, dtype=torch.long)
+    )
+    kwargs = {k: change.pop(k) for k in list(change) if k not in args}
+    args.update(change)
+    with pytest.raises(error, match=match):
+        linear_cross_entropy(args["hidden"], args["weight"], args["labels"], **kwargs)
+
+
+def test_a_torch_function_mode_sees_the_call():
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    hidden, weight, _, labels = _inputs()
+    with Spy():
+        linear_cross_entropy(hidden, weight, labels, label_smoothing=0.1)
+    assert seen[0] is linear_cross_entropy
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_at_most_one_chunk_of_logits_is_alive(reduction):
+    """MemoryTracker's live bytes: forward holds one chunk of logits at a time (default chunk size: 16 of 256
+    tokens) and keeps nothing logits-sized for backward; plain autograd holds logits and log-softmax."""
+    n, h, v = 256, 16, 512
+    hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    logits, chunk = n * v * 4, default_chunk_size(n) * v * 4
+    assert chunk == logits // 16
+    ahead = reduction == "mean"  # gradients computed in forward, held until backward
+    with MemoryTracker() as tracker:
+        (hidden.sum(), weight.sum(), labels.sum())  # the inputs are counted before the head runs
+        before = tracker.current
+        tracker.reset_peak()
+        loss = linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+        held = tracker.current - before
+        assert held == (n * h * 4 + v * h * 4 + 4 if ahead else n * 4)  # the gradients / the losses
+        transient = tracker.peak - before - held
+        assert chunk <= transient <= chunk + 128 * 16 + (0 if ahead else n * 4)
+        assert transient <= logits // 8
+        tracker.reset_peak()
+        loss.sum().backward()
+        if ahead:  # backward only scales them: no new bytes but the scalar gradient
+            assert tracker.peak - tracker.current <= 8
+        else:  # recomputed one chunk at a time
+            assert tracker.peak - before - (n * h * 4 + v * h * 4) <= logits // 8
+        hidden.grad = weight.grad = None
+        before = tracker.current
+        tracker.reset_peak()
+        F.cross_entropy(hidden @ weight.t(), labels).backward()
+        assert tracker.peak - before >= 2 * logits  # the logits and their log-softmax

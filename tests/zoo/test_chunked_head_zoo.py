@@ -1,0 +1,205 @@
+"""AutoCheckpoint(head="auto") on Hugging Face causal LMs built from tiny configs: each model is either
+taken (its loss computed by linear_cross_entropy: parameters after a few steps equal those trained with
+the model's own logits, float64) or declined with one note naming why. Nothing stays after fit."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_memopt import AutoAccumulation, AutoCheckpoint, SplitNotExactWarning
+from lightning_memopt.head.causal_lm import take_over_heads
+from lightning_memopt.memory import MemoryTracker
+from tests.batching.helpers import quiet_trainer
+from tests.zoo import models as zoo
+from tests.zoo.models import SEQ, VOCAB, ZooModule, transformers
+
+STEPS, BATCH = 3, 4
+
+
+def _tiny(config_class, **extra):
+    sizes = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    return config_class(vocab_size=VOCAB, pad_token_id=0, **sizes, **extra)
+
+
+def qwen2(dtype):
+    return transformers.Qwen2ForCausalLM(_tiny(transformers.Qwen2Config, tie_word_embeddings=True)).to(dtype)
+
+
+def mistral(dtype):
+    return transformers.MistralForCausalLM(_tiny(transformers.MistralConfig, head_dim=8)).to(dtype)
+
+
+def gemma2(dtype):
+    config = _tiny(transformers.Gemma2Config, head_dim=8, final_logit_softcapping=30.0)
+    return transformers.Gemma2ForCausalLM(config).to(dtype)
+
+
+def mixtral_aux(dtype):
+    model = zoo.mixtral(dtype)
+    model.config.output_router_logits = True  # the loss adds router_aux_loss_coef * the balancing loss
+    return model
+
+
+class ZLossGPT2LMHeadModel(transformers.GPT2LMHeadModel):
+    """A user's GPT-2 whose loss adds a z-loss (1e-2 * mean squared log-sum-exp of the logits)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if out.loss is not None:
+            out.loss = out.loss + 1e-2 * out.logits.logsumexp(-1).pow(2).mean()
+        return out
+
+
+TAKEN = {
+    "gpt2": zoo.gpt2,
+    "llama": zoo.llama,
+    "qwen2_tied": qwen2,
+    "mistral": mistral,
+    "mixtral": zoo.mixtral,
+}
+DECLINED = {
+    "gemma2": (gemma2, r"final logit soft-capping \(config.final_logit_softcapping=30.0\)"),
+    "mixtral_aux": (
+        mixtral_aux,
+        r"router auxiliary loss added to the loss \(config.output_router_logits=True\)",
+    ),
+    # Nothing in the config says so: the first batch's check finds the loss's extra term.
+    "gpt2_z_loss": (
+        lambda dtype: ZLossGPT2LMHeadModel(zoo.gpt2(dtype).config).to(dtype),
+        r"its loss differs",
+    ),
+}
+
+
+class LM(ZooModule):
+    """``model(**batch).loss``, or (``own_float64``) the model's own logits with a float64 shifted
+    cross-entropy: the reference (the model's own loss upcasts logits to float32, also in float64)."""
+
+    def __init__(self, build, own_float64: bool = False) -> None:
+        super(ZooModule, self).__init__()
+        torch.manual_seed(0)
+        self.model, self.lr, self.own_float64 = build(torch.float64), 0.05, own_float64
+        self.logits_seen: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        if not self.own_float64:
+            out = self.model(**batch)
+            self.logits_seen.append(out.logits is not None)
+            return out.loss
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
+        return F.cross_entropy(shifted, batch["labels"][:, 1:].reshape(-1))
+
+
+def _fit(module, callbacks, batch=BATCH):
+    trainer = quiet_trainer(callbacks, max_steps=STEPS)
+    torch.manual_seed(1)  # the same dropout masks in every run
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, zoo.loader("gpt2", batch, batches=STEPS, dtype=torch.float64))
+    return [str(w.message) for w in caught if "lightning_memopt.head" in str(w.message)]
+
+
+def _assert_same(module, reference, start) -> None:
+    params, ref = dict(module.named_parameters()), dict(reference.named_parameters())
+    assert params.keys() == ref.keys()
+    diff = sum(((params[k] - ref[k]).detach() ** 2).sum() for k in ref)
+    update = sum(((ref[k] - start[k]) ** 2).sum() for k in ref)
+    assert update > 0
+    rel = float((diff / update).sqrt().detach())
+    assert rel <= 1e-10, f"parameters differ from the own head's by {rel:.3g} of the update"
+
+
+def _assert_nothing_left(module) -> None:
+    assert not [m for m in module.modules() if "forward" in vars(m)]
+
+
+@pytest.mark.parametrize("name", sorted(TAKEN))
+def test_taken_trains_like_the_model_own_head(name):
+    build = TAKEN[name]
+    reference = LM(build, own_float64=True)
+    start = {k: v.detach().clone() for k, v in reference.named_parameters()}
+    _fit(reference, [AutoCheckpoint(head="keep")])
+    module = LM(build)
+    notes = _fit(module, [AutoCheckpoint()])
+    assert notes == []
+    assert module.logits_seen == [False] * STEPS  # the chunked head ran every step: no logits made
+    _assert_same(module, reference, start)
+    _assert_nothing_left(module)
+    assert module.model(**zoo.causal_lm_batch(2)).logits is not None  # the model's own forward again
+
+
+@pytest.mark.parametrize("name", sorted(DECLINED))
+def test_declined_with_one_note_and_trains_as_without(name):
+    build, reason = DECLINED[name]
+    reference = LM(build)
+    _fit(reference, [AutoCheckpoint(head="keep")])
+    module = LM(build)
+    notes = _fit(module, [AutoCheckpoint()])
+    assert len(notes) == 1, notes
+    assert "the chunked output head (lightning_memopt.head) is not used" in notes[0]
+    assert re.search(reason, notes[0]), notes[0]
+    assert module.logits_seen == [True] * STEPS
+    for (key, got), want in zip(module.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(got, want), key
+    _assert_nothing_left(module)
+
+
+def test_chunked_raises_where_auto_declines():
+    with pytest.raises(
+        RuntimeError, match=r"head='chunked': Gemma2ForCausalLM has a final logit soft-capping"
+    ):
+        _fit(LM(gemma2), [AutoCheckpoint(head="chunked")])
+    with pytest.raises(RuntimeError, match=r"head='chunked': its loss differs from the model's own"):
+        _fit(LM(DECLINED["gpt2_z_loss"][0]), [AutoCheckpoint(head="chunked")])
+    with pytest.raises(RuntimeError, match=r"found no Hugging Face causal LM .* in ZooModule"):
+        _fit(ZooModule("bert"), [AutoCheckpoint(head="chunked")])
+
+
+def test_bad_head_option():
+    with pytest.raises(ValueError, match=r"head must be one of \('auto', 'chunked', 'keep'\), got 'yes'"):
+        AutoCheckpoint(head="yes")
+
+
+def test_micro_batches_with_the_chunked_head_equal_the_unsplit_run():
+    """AutoAccumulation sees the chunked loss (labels[:, 1:] != -100 counted): splitting is exact, silently."""
+    reference = LM(zoo.gpt2)
+    start = {k: v.detach().clone() for k, v in reference.named_parameters()}
+    zoo.no_dropout(reference)
+    _fit(reference, [AutoCheckpoint()])
+    module = zoo.no_dropout(LM(zoo.gpt2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SplitNotExactWarning)
+        _fit(module, [AutoCheckpoint(), AutoAccumulation(micro_batch_size=1, log=False)])
+    assert module.logits_seen[:2] == [False, False]
+    _assert_same(module, reference, start)
+
+
+def test_the_step_holds_no_logits():
+    """MemoryTracker's peak of one step with a 4,096-token vocabulary: the chunked head's is lower than the
+    own head's by at least two logits tensors (the logits and the log-softmax saved for backward)."""
+    config = transformers.GPT2Config(vocab_size=4096, n_layer=2, n_embd=32, n_head=2, n_positions=SEQ)
+    batch = zoo.causal_lm_batch(8)
+    peaks = {}
+    for head in ("keep", "auto"):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        undo = take_over_heads(model, head, note=pytest.fail)
+        with MemoryTracker(model) as tracker:
+            model(**batch).loss.backward()
+        undo()
+        peaks[head] = tracker.peak
+    logits = 8 * SEQ * 4096 * 4
+    assert peaks["keep"] - peaks["auto"] >= 2 * logits, peaks
