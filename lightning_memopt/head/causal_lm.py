@@ -252,7 +252,12 @@ def _without_logits(kind: type) -> type:
                 raise AttributeError(NO_LOGITS)
             return kind.__getattribute__(self, name)
 
-        _WITHOUT_LOGITS[kind] = type(kind.__name__, (kind,), {"__getattribute__": __getattribute__})
+        def __repr__(self: Any) -> str:  # noqa: N807
+            shown = ", ".join(f"{k}={v!r}" for k, v in self.items())
+            return f"{kind.__name__}({shown}, logits not computed)"
+
+        methods = {"__getattribute__": __getattribute__, "__repr__": __repr__}
+        _WITHOUT_LOGITS[kind] = type(kind.__name__, (kind,), methods)
     return _WITHOUT_LOGITS[kind]
 
 

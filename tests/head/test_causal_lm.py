@@ -45,6 +45,7 @@ def test_loss_and_gradients_equal_the_own_logits(num_items):
     with pytest.raises(AttributeError, match=r"no logits.*head='keep'"):
         out.logits  # noqa: B018
     assert "logits" not in out and out.to_tuple()[0] is out.loss
+    assert repr(out).endswith("logits not computed)")
     got = torch.autograd.grad(out.loss, list(model.parameters()))
     undo()
     ref = _own_float64(model, ids, labels, num_items)

@@ -95,11 +95,13 @@ def test_fsdp_prediction_equals_two_process_run_per_rank(tmp_path):
     # collectives' buffers, whose lifetime depends on when gloo's async work completes: on a loaded
     # 2-core machine about 1 run in 5 shows one reduce-scatter/all-gather buffer (8-9 KiB here) still
     # alive at the backward or optimizer phase's peak, and CI once showed two (16.1 KiB) already freed
-    # there. That is allowed (at most 2 such buffers either way, 24 KiB), and only in 'other'.
+    # there. That is allowed (at most 2 such buffers either way, 24 KiB), and only in 'other'; the phase's
+    # peak moves by as much (once measured: 'other' 16.1 KiB lower at a peak 7.9 KiB higher, reached at
+    # another moment of the phase).
     for rank in measured:
         for phase in PHASES:
             late = rank[f"{phase}_other"] - predicted.record[f"{phase}_other"]
-            assert abs(late) <= 24 * 1024 and rank[phase] - predicted.record[phase] == late
+            assert abs(late) <= 24 * 1024 and abs(rank[phase] - predicted.record[phase]) <= 24 * 1024
         exact = [k for k in rank if not k.endswith("_other") and k not in PHASES]
         assert {k: rank[k] for k in exact} == {k: predicted.record[k] for k in exact}
     assert predicted.record["optimizer_optimizer_state"] < single.record["optimizer_optimizer_state"]
