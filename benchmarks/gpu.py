@@ -60,6 +60,7 @@ from lightning_memopt.checkpointing import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing import offload as offload_module
+from lightning_memopt.checkpointing import planner as planner_module
 from lightning_memopt.memory import format_bytes
 
 SECTIONS = ("plans", "sizing", "backoff", "offload", "monitor")
@@ -185,7 +186,7 @@ def plans_table(name: str, model: nn.Module, idx: torch.Tensor, reps: int) -> li
     blocks = find_blocks(model)
     inputs = capture_block_inputs(model, blocks, idx, context=bf16)
     profiles = profile_blocks(model, blocks, inputs=inputs, context=bf16)
-    cost_model = offload_module.measured_cost_model(idx.device)
+    cost_model = planner_module.measured_cost_model(idx.device)
     n = len(blocks)
     keep_plan = evaluate_plan(profiles, ["keep"] * n, cost_model)
     plans = {

@@ -33,7 +33,13 @@ BENCHMARKS = [
     ("anchors.py", "Anchors: torch apply_activation_checkpointing, torch.compile memory budget", [], [], 150),
     ("batching.py", "Micro-batch sizing vs Lightning's BatchSizeFinder", [], [], 150),
     ("engine_overhead.py", "Micro-batch engine step-time overhead at k=1", [], [], 90),
-    ("exactness.py", "Exactness by verification: the loss observer, learned weights, the one-time check", [], [], 300),
+    (
+        "exactness.py",
+        "Exactness by verification: the loss observer, learned weights, the one-time check",
+        [],
+        [],
+        300,
+    ),
     # micro_batching_zoo.py: ~170 transformers architectures, unsplit and split twice each (~2 minutes).
     (
         "micro_batching_zoo.py",
@@ -48,7 +54,13 @@ BENCHMARKS = [
     ("dataloader.py", "DataLoaderMonitor: input stalls and the named fix", [], [], 180),
     ("plan.py", "lightning-memopt plan on a Llama-2-7B-shaped config (time, resident memory)", [], [], 300),
     # head.py: GPT-2 small at 2 x 1,024 on CPU, 5 timed rounds (~15 minutes on a 2-core machine).
-    ("head.py", "The output head without its logits (GPT-2 small: step peak, head bytes, exactness, time)", [], ["--small"], 2400),
+    (
+        "head.py",
+        "The output head without its logits (GPT-2 small: step peak, head bytes, exactness, time)",
+        [],
+        ["--small"],
+        2400,
+    ),
     # The full run trains on variable-length batches for a few minutes; --quick prints the padding table.
     (
         "variable_length.py",

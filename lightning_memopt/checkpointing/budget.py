@@ -25,6 +25,7 @@ from lightning_memopt.checkpointing.planner import (
     Plan,
     evaluate_plan,
     keep_where_no_gain,
+    measured_cost_model,
     plan_checkpointing,
     treatments,
 )
@@ -225,8 +226,6 @@ class PlanPolicy:
         """
         chosen = treatments(mode, planned=limit.usable is not None, offload=offload)
         if cost_model is None and "offload" in chosen:
-            from lightning_memopt.checkpointing.offload import measured_cost_model
-
             cost_model = measured_cost_model(device)
         cost_model = cost_model or CostModel()
         planned = mode == "auto" and limit.usable is not None

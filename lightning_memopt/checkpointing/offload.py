@@ -44,7 +44,7 @@ import collections
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,9 +52,6 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_memopt.memory import device as cuda
 from lightning_memopt.memory.units import parse_bytes
-
-if TYPE_CHECKING:
-    from lightning_memopt.checkpointing.planner import CostModel
 
 __all__ = [
     "OFFLOAD_DEVICE_TYPES",
@@ -64,7 +61,6 @@ __all__ = [
     "offloader_for",
     "offloading",
     "release_offloaders",
-    "measured_cost_model",
 ]
 
 OFFLOAD_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
@@ -350,7 +346,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
 
 _OFFLOADERS: dict[torch.device, Offloader] = {}
-_MEASURED: dict[torch.device, tuple[float, float]] = {}
 
 
 def offloader_for(device: torch.device | str, **options: Any) -> Offloader:
@@ -421,21 +416,3 @@ def offloading(blocks: Iterable[nn.Module], offloader: Offloader) -> Iterator[No
     finally:
         for handle in handles:
             handle.remove()
-
-
-def measured_cost_model(device: torch.device | str, base: CostModel | None = None) -> CostModel:
-    """``base`` (default :class:`~lightning_memopt.checkpointing.CostModel`) with the offload price measured
-    on ``device``: a pinned round trip and a bf16 matmul, each timed once per device and process.
-
-    Off CUDA, ``base`` unchanged: offload stays out of plans there, and its constant is never used.
-    """
-    from lightning_memopt.checkpointing.planner import CostModel  # planner imports apply, which imports us
-
-    base = base if base is not None else CostModel()
-    if torch.device(device).type != "cuda":
-        return base
-    device = cuda.indexed(device)
-    if device not in _MEASURED:
-        _MEASURED[device] = (cuda.measure_transfer_rate(device), cuda.measure_matmul_rate(device))
-    transfer, flops = _MEASURED[device]
-    return base.with_transfer_rate(transfer, flops_per_second=flops)

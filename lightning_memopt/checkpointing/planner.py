@@ -26,9 +26,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+import torch
+
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.checkpointing.apply import CHOICES
 from lightning_memopt.checkpointing.profile import BlockProfile, OptionCost
+from lightning_memopt.memory import device as cuda
 from lightning_memopt.memory import format_bytes, parse_bytes
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "MODES",
     "check_mode",
     "initial_choices",
+    "measured_cost_model",
     "prediction_gap",
     "simple_plans",
     "treatments",
@@ -84,7 +88,7 @@ class CostModel:
 
     def with_transfer_rate(self, bytes_per_second: float, *, flops_per_second: float) -> CostModel:
         """This model with ``offload_flops_per_byte`` measured: the device's FLOP/s over the bytes per
-        second of a pinned host round trip (``checkpointing.offload.measured_cost_model`` times both).
+        second of a pinned host round trip (:func:`measured_cost_model` times both).
 
         Raises:
             ValueError: a rate that is not positive.
@@ -503,3 +507,22 @@ def brute_force_plan(
         ):
             best = plan
     return best
+
+
+_MEASURED: dict[torch.device, tuple[float, float]] = {}  # each device timed once per process
+
+
+def measured_cost_model(device: torch.device | str, base: CostModel | None = None) -> CostModel:
+    """``base`` (default :class:`CostModel`) with the offload price measured
+    on ``device``: a pinned round trip and a bf16 matmul, each timed once per device and process.
+
+    Off CUDA, ``base`` unchanged: offload stays out of plans there, and its constant is never used.
+    """
+    base = base if base is not None else CostModel()
+    if torch.device(device).type != "cuda":
+        return base
+    device = cuda.indexed(device)
+    if device not in _MEASURED:
+        _MEASURED[device] = (cuda.measure_transfer_rate(device), cuda.measure_matmul_rate(device))
+    transfer, flops = _MEASURED[device]
+    return base.with_transfer_rate(transfer, flops_per_second=flops)

@@ -147,11 +147,11 @@ def test_mode_policy():
 
 
 def test_plan_policy_prices_offload_by_a_copy_timed_on_the_device(monkeypatch):
-    from lightning_memopt.checkpointing import CostModel, offload
+    from lightning_memopt.checkpointing import CostModel, budget
 
     timed = CostModel(offload_flops_per_byte=123.0)
     calls = []
-    monkeypatch.setattr(offload, "measured_cost_model", lambda device: calls.append(device) or timed)
+    monkeypatch.setattr(budget, "measured_cost_model", lambda device: calls.append(device) or timed)
     limit = StepLimit(None, 0.1, 10**6)
     # auto may offload (a CUDA device): the price comes from the timed copy
     assert PlanPolicy.for_mode("auto", limit, offload=True, device="cuda:0").cost_model is timed

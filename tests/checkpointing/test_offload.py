@@ -226,16 +226,18 @@ def test_off_the_offload_devices_apply_keeps_the_plain_copy(fake, monkeypatch):
 
 
 def test_measured_cost_model(fake, monkeypatch):
+    from lightning_memopt.checkpointing import planner
+
     calls = []
-    monkeypatch.setattr(offload, "_MEASURED", {})
-    monkeypatch.setattr(offload.cuda, "measure_transfer_rate", lambda d: calls.append(d) or 2e10)
-    monkeypatch.setattr(offload.cuda, "measure_matmul_rate", lambda d: 4e14)
+    monkeypatch.setattr(planner, "_MEASURED", {})
+    monkeypatch.setattr(planner.cuda, "measure_transfer_rate", lambda d: calls.append(d) or 2e10)
+    monkeypatch.setattr(planner.cuda, "measure_matmul_rate", lambda d: 4e14)
     base = CostModel(pointwise_flops_per_byte=7.0)
-    assert offload.measured_cost_model("cpu", base) is base  # offload stays out of CPU plans
+    assert planner.measured_cost_model("cpu", base) is base  # offload stays out of CPU plans
     for _ in range(2):
-        model = offload.measured_cost_model("cuda:0", base)
+        model = planner.measured_cost_model("cuda:0", base)
         assert model == CostModel(pointwise_flops_per_byte=7.0, offload_flops_per_byte=4e14 / 2e10)
-    assert offload.measured_cost_model("cuda", base) == model  # "cuda" is cuda:0 here
+    assert planner.measured_cost_model("cuda", base) == model  # "cuda" is cuda:0 here
     assert calls == [torch.device("cuda:0")]  # timed once per device
 
 
