@@ -308,8 +308,41 @@ def convert_batchnorm(
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_batchnorm expects a torch.nn.Module, got {type(module).__name__}")
     num_groups = _check_group_options(num_groups, group_size, groups)
+    found, names = _find_batchnorms(module, groups)
+    report = ConversionReport(module=module)
+    todo = _to_convert(found, names, groups, report)
+    # Probe the input shape of every layer to convert, so no group ends up with a single value.
+    shapes = _probe_input_shapes(module, todo, example_input) if todo and example_input is not None else {}
+    replacements: dict[int, nn.Module] = {}
+    for sub in todo:
+        layer_names = tuple(names[id(sub)])
+        count = _group_count(sub, layer_names, shapes.get(id(sub)), num_groups, group_size, groups, report)
+        converter = _converter_for(type(sub))
+        new = SwappedGroupNorm.from_batchnorm(sub, count) if converter is None else converter(sub, count)
+        if isinstance(new, SwappedGroupNorm):
+            new.layer_name = _display(layer_names)
+        replacements[id(sub)] = new
+        report.converted.append(
+            ConvertedLayer(layer_names, _qualname(type(sub)), sub.num_features, count, shapes.get(id(sub)))
+        )
+    if report.unprobed:
+        warnings.warn(
+            f"BatchNorm1d layer(s) {', '.join(report.unprobed)} became GroupNorm(1, C), assuming (N, C) "
+            "input; pass example_input (Lightning: set example_input_array) so their input shape is "
+            "probed and layers that see (N, C, L) get more groups",
+            UserWarning,
+            stacklevel=2,
+        )
+    # Swap in place, in every parent (a shared layer is replaced by the same new module everywhere).
+    report.module = _replace(module, replacements)
+    return report
 
-    # 1. Find every BatchNorm-like layer with every name it has (a shared layer has several).
+
+def _find_batchnorms(
+    module: nn.Module, groups: Mapping[str, int] | None
+) -> tuple[dict[int, nn.Module], dict[int, list[str]]]:
+    """Every BatchNorm-like layer of ``module`` by id, with every name it has (a shared layer has several);
+    a name in ``groups`` that is none of them is refused."""
     names: dict[int, list[str]] = {}
     found: dict[int, nn.Module] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
@@ -324,9 +357,17 @@ def convert_batchnorm(
                 f"groups names {unknown} that are not BatchNorm layers of the {type(module).__name__}; "
                 f"its BatchNorm layers are {sorted(all_names)}"
             )
+    return found, names
 
-    # 2. Decide which to convert; refuse what cannot be converted faithfully.
-    report = ConversionReport(module=module)
+
+def _to_convert(
+    found: dict[int, nn.Module],
+    names: dict[int, list[str]],
+    groups: Mapping[str, int] | None,
+    report: ConversionReport,
+) -> list[nn.Module]:
+    """The layers to convert; the others go to ``report.skipped`` with why; what cannot be converted
+    faithfully is refused."""
     todo: list[nn.Module] = []
     lazy: list[str] = []
     for key, sub in found.items():
@@ -365,51 +406,35 @@ def convert_batchnorm(
             f"lazy BatchNorm layer(s) {', '.join(lazy)} are not initialized yet, so their channel count is "
             "unknown; run one forward first, then convert"
         )
+    return todo
 
-    # 3. Probe the input shape of every layer to convert, so no group ends up with a single value.
-    shapes: dict[int, tuple[int, ...]] = {}
-    if todo and example_input is not None:
-        shapes = _probe_input_shapes(module, todo, example_input)
 
-    # 4. Build the replacements.
-    replacements: dict[int, nn.Module] = {}
-    for sub in todo:
-        layer_names, channels = tuple(names[id(sub)]), sub.num_features
-        shape = shapes.get(id(sub))
-        spatial = None if shape is None else _prod(shape[2:])
-        explicit = None
-        if groups is not None:
-            counts = {groups[n] for n in layer_names if n in groups}
-            if len(counts) > 1:
-                raise ValueError(
-                    f"groups gives different counts {sorted(counts)} to the shared layer {layer_names}"
-                )
-            (explicit,) = counts
-        if spatial is None and isinstance(sub, nn.BatchNorm1d) and explicit is None:
-            # BatchNorm1d sees (N, C) or (N, C, L); for (N, C) only one group avoids erasing the data.
-            _check_group_size(_display(layer_names), channels, group_size)
-            report.unprobed.append(_display(layer_names))
-            count = 1
-        else:
-            count = _choose_groups(_display(layer_names), channels, spatial, num_groups, group_size, explicit)
-        converter = _converter_for(type(sub))
-        new = SwappedGroupNorm.from_batchnorm(sub, count) if converter is None else converter(sub, count)
-        if isinstance(new, SwappedGroupNorm):
-            new.layer_name = _display(layer_names)
-        replacements[id(sub)] = new
-        report.converted.append(ConvertedLayer(layer_names, _qualname(type(sub)), channels, count, shape))
-    if report.unprobed:
-        warnings.warn(
-            f"BatchNorm1d layer(s) {', '.join(report.unprobed)} became GroupNorm(1, C), assuming (N, C) "
-            "input; pass example_input (Lightning: set example_input_array) so their input shape is "
-            "probed and layers that see (N, C, L) get more groups",
-            UserWarning,
-            stacklevel=2,
-        )
-
-    # 5. Swap in place, in every parent (a shared layer is replaced by the same new module everywhere).
-    report.module = _replace(module, replacements)
-    return report
+def _group_count(
+    sub: nn.Module,
+    layer_names: tuple[str, ...],
+    shape: tuple[int, ...] | None,
+    num_groups: int | None,
+    group_size: int | None,
+    groups: Mapping[str, int] | None,
+    report: ConversionReport,
+) -> int:
+    """The group count of one layer to convert (noted in ``report.unprobed`` where its shape is assumed)."""
+    channels = sub.num_features
+    spatial = None if shape is None else _prod(shape[2:])
+    explicit = None
+    if groups is not None:
+        counts = {groups[n] for n in layer_names if n in groups}
+        if len(counts) > 1:
+            raise ValueError(
+                f"groups gives different counts {sorted(counts)} to the shared layer {layer_names}"
+            )
+        (explicit,) = counts
+    if spatial is None and isinstance(sub, nn.BatchNorm1d) and explicit is None:
+        # BatchNorm1d sees (N, C) or (N, C, L); for (N, C) only one group avoids erasing the data.
+        _check_group_size(_display(layer_names), channels, group_size)
+        report.unprobed.append(_display(layer_names))
+        return 1
+    return _choose_groups(_display(layer_names), channels, spatial, num_groups, group_size, explicit)
 
 
 def revert_groupnorm(module: nn.Module) -> nn.Module:

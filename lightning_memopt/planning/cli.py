@@ -250,30 +250,40 @@ def plan(
         base = planner.evaluate(planner.grid()[0])
         options = _options(planner, base)
         best = planner.cheapest()
+    run = dict(device_memory_bytes=capacity, usable_bytes=usable, headroom=headroom, devices=devices)
+    run.update(precision=precision, strategy=strategy)
+    return _result(inp, run, base, options, best, time.perf_counter() - start)
+
+
+def _result(
+    inp: PlanInput,
+    run: dict[str, Any],
+    base: Evaluated,
+    options: list[tuple[str, Evaluated]],
+    best: Evaluated | None,
+    seconds: float,
+) -> dict[str, Any]:
+    """What :func:`plan` returns (``--json``): the run as given (``run``), its prediction, the options."""
     pred = base.prediction
+    cheapest = None
+    if best is not None:
+        yaml = trainer_yaml(
+            best, run["devices"], run["device_memory_bytes"], run["headroom"], batch_size(inp.batch)
+        )
+        cheapest = {**_option_dict("cheapest", best), "yaml": yaml}
     return {
         "model": type(inp.module).__name__,
         "parameters": sum(p.numel() for p in dict.fromkeys(inp.module.parameters())),
-        "device_memory_bytes": capacity,
-        "usable_bytes": usable,
-        "headroom": headroom,
-        "devices": devices,
-        "precision": precision,
-        "strategy": strategy,
+        **run,
         "peak_bytes": pred.peak_bytes,
         "peak_phase": pred.peak_phase,
         "phases": pred.phases,
         "categories": pred.categories,
         "fits": base.fits,
         "options": [_option_dict(name, e) for name, e in options],
-        "cheapest": None
-        if best is None
-        else {
-            **_option_dict("cheapest", best),
-            "yaml": trainer_yaml(best, devices, capacity, headroom, batch_size(inp.batch)),
-        },
+        "cheapest": cheapest,
         "modeled": sorted({m for _, e in options for m in (e.prediction.modeled if e.prediction else [])}),
-        "seconds": round(time.perf_counter() - start, 3),
+        "seconds": round(seconds, 3),
     }
 
 

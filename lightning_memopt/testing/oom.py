@@ -152,37 +152,8 @@ class OOMInjector:
         times: int | None = None,
         training_only: bool = True,
     ) -> None:
-        if phase not in _PHASES:
-            raise ValueError(f"phase must be one of {_PHASES}, got {phase!r}")
-        if module is not None and not isinstance(module, torch.nn.Module):
-            raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if module is None and phase != "step":
-            raise ValueError(f"phase={phase!r} needs the module to watch; pass module=")
-        if module is None and max_size is not None:
-            raise ValueError(
-                "max_size needs a module whose input gives the micro-batch size; pass module= "
-                "(for phase='step', the module's last training input is used)"
-            )
-        if optimizer is not None:
-            optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-            if phase != "step":
-                raise ValueError(f"optimizer is only used with phase='step', got phase={phase!r}")
-        check_positive_int(
-            "max_size", max_size, minimum=0, meaning="the largest micro-batch that fits", none_ok=True
-        )
-        if max_bytes is not None:
-            max_bytes = parse_bytes(max_bytes, name="max_bytes")
-            if memory is None:
-                raise ValueError(
-                    "max_bytes needs somewhere to read live bytes from; pass memory= (a MemoryTracker, "
-                    "or an object with an allocated() method)"
-                )
-        if memory is not None and not (hasattr(memory, "allocated") or hasattr(memory, "current")):
-            raise ValueError(
-                f"memory must be a MemoryTracker or have an allocated() method, got {type(memory).__name__}"
-            )
+        optimizer = _check_target(module, phase, optimizer, max_size)
+        max_bytes = _check_measure(max_size, max_bytes, memory)
         if steps is not None and step_fn is None:
             raise ValueError(
                 "steps needs step_fn, a callable returning the global step (e.g. lambda: trainer.global_step)"
@@ -342,3 +313,46 @@ def _out_of_memory(
     return torch.OutOfMemoryError(
         f"CUDA out of memory. {text} (Injected by lightning_memopt {where}: {reason}.)"
     )
+
+
+def _check_target(
+    module: Any, phase: str, optimizer: Any, max_size: int | None
+) -> torch.optim.Optimizer | None:
+    """Check where the injector watches (``module``, ``phase``, ``optimizer``); the unwrapped optimizer."""
+    if phase not in _PHASES:
+        raise ValueError(f"phase must be one of {_PHASES}, got {phase!r}")
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if module is None and phase != "step":
+        raise ValueError(f"phase={phase!r} needs the module to watch; pass module=")
+    if module is None and max_size is not None:
+        raise ValueError(
+            "max_size needs a module whose input gives the micro-batch size; pass module= "
+            "(for phase='step', the module's last training input is used)"
+        )
+    if optimizer is not None:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if phase != "step":
+            raise ValueError(f"optimizer is only used with phase='step', got phase={phase!r}")
+    return optimizer
+
+
+def _check_measure(max_size: int | None, max_bytes: int | str | None, memory: Any) -> int | None:
+    """Check what the injector compares (a size, or live bytes read from ``memory``); ``max_bytes`` in bytes."""
+    check_positive_int(
+        "max_size", max_size, minimum=0, meaning="the largest micro-batch that fits", none_ok=True
+    )
+    if max_bytes is not None:
+        max_bytes = parse_bytes(max_bytes, name="max_bytes")
+        if memory is None:
+            raise ValueError(
+                "max_bytes needs somewhere to read live bytes from; pass memory= (a MemoryTracker, "
+                "or an object with an allocated() method)"
+            )
+    if memory is not None and not (hasattr(memory, "allocated") or hasattr(memory, "current")):
+        raise ValueError(
+            f"memory must be a MemoryTracker or have an allocated() method, got {type(memory).__name__}"
+        )
+    return max_bytes
