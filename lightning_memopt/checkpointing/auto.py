@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lightning_memopt._checks import check_bool
-from lightning_memopt._rng import RngState
+from lightning_memopt.batching.state import StepState
 from lightning_memopt.checkpointing.apply import (
     apply_checkpointing,
     framework_checkpointing,
@@ -361,15 +361,11 @@ def _device_of(model: nn.Module) -> torch.device:
 def _untouched(model: nn.Module) -> Iterator[None]:
     """Run a measuring forward that training must not notice: the random generators and the buffers
     (BatchNorm statistics) are put back, and a ``backward`` inside it is refused (it would write ``.grad``)."""
-    rng, grads = RngState.capture(), [p.grad for p in model.parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    start, grads = StepState.capture([model]), [p.grad for p in model.parameters()]
     try:
         yield
     finally:
-        rng.restore()
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        start.restore()
     if any(p.grad is not g for p, g in zip(model.parameters(), grads)):
         raise ValueError(
             "example_batch ran backward (the parameters' .grad changed): the callable must run the forward "
