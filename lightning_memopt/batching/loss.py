@@ -379,12 +379,6 @@ class Weighting:
                     return None
         return found if found is not None else shares(Rule(), micro_batches, sizes)
 
-    @property
-    def single(self) -> Rule | str | None:
-        """The rule every part follows (samples for a loss with no observed part); None if they differ."""
-        chosen = {self.rule(i) for i in range(len(self.rules))} or {Rule()}
-        return chosen.pop() if len(chosen) == 1 else None
-
 
 def shares(rule: Rule | str, micro_batches: Sequence[Any], sizes: Sequence[int]) -> list[float]:
     """Each micro-batch's weight under ``rule``: its share of the batch's count, or 1 for a sum.
