@@ -66,25 +66,33 @@ def check_head(head: Any) -> HeadMode:
 
 
 def causal_lms(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The Hugging Face causal LMs in ``module`` (itself included): an ``nn.Linear`` ``lm_head``, a
-    ``base_model_prefix`` and a class named ``*ForCausalLM`` or ``*LMHeadModel``."""
-    return [
-        m
-        for m in module.modules()
-        if type(m).__name__.endswith(_SUFFIXES)
-        and isinstance(getattr(m, "lm_head", None), torch.nn.Linear)
-        and isinstance(getattr(m, getattr(m, "base_model_prefix", ""), None), torch.nn.Module)
-    ]
+    """The Hugging Face causal LMs in ``module`` (itself included): a class named ``*ForCausalLM`` or
+    ``*LMHeadModel``. Whether each can be taken is :func:`decline_reason`'s question."""
+    return [m for m in module.modules() if type(m).__name__.endswith(_SUFFIXES)]
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The ``nn.Linear`` that maps ``model``'s hidden states to its logits (its output embeddings, which
+    transformers models name: ``lm_head``, BioGPT's ``output_projection``, RWKV's ``head``), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else getattr(model, "lm_head", None)
+    return head if isinstance(head, torch.nn.Linear) else None
 
 
 def decline_reason(model: torch.nn.Module) -> str | None:
-    """Why the chunked head cannot reproduce ``model``'s loss, read from its config; None if nothing says."""
+    """Why the chunked head cannot reproduce ``model``'s loss, read from its structure and config; None if
+    nothing says (the first batch's check still may)."""
+    name = type(model).__name__
+    if output_head(model) is None:
+        return f"{name}'s output embeddings are not an nn.Linear"
+    if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), torch.nn.Module):
+        return f"{name} has no base model (base_model_prefix) whose output feeds the head"
     config = getattr(model, "config", None)
-    for name, what in _DECLINED.items():
-        value = getattr(config, name, None)
+    for attribute, what in _DECLINED.items():
+        value = getattr(config, attribute, None)
         neutral = value is None or value is False or (not isinstance(value, bool) and value == 1)
         if not neutral:  # a scaling of 1 changes nothing
-            return f"{type(model).__name__} has {what} (config.{name}={value!r})"
+            return f"{name} has {what} (config.{attribute}={value!r})"
     return None
 
 
@@ -109,6 +117,7 @@ class ChunkedHead:
         self.model, self.note, self.strict, self.keep_logits = model, note, strict, keep_logits
         self.verified = False
         self.declined: str | None = None
+        self.shift = True  # position t's logits predict label t + 1; learned at the first batch's check
         self._signature = inspect.signature(model.forward)
         self._undo: Callable[[], None] | None = patch(model, "forward", self._forward)
 
@@ -148,10 +157,12 @@ class ChunkedHead:
         base = getattr(model, model.base_model_prefix)
         outputs = base(**_for_base(base, call))
         hidden = outputs[0]  # (B, T, H): last_hidden_state
-        head = model.lm_head
+        head = output_head(model)
         labels = call.get("shift_labels")
-        if labels is None:  # position t predicts token t + 1
+        if labels is None and self.shift:  # position t predicts token t + 1
             hidden, labels = hidden[..., :-1, :], call["labels"][..., 1:]
+        elif labels is None:  # the labels are the next tokens already (TrOCR, BART's and XLNet's LM heads)
+            labels = call["labels"]
         num_items = call.get("num_items_in_batch")
         loss = linear_cross_entropy(
             hidden,
@@ -171,33 +182,54 @@ class ChunkedHead:
     def _verify(self, original: Callable[..., Any], call: dict[str, Any]) -> str | None:
         """Why the chunked path differs from the model's own on a slice of the batch, or None (both agree).
 
-        Compared: the loss and its gradient w.r.t. the base model's output (which decides every gradient
-        before the head), on the first sample's first :data:`VERIFY_TOKENS` positions (a causal LM's loss
-        on a prefix is its loss on that prefix alone): the own path's logits there are small.
+        Compared: the hidden states entering the head (the own forward's input to :func:`output_head`, the
+        base model's output on the chunked path), the loss and its gradient w.r.t. those hidden states
+        (which decides every gradient before the head), on the first sample's first
+        :data:`VERIFY_TOKENS` positions (a causal LM's loss on a prefix is its loss on that prefix alone):
+        the own path's logits there are small. The labels are shifted by one position, or, where that
+        differs and the model's own loss does not shift them, not (:attr:`shift`).
         """
         part = _prefix(call, VERIFY_TOKENS)
-        base = getattr(self.model, self.model.base_model_prefix)
-        state, results = RngState.capture(), []
-        seen: list[torch.Tensor] = []
-        handle = base.register_forward_hook(lambda module, args, out: seen.append(out[0]))
-        try:
-            for run in (lambda: original(**part), lambda: self.chunked(part)):
-                state.restore()  # the same dropout masks in both
-                loss = run().loss
-                results.append((loss.detach(), *torch.autograd.grad(loss, seen.pop())))
-        finally:
-            handle.remove()
-            state.restore()
-        (own, own_grad), (mine, my_grad) = results
+        own_hidden, own, own_grad = self._run(lambda: original(**part), output_head(self.model), pre=True)
         if not bool(torch.isfinite(own)):  # every label of the slice ignored: check the next call
             self.verified = False
             return None
         tol = 1e-2 if own.dtype in (torch.float16, torch.bfloat16) else 1e-4
-        if (gap := _gap(mine, own)) > tol:
-            return f"its loss differs from the model's own by {gap:.2g} (relative) on the first batch"
-        if (gap := _gap(my_grad, own_grad)) > tol:
-            return f"its gradient differs from the model's own by {gap:.2g} (relative) on the first batch"
-        return None
+        reasons = []
+        for self.shift in (True, False):
+            base = getattr(self.model, self.model.base_model_prefix)
+            hidden, loss, grad = self._run(lambda: self.chunked(part), base, pre=False)
+            if hidden.shape != own_hidden.shape or _gap(hidden, own_hidden) > tol:
+                self.shift = True
+                return "the hidden states entering its output head are not its base model's output"
+            if (gap := _gap(loss, own)) > tol:
+                reasons.append(
+                    f"its loss differs from the model's own by {gap:.2g} (relative) on the first batch"
+                )
+            elif (gap := _gap(grad, own_grad)) > tol:
+                reasons.append(
+                    f"its gradient differs from the model's own by {gap:.2g} (relative) on the first batch"
+                )
+            else:
+                return None
+        self.shift = True
+        return reasons[0]
+
+    def _run(self, run: Callable[[], Any], module: torch.nn.Module, pre: bool) -> tuple[torch.Tensor, ...]:
+        """``run()``'s hidden states (``module``'s input if ``pre``, else its output), loss, and the loss's
+        gradient w.r.t. those hidden states; the random state as before (the same dropout masks in each)."""
+        seen: list[torch.Tensor] = []
+        if pre:
+            handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        else:
+            handle = module.register_forward_hook(lambda m, args, out: seen.append(out[0]))
+        state = RngState.capture()
+        try:
+            loss = run().loss
+            return seen[-1].detach(), loss.detach(), *torch.autograd.grad(loss, seen[-1])
+        finally:
+            handle.remove()
+            state.restore()
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -102,15 +102,123 @@ def test_the_check_compares_on_a_64_token_prefix_of_one_sample():
 
 
 def test_decline_reasons_from_the_config():
-    assert decline_reason(_gpt2()) is None
-    gemma = transformers.Gemma2Config(final_logit_softcapping=30.0)
-    assert "final logit soft-capping (config.final_logit_softcapping=30.0)" in decline_reason(
-        type("M", (), {"config": gemma})()
+    model = _gpt2()
+    assert decline_reason(model) is None
+    model.config.final_logit_softcapping = 30.0
+    assert decline_reason(model) == (
+        "GPT2LMHeadModel has a final logit soft-capping (config.final_logit_softcapping=30.0)"
     )
-    granite = type("M", (), {"config": type("C", (), {"logits_scaling": 1.0})()})()
-    assert decline_reason(granite) is None  # a scaling of 1 changes nothing
-    granite.config.logits_scaling = 8.0
-    assert "logit scaling (config.logits_scaling=8.0)" in decline_reason(granite)
+    model.config.final_logit_softcapping = None
+    model.config.logits_scaling = 1.0
+    assert decline_reason(model) is None  # a scaling of 1 changes nothing
+    model.config.logits_scaling = 8.0
+    assert decline_reason(model) == "GPT2LMHeadModel has logit scaling (config.logits_scaling=8.0)"
+
+
+def test_decline_reasons_from_the_structure():
+    class PlainLMHeadModel(torch.nn.Module):  # a user's class, named as transformers names causal LMs
+        def __init__(self, head):
+            super().__init__()
+            self.lm_head, self.body = head, torch.nn.Linear(4, 4)
+
+    assert causal_lms(torch.nn.Sequential(PlainLMHeadModel(torch.nn.Linear(4, V))))[0].body.in_features == 4
+    assert decline_reason(PlainLMHeadModel(torch.nn.Linear(4, V))) == (
+        "PlainLMHeadModel has no base model (base_model_prefix) whose output feeds the head"
+    )
+    assert decline_reason(PlainLMHeadModel(torch.nn.Sequential(torch.nn.Linear(4, V)))) == (
+        "PlainLMHeadModel's output embeddings are not an nn.Linear"
+    )
+    notes = []
+    with pytest.raises(RuntimeError, match="head='chunked': PlainLMHeadModel's output embeddings are not"):
+        take_over_heads(PlainLMHeadModel(torch.nn.Identity()), "chunked", note=notes.append)
+    take_over_heads(PlainLMHeadModel(torch.nn.Identity()), "auto", note=notes.append)()
+    assert notes == [
+        "the chunked output head (lightning_memopt.head) is not used: PlainLMHeadModel's output embeddings "
+        "are not an nn.Linear"
+    ]
+
+
+def _hf(config):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).double().eval()
+
+
+def opt():  # its forward runs model.decoder, not the base model (model.model)
+    return _hf(
+        transformers.OPTConfig(
+            vocab_size=V,
+            hidden_size=16,
+            num_hidden_layers=2,
+            ffn_dim=32,
+            num_attention_heads=2,
+            word_embed_proj_dim=16,
+            max_position_embeddings=80,
+        )
+    )
+
+
+def biogpt():  # its output embeddings are output_projection
+    sizes = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    return _hf(transformers.BioGptConfig(vocab_size=V, max_position_embeddings=80, **sizes))
+
+
+@pytest.mark.parametrize("build", [opt, biogpt])
+def test_taken_where_the_head_is_reached_otherwise(build):
+    model, (ids, labels) = build(), _batch()
+    undo = take_over_heads(model, "chunked", note=pytest.fail)
+    out = model(input_ids=ids, labels=labels)
+    assert "logits" not in out
+    got = torch.autograd.grad(out.loss, list(model.parameters()))
+    undo()
+    ref = _own_float64(model, ids, labels)
+    want = torch.autograd.grad(ref, list(model.parameters()))
+    assert abs(float(out.loss.detach() - ref.detach())) <= 1e-12 * abs(float(ref.detach()))
+    largest = max(float(b.abs().max()) for b in want)
+    assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 1e-10 * largest
+
+
+def roberta():  # a dense layer and a LayerNorm between the base model's output and the decoder
+    sizes = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    return _hf(transformers.RobertaConfig(vocab_size=V, is_decoder=True, max_position_embeddings=90, **sizes))
+
+
+def test_declined_at_the_first_batch_where_the_head_has_a_transform():
+    model, (ids, labels) = roberta(), _batch()
+    own = model(input_ids=ids, labels=labels).loss
+    notes = []
+    undo = take_over_heads(model, "auto", note=notes.append)
+    out = model(input_ids=ids, labels=labels)
+    undo()
+    assert notes == [
+        "the chunked output head (lightning_memopt.head) is not used: the hidden states entering its output "
+        "head are not its base model's output; the model's own head computes the loss"
+    ]
+    assert float(out.loss.detach()) == float(own.detach()) and out.logits is not None
+
+
+def bart():  # BartForCausalLM's loss compares position t's logits with label t: it does not shift
+    sizes = dict(
+        d_model=16, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2, decoder_ffn_dim=32
+    )
+    config = transformers.BartConfig(vocab_size=V, decoder_attention_heads=2, use_cache=False, **sizes)
+    return _hf(config)
+
+
+def test_a_loss_without_the_shift_is_learned_at_the_first_batch():
+    model, (ids, labels) = bart(), _batch()
+    head = ChunkedHead(model, note=pytest.fail)
+    out = model(input_ids=ids, labels=labels)
+    assert head.verified and not head.shift and "logits" not in out
+    got = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
+    head.undo()
+    logits = model(input_ids=ids).logits
+    ref = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))  # no shift, in float64
+    want = torch.autograd.grad(ref, list(model.parameters()), allow_unused=True)
+    assert abs(float(out.loss.detach() - ref.detach())) <= 1e-12 * abs(float(ref.detach()))
+    assert [g is None for g in got] == [w is None for w in want]  # the encoder's positions: unused
+    got, want = [g for g in got if g is not None], [w for w in want if w is not None]
+    largest = max(float(b.abs().max()) for b in want)
+    assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 1e-10 * largest
 
 
 def test_found_inside_a_wrapper_and_declined_with_a_note():

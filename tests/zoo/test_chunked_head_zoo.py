@@ -203,3 +203,31 @@ def test_the_step_holds_no_logits():
         peaks[head] = tracker.peak
     logits = 8 * SEQ * 4096 * 4
     assert peaks["keep"] - peaks["auto"] >= 2 * logits, peaks
+
+
+def _sweep_rows():
+    from benchmarks.micro_batching_zoo import ARCHS
+
+    return [arch for arch in ARCHS if arch.task == "causal_lm"]
+
+
+DECLINED = {
+    "gemma2": "Gemma2ForCausalLM has a final logit soft-capping",
+    "cohere": "CohereForCausalLM has logit scaling",
+    "roberta_causal": "the hidden states entering its output head are not its base model's output",
+}
+
+
+@pytest.mark.parametrize("arch", _sweep_rows(), ids=lambda arch: arch.name)
+def test_every_causal_lm_of_the_sweep_is_taken_exactly_or_declined_with_its_reason(arch):
+    """benchmarks/head_zoo.py's rows: taken (loss and gradients within 1e-10 of a float64 cross-entropy
+    over the head's own logits) or declined with the note naming why; never silent, never different."""
+    from benchmarks.head_zoo import sweep_one
+
+    outcome, detail = sweep_one(arch)
+    if arch.name == "xglm":
+        assert outcome == "skipped" and "overflow" in detail  # its sinusoidal positions, in float64
+    elif arch.name in DECLINED:
+        assert outcome == "declined" and DECLINED[arch.name] in detail, detail
+    else:
+        assert outcome == "taken", detail
