@@ -55,15 +55,30 @@ class RngState:
     def restore(self) -> None:
         """Put every generator back (the saved states stay valid for another restore)."""
         torch.set_rng_state(self.torch)
+        self.restore_host()
+        if self.cuda is not None:
+            set_cuda_rng_states(self.cuda)
+        for generator, saved in self.generators:
+            generator.set_state(saved)
+
+    def restore_host(self) -> None:
+        """Put only Python's and NumPy's generators back (torch's stay where they are)."""
         random.setstate(self.python)
         if self.numpy is not None:
             import numpy
 
             numpy.random.set_state(self.numpy)
-        if self.cuda is not None:
-            set_cuda_rng_states(self.cuda)
-        for generator, saved in self.generators:
-            generator.set_state(saved)
+
+    def same_host(self, other: RngState) -> bool:
+        """Whether Python's and NumPy's generators are where they were in ``other``."""
+        if self.python != other.python or (self.numpy is None) != (other.numpy is None):
+            return False
+        if self.numpy is None:
+            return True
+        import numpy
+
+        (kind, keys, *rest), (other_kind, other_keys, *other_rest) = self.numpy, other.numpy
+        return kind == other_kind and numpy.array_equal(keys, other_keys) and rest == other_rest
 
     def same(self, other: RngState) -> bool:
         """Whether the torch generators (CPU and CUDA) are where they were in ``other``: no random number

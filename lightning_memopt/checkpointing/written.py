@@ -17,12 +17,12 @@ and a recomputation does not update them (``apply.py`` freezes them while it run
 
 from __future__ import annotations
 
-import random
-import sys
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_memopt._rng import RngState
 
 __all__ = ["Snapshot", "detach_state"]
 
@@ -53,13 +53,6 @@ def _entries(block: nn.Module) -> list[tuple[dict, str, Any]]:
         stats = _BN_STATS if isinstance(module, nn.modules.batchnorm._BatchNorm) else ()
         out += [(module._buffers, k, b) for k, b in module._buffers.items() if k not in stats]
     return out
-
-
-def _generators() -> tuple:
-    """Python's and NumPy's global random states (NumPy only where it is loaded)."""
-    numpy = sys.modules.get("numpy")
-    state = numpy.random.get_state() if numpy is not None else None
-    return random.getstate(), None if state is None else (state[1].tobytes(), *state[2:])
 
 
 def detach_state(block: nn.Module) -> None:
@@ -98,7 +91,7 @@ class Snapshot:
         self.values = {
             id(v): v.detach().clone() for _, _, v, _ in self.entries if values and isinstance(v, torch.Tensor)
         }
-        self.generators = _generators()
+        self.generators = RngState.capture()
 
     def written(self) -> list[str]:
         """What changed since the snapshot: attribute names (qualified from the block), and ``random``
@@ -111,7 +104,7 @@ class Snapshot:
         ]
         changed += [(ns, k) for ns, k, _ in _entries(self.block) if (id(ns), k) not in self.keys]
         out = [f"{names[id(ns)]}.{k}".lstrip(".") for ns, k in changed]
-        if _generators() != self.generators:
+        if not RngState.capture().same_host(self.generators):
             out.append("random (Python's or NumPy's generator)")
         return sorted(set(out))
 
@@ -125,13 +118,7 @@ class Snapshot:
                 ns[k] = v
                 if id(v) in self.values and _mark(v) != mark:
                     v.copy_(self.values[id(v)])
-        python, numpy_state = self.generators
-        random.setstate(python)
-        if numpy_state is not None and "numpy" in sys.modules:
-            np = sys.modules["numpy"]
-            current = np.random.get_state()
-            keys = np.frombuffer(numpy_state[0], dtype=current[1].dtype)
-            np.random.set_state((current[0], keys, *numpy_state[1:]))
+        self.generators.restore_host()  # torch's own generator: checkpointing restores it
 
 
 _MISSING = object()
