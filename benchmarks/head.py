@@ -21,6 +21,7 @@ labels=labels).loss``, no optimizer):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -114,6 +115,35 @@ def exactness() -> tuple[float, float]:
     return rel(mine, own), max(rel(a, b) for a, b in zip(my_grads, own_grads))
 
 
+def tied_sum_in_place() -> tuple[bool, bool]:
+    """Whether autograd sums the tied embedding's two gradients (the chunked head's, the embedding's) into
+    the chunked head's buffer, without and with MemoryTracker: (without, with). Under any dispatch mode
+    torch sums out of place (it treats every tensor as a subclass), so the tracker sees one more
+    weight-sized tensor at that moment than a run without it has."""
+    from lightning_memopt.head import loss as head_loss
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
+    model, inputs, buffers = build(config, head=True), batch(config, 2, 64), []
+    backward = head_loss._LinearCrossEntropy.backward
+
+    def recording(ctx, grad):
+        grads = backward(ctx, grad)
+        buffers.append(grads[1].data_ptr())
+        return grads
+
+    head_loss._LinearCrossEntropy.backward = staticmethod(recording)
+    try:
+        out = []
+        for tracked in (False, True):
+            step(model, inputs)  # the first verifies
+            with MemoryTracker(model) if tracked else contextlib.nullcontext():
+                step(model, inputs)
+            out.append(model.transformer.wte.weight.grad.data_ptr() == buffers[-1])
+    finally:
+        head_loss._LinearCrossEntropy.backward = backward
+    return out[0], out[1]
+
+
 def time_ratio(config, inputs, reps: int) -> tuple[float, list[float]]:
     own, chunked = build(config, blocks=True), build(config, blocks=True, head=True)
     step(own, inputs), step(chunked, inputs)  # warm-up (and the chunked head's first-batch check)
@@ -180,6 +210,11 @@ def main() -> None:
     )
     print(
         f"| of which the rest (one chunk of logits, per-token vectors) | {(b['chunked'] - b['gradients']) / MiB:,.1f} MiB |"
+    )
+    untracked, tracked = tied_sum_in_place()
+    print(
+        f"\ntied embedding's gradients summed in place (no new weight-sized tensor): without MemoryTracker "
+        f"{untracked}, under it {tracked}"
     )
     loss_rel, grad_rel = exactness()
     print(

@@ -10,7 +10,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-
 RUNS = 5
 
 
