@@ -38,7 +38,16 @@ from lightning_memopt._patch import patch
 from lightning_memopt._rng import RngState
 from lightning_memopt.head.loss import linear_cross_entropy
 
-__all__ = ["HeadMode", "ChunkedHead", "causal_lms", "check_head", "decline_reason", "take_over_heads"]
+__all__ = [
+    "HeadMode",
+    "ChunkedHead",
+    "causal_lms",
+    "check_head",
+    "check_output_head",
+    "decline_reason",
+    "output_heads",
+    "take_over_heads",
+]
 
 HeadMode = Literal["auto", "chunked", "keep"]
 """``"auto"``: take each causal LM whose loss the chunked head reproduces, decline others with a note;
@@ -75,6 +84,42 @@ def causal_lms(module: torch.nn.Module) -> list[torch.nn.Module]:
         and isinstance(getattr(m, "lm_head", None), torch.nn.Linear)
         and isinstance(getattr(m, getattr(m, "base_model_prefix", ""), None), torch.nn.Module)
     ]
+
+
+def check_output_head(head: object) -> str | None:
+    """``head``; ``TypeError`` unless it is ``"auto"``, a submodule's name or None (:func:`output_heads`)."""
+    if head is not None and not isinstance(head, str):
+        raise TypeError(
+            f"head must be 'auto', a submodule's name (e.g. 'lm_head') or None, got {head!r} "
+            f"({type(head).__name__})"
+        )
+    return head
+
+
+def output_heads(module: torch.nn.Module, head: str | None = "auto") -> list[torch.nn.Module]:
+    """The output heads in ``module``, for a :class:`~lightning_memopt.memory.MemoryTracker`'s ``heads``.
+
+    Args:
+        module: The model.
+        head: ``"auto"``: the ``lm_head`` of each causal LM (:func:`causal_lms`; the ones
+            :func:`take_over_heads` takes); a submodule's name (``"head"``): that one; None: none.
+
+    Raises:
+        ValueError: If ``module`` has no submodule named ``head``.
+        TypeError: If ``head`` is neither a str nor None.
+    """
+    if check_output_head(head) is None:
+        return []
+    if head == "auto":
+        return [m.lm_head for m in causal_lms(module)]
+    try:
+        return [module.get_submodule(head)]
+    except AttributeError:
+        names = [n for n, _ in module.named_children()]
+        raise ValueError(
+            f"head={head!r} names no submodule of {type(module).__name__} (its children: {names}); pass the "
+            "name of the module that computes the logits, 'auto' for Hugging Face causal LMs, or None"
+        ) from None
 
 
 def decline_reason(model: torch.nn.Module) -> str | None:

@@ -29,6 +29,7 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
 from lightning_memopt._checks import check_positive_int
+from lightning_memopt.memory.tracker import open_head
 
 __all__ = ["linear_cross_entropy", "default_chunk_size"]
 
@@ -109,6 +110,7 @@ def linear_cross_entropy(
             chunk_size=chunk_size,
         )
     _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, chunk_size)
+    open_head(hidden)  # a MemoryTracker counts what follows as the output head's bytes
     h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     y = labels.reshape(-1)  # (N,)
     chunk = chunk_size or default_chunk_size(h.shape[0])
