@@ -26,8 +26,8 @@ peak it was part of is corrected too, so ``peak_breakdown`` always sums to ``pea
 The output head (``peak_head``, ``current_head``). A language model's last layer turns each token into
 vocabulary-sized logits, and what follows it (the loss, its gradient) holds tensors of that size. The
 tracker counts them as a figure of their own, *inside* the categories (a part of ``activations`` and
-``other``, not a sixth category): the bytes of live ``activations`` and ``other`` storages created
-while a head is *open*. A head opens when the forward of a module given as ``heads`` starts, or when
+``other``, not a sixth category): the bytes of live ``activations`` and ``other`` storages made
+by ops while a head is *open* (not inputs first seen then, such as a batch's labels). A head opens when the forward of a module given as ``heads`` starts, or when
 :func:`~lightning_memopt.head.linear_cross_entropy` is called (the package's chunked head, which calls
 :func:`open_head`); it closes when autograd has computed the gradient w.r.t. the head's input (that
 gradient belongs to the model below the head and is not counted), or when the tracker is exited. So
@@ -158,10 +158,16 @@ class _DispatchHook(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         trackers = dict.fromkeys(_ACTIVE)
         if trackers:
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             for tracker in trackers:
-                for t in tensors:
+                # Inputs first: an input seen for the first time existed before the op (a batch's labels),
+                # and only storages the op made can be the output head's (an output viewing an input is
+                # already registered as that input).
+                for t in inputs:
                     tracker._register(t, "other")
+                for t in outputs:
+                    tracker._register(t, "other", made=True)
                 tracker._update_peak()
         return out
 
@@ -424,14 +430,17 @@ class MemoryTracker:
             self._peak_breakdown[after] += entry.nbytes
             self._peak_head += head
 
-    def _register(self, t: torch.Tensor, category: str) -> None:
+    def _register(self, t: torch.Tensor, category: str, made: bool = False) -> None:
+        """Count ``t``'s storages under ``category`` (or a category above it); ``made``: an op just made it."""
         for storage, device in _storages(t):
             key = id(storage)
             entry = self._entries.get(key)
             if entry is None:
                 nbytes = _size(storage, device)
                 self._clock += 1  # ticks per new storage, so "born after the peak" is exact
-                entry = self._entries[key] = _Entry(nbytes, category, self._clock, head=self._head_open)
+                entry = self._entries[key] = _Entry(
+                    nbytes, category, self._clock, head=made and self._head_open
+                )
                 self._refs[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))
                 self._current[category] += nbytes
                 self._head_current += entry.head_bytes(category)
