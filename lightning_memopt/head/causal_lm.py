@@ -141,6 +141,8 @@ class ChunkedHead:
         note: Called once with the reason when the head is declined at verification.
         strict: Raise ``RuntimeError`` instead of declining.
         keep_logits: Also return the logits (computed without gradient).
+        verify: Compare with the model's own loss at the first call (module docstring); False trusts the
+            config's check alone (the planner, on fake tensors, where no value can be compared).
     """
 
     def __init__(
@@ -150,9 +152,10 @@ class ChunkedHead:
         note: Callable[[str], None],
         strict: bool = False,
         keep_logits: bool = False,
+        verify: bool = True,
     ) -> None:
         self.model, self.note, self.strict, self.keep_logits = model, note, strict, keep_logits
-        self.verified = False
+        self.verified = not verify
         self.declined: str | None = None
         self._signature = inspect.signature(model.forward)
         self._undo: Callable[[], None] | None = patch(model, "forward", self._forward)
@@ -307,12 +310,18 @@ def _without_logits(kind: type) -> type:
 
 
 def take_over_heads(
-    module: torch.nn.Module, head: HeadMode, *, note: Callable[[str], None], keep_logits: bool = False
+    module: torch.nn.Module,
+    head: HeadMode,
+    *,
+    note: Callable[[str], None],
+    keep_logits: bool = False,
+    verify: bool = True,
 ) -> Callable[[], None]:
     """Patch every causal LM in ``module`` (:func:`causal_lms`) to compute its loss chunked; return the undo.
 
     ``head="auto"`` notes each model declined from its config (and, later, at verification); ``"chunked"``
     raises ``RuntimeError`` instead, and when ``module`` holds no causal LM; ``"keep"`` changes nothing.
+    ``verify=False`` skips the first call's comparison with the model's own loss (see :class:`ChunkedHead`).
     """
     check_head(head)
     heads: list[ChunkedHead] = []
@@ -326,7 +335,10 @@ def take_over_heads(
             )
         for model in models:
             if (reason := decline_reason(model)) is None:
-                heads.append(ChunkedHead(model, note=note, strict=head == "chunked", keep_logits=keep_logits))
+                strict = head == "chunked"
+                heads.append(
+                    ChunkedHead(model, note=note, strict=strict, keep_logits=keep_logits, verify=verify)
+                )
             elif head == "chunked":
                 raise RuntimeError(f"head='chunked': {reason}; use head='auto' to keep the model's own head")
             else:

@@ -163,9 +163,7 @@ class PhaseRecorder:
 
     def _fold(self) -> dict[str, int]:
         record, phase = self._open
-        breakdown = (
-            {**self.tracker.peak_breakdown, HEAD: self.tracker.peak_head} if self.with_breakdown else None
-        )
+        breakdown = self.tracker.peak_figures if self.with_breakdown else None
         fold_peak(record, phase, self.memory.peak(), breakdown)
         return record
 

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from lightning_memopt._checks import check_positive_int
-from lightning_memopt.memory.tracker import CATEGORIES
+from lightning_memopt.memory.tracker import CATEGORIES, HEAD
 
 __all__ = [
     "HEAD",
@@ -46,8 +46,6 @@ __all__ = [
 ]
 
 PHASES = ("forward", "backward", "optimizer")
-HEAD = "head"
-"""The key of the output head's bytes at a phase's peak (``<phase>_head``), a part of two categories."""
 _FIGURES = (*CATEGORIES, HEAD)  # what a breakdown may carry at a peak, in the records' key order
 _MIB = 2**20
 

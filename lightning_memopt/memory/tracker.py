@@ -53,6 +53,8 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["MemoryTracker", "CATEGORIES", "open_head", "state_bytes", "tensor_bytes"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+HEAD = "head"
+"""The output head's figure beside the categories (a part of two of them; module docstring)."""
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this many bytes
 
@@ -251,6 +253,11 @@ class MemoryTracker:
         """Of ``peak``, the bytes the output head created (module docstring); part of the ``activations``
         and ``other`` of ``peak_breakdown``."""
         return self._peak_head
+
+    @property
+    def peak_figures(self) -> dict[str, int]:
+        """``peak_breakdown`` and, under ``"head"``, ``peak_head``: what a memory record keeps of a peak."""
+        return {**self._peak_breakdown, HEAD: self._peak_head}
 
     def reset_peak(self) -> None:
         """Start a new peak window from the current bytes (like ``torch.cuda.reset_peak_memory_stats``)."""
