@@ -145,8 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print JSON instead of text; keys: peak_bytes, peak_phase, phases, categories, fits, usable_bytes, "
-        "options, cheapest (with yaml), modeled; bytes per rank",
+        help="print JSON instead of text; keys: peak_bytes, peak_phase, phases, categories, head_bytes, fits, "
+        "usable_bytes, options, cheapest (with yaml), modeled; bytes per rank",
     )
     p.add_argument("--plot", metavar="PNG", help="write a stacked bar per option (needs matplotlib)")
     return parser
