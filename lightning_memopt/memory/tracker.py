@@ -356,7 +356,8 @@ class MemoryTracker:
     def _open_head(self, inputs: torch.Tensor | None) -> None:
         self._head_open = True
         if inputs is not None and inputs.requires_grad and torch.is_grad_enabled():
-            inputs.register_hook(self._input_grad)
+            # Removed at the last exit like the other hooks: a leaf's hook would stay on the tensor.
+            self._handles.append(inputs.register_hook(self._input_grad))
 
     def _input_grad(self, grad: torch.Tensor) -> None:
         """Autograd computed the gradient w.r.t. the head's input: the head closes, without that gradient."""

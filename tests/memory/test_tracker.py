@@ -328,3 +328,15 @@ def test_track_heads_after_construction():
         assert tracker.peak_head == LOGITS
     with pytest.raises(TypeError, match=r"heads must be torch.nn.Module instances, got 1 \(int\)"):
         tracker.track_heads(1)
+
+
+def test_a_leaf_heads_input_keeps_no_hook_after_exit():
+    from lightning_memopt.head import linear_cross_entropy
+
+    _, head, x, y = _body_and_head()
+    features = x.clone().requires_grad_(True)  # a leaf: its hooks live as long as it does
+    with MemoryTracker(head) as tracker:
+        linear_cross_entropy(features, head.weight, y).backward()
+        assert features._backward_hooks  # the head's closing hook, while entered
+    assert not features._backward_hooks
+    assert tracker.current_head == 0
