@@ -26,8 +26,9 @@ peak it was part of is corrected too, so ``peak_breakdown`` always sums to ``pea
 The output head (``peak_head``, ``current_head``). A language model's last layer turns each token into
 vocabulary-sized logits, and what follows it (the loss, its gradient) holds tensors of that size. The
 tracker counts them as a figure of their own, *inside* the categories (a part of ``activations`` and
-``other``, not a sixth category): the bytes of live ``activations`` and ``other`` storages made
-by ops while a head is *open* (not inputs first seen then, such as a batch's labels). A head opens when the forward of a module given as ``heads`` starts, or when
+``other``, not a sixth category): the bytes of live ``activations`` and ``other`` storages made by
+ops while a head is *open* (not inputs first seen then, such as a batch's labels). A head opens when
+the forward of a module given as ``heads`` starts, or when
 :func:`~lightning_memopt.head.linear_cross_entropy` is called (the package's chunked head, which calls
 :func:`open_head`); it closes when autograd has computed the gradient w.r.t. the head's input (that
 gradient belongs to the model below the head and is not counted), or when the tracker is exited. So
@@ -65,7 +66,7 @@ class _Entry:
     base: str  # the category the storage has when autograd does not hold it
     born: int  # clock when the storage was first seen
     saved: int = 0  # how many of autograd's saved-tensor slots hold it now
-    head: bool = False  # created while an output head was open
+    head: bool = False  # made by an op while an output head was open
 
     @property
     def category(self) -> str:
@@ -74,7 +75,7 @@ class _Entry:
         return self.base
 
     def head_bytes(self, category: str) -> int:
-        """Its bytes in the head figure were its category ``category``: only activations and other count."""
+        """Its bytes in the head figure if its category is ``category`` (only activations and other count)."""
         return self.nbytes if self.head and _RANK[category] >= _RANK["activations"] else 0
 
 
