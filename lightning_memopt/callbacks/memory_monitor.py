@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_memopt._checks import check_bool, check_positive_int
 from lightning_memopt.callbacks._hooks import ReleasingCallback
 from lightning_memopt.callbacks.dataloader_monitor import DataLoaderMonitor
+from lightning_memopt.head.causal_lm import check_output_head, output_heads
 from lightning_memopt.memory.phases import Breakdown, StepPeaks, merge_across_ranks, record_metrics
 from lightning_memopt.memory.report import (
     MemoryHistory,
@@ -55,6 +56,8 @@ class MemoryMonitor(ReleasingCallback):
     ``memory/peak_gib``                  GiB  peak of the whole step (the largest of the three)
     ``memory/peak_<category>_gib``       GiB  bytes of ``<category>`` at that peak (with a breakdown; the
                                               five values sum to ``memory/peak_gib``)
+    ``memory/peak_head_gib``             GiB  of those, the bytes the output head created (with a breakdown
+                                              and a head; a part of ``activations`` and ``other``)
     ``memory/val_peak_gib``              GiB  peak over the batches of one validation run (logged at its end)
     ===================================  ===  =================================================================
 
@@ -74,13 +77,18 @@ class MemoryMonitor(ReleasingCallback):
             ``trainer.log_dir``. Checked in ``setup``: if no file can be created there, the fit fails first.
         max_history: How many per-step records to keep; past it neighbours are merged pairwise, each
             keeping the larger peak (default 2048: a few MiB at most).
+        head: The output head, counted on its own line (``<phase>_head`` in the records,
+            ``memory/peak_head_gib``; what counts: :class:`~lightning_memopt.memory.MemoryTracker`).
+            ``"auto"`` (default): each Hugging Face causal LM's ``lm_head``, also when ``AutoCheckpoint``
+            computes its loss chunk by chunk; a submodule's name (``"head"``); None: no head line.
 
     Raises:
         ValueError: If ``log_every_n_steps`` or ``max_history`` is not a positive int, ``breakdown``
             is not one of ``"auto"``, ``"always"``, ``"never"``, or an option is given that the others
             switch off (``log_every_n_steps`` with ``log=False``, ``dirpath`` with ``report=False``).
-        TypeError: If ``log`` or ``report`` is not a bool, or ``dirpath`` not a path.
-        MisconfigurationException: In ``setup``, if no file can be created in the report's directory.
+        TypeError: If ``log`` or ``report`` is not a bool, ``dirpath`` not a path, or ``head`` not a str.
+        MisconfigurationException: In ``setup``, if no file can be created in the report's directory; at
+            fit start, if ``head`` names no submodule.
 
     Example::
 
@@ -104,9 +112,11 @@ class MemoryMonitor(ReleasingCallback):
         report: bool = True,
         dirpath: str | os.PathLike | None = None,
         max_history: int = 2048,
+        head: str | None = "auto",
     ) -> None:
         check_bool("log", log)
         check_bool("report", report)
+        self.head = check_output_head(head)
         if log_every_n_steps is not None:
             try:
                 check_positive_int("log_every_n_steps", log_every_n_steps)
@@ -118,9 +128,7 @@ class MemoryMonitor(ReleasingCallback):
                 raise ValueError(
                     f"log_every_n_steps={log_every_n_steps} only applies with log=True; drop it or pass log=True"
                 )
-        self._peaks = StepPeaks(
-            max_history, breakdown=breakdown
-        )  # the records, and the recorder between fit start and end
+        self._peaks = StepPeaks(max_history, breakdown=breakdown)  # records; a recorder while fitting
         if dirpath is not None:
             check_dirpath(dirpath)
             if not report:
@@ -170,7 +178,10 @@ class MemoryMonitor(ReleasingCallback):
         self._start(pl_module.device, pl_module, trainer.optimizers)
 
     def _start(self, device: torch.device, module: torch.nn.Module, optimizers: list) -> None:
-        self._peaks.begin(device, module, optimizers)
+        try:  # a name is looked up now that configure_model has built every layer
+            self._peaks.begin(device, module, optimizers, output_heads(module, self.head))
+        except ValueError as err:
+            raise MisconfigurationException(f"MemoryMonitor: {err}") from None
 
     @property
     def _tracker(self) -> MemoryTracker | None:  # where one runs: not on CUDA without a breakdown

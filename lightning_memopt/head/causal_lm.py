@@ -38,7 +38,16 @@ from lightning_memopt._patch import patch
 from lightning_memopt._rng import RngState
 from lightning_memopt.head.loss import linear_cross_entropy
 
-__all__ = ["HeadMode", "ChunkedHead", "causal_lms", "check_head", "decline_reason", "take_over_heads"]
+__all__ = [
+    "HeadMode",
+    "ChunkedHead",
+    "causal_lms",
+    "check_head",
+    "check_output_head",
+    "decline_reason",
+    "output_heads",
+    "take_over_heads",
+]
 
 HeadMode = Literal["auto", "chunked", "keep"]
 """``"auto"``: take each causal LM whose loss the chunked head reproduces, decline others with a note;
@@ -79,6 +88,42 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     return head if isinstance(head, torch.nn.Linear) else None
 
 
+def check_output_head(head: object) -> str | None:
+    """``head``; ``TypeError`` unless it is ``"auto"``, a submodule's name or None (:func:`output_heads`)."""
+    if head is not None and not isinstance(head, str):
+        raise TypeError(
+            f"head must be 'auto', a submodule's name (e.g. 'lm_head') or None, got {head!r} "
+            f"({type(head).__name__})"
+        )
+    return head
+
+
+def output_heads(module: torch.nn.Module, head: str | None = "auto") -> list[torch.nn.Module]:
+    """The output heads in ``module``, for a :class:`~lightning_memopt.memory.MemoryTracker`'s ``heads``.
+
+    Args:
+        module: The model.
+        head: ``"auto"``: the ``lm_head`` of each causal LM (:func:`causal_lms`; the ones
+            :func:`take_over_heads` takes); a submodule's name (``"head"``): that one; None: none.
+
+    Raises:
+        ValueError: If ``module`` has no submodule named ``head``.
+        TypeError: If ``head`` is neither a str nor None.
+    """
+    if check_output_head(head) is None:
+        return []
+    if head == "auto":
+        return [m.lm_head for m in causal_lms(module)]
+    try:
+        return [module.get_submodule(head)]
+    except AttributeError:
+        names = [n for n, _ in module.named_children()]
+        raise ValueError(
+            f"head={head!r} names no submodule of {type(module).__name__} (its children: {names}); pass the "
+            "name of the module that computes the logits, 'auto' for Hugging Face causal LMs, or None"
+        ) from None
+
+
 def decline_reason(model: torch.nn.Module) -> str | None:
     """Why the chunked head cannot reproduce ``model``'s loss, read from its structure and config; None if
     nothing says (the first batch's check still may)."""
@@ -104,6 +149,8 @@ class ChunkedHead:
         note: Called once with the reason when the head is declined at verification.
         strict: Raise ``RuntimeError`` instead of declining.
         keep_logits: Also return the logits (computed without gradient).
+        verify: Compare with the model's own loss at the first call (module docstring); False trusts the
+            config's check alone (the planner, on fake tensors, where no value can be compared).
     """
 
     def __init__(
@@ -113,9 +160,10 @@ class ChunkedHead:
         note: Callable[[str], None],
         strict: bool = False,
         keep_logits: bool = False,
+        verify: bool = True,
     ) -> None:
         self.model, self.note, self.strict, self.keep_logits = model, note, strict, keep_logits
-        self.verified = False
+        self.verified = not verify
         self.declined: str | None = None
         self.shift = True  # position t's logits predict label t + 1; learned at the first batch's check
         self._signature = inspect.signature(model.forward)
@@ -294,12 +342,18 @@ def _without_logits(kind: type) -> type:
 
 
 def take_over_heads(
-    module: torch.nn.Module, head: HeadMode, *, note: Callable[[str], None], keep_logits: bool = False
+    module: torch.nn.Module,
+    head: HeadMode,
+    *,
+    note: Callable[[str], None],
+    keep_logits: bool = False,
+    verify: bool = True,
 ) -> Callable[[], None]:
     """Patch every causal LM in ``module`` (:func:`causal_lms`) to compute its loss chunked; return the undo.
 
     ``head="auto"`` notes each model declined from its config (and, later, at verification); ``"chunked"``
     raises ``RuntimeError`` instead, and when ``module`` holds no causal LM; ``"keep"`` changes nothing.
+    ``verify=False`` skips the first call's comparison with the model's own loss (see :class:`ChunkedHead`).
     """
     check_head(head)
     heads: list[ChunkedHead] = []
@@ -313,7 +367,10 @@ def take_over_heads(
             )
         for model in models:
             if (reason := decline_reason(model)) is None:
-                heads.append(ChunkedHead(model, note=note, strict=head == "chunked", keep_logits=keep_logits))
+                strict = head == "chunked"
+                heads.append(
+                    ChunkedHead(model, note=note, strict=strict, keep_logits=keep_logits, verify=verify)
+                )
             elif head == "chunked":
                 raise RuntimeError(f"head='chunked': {reason}; use head='auto' to keep the model's own head")
             else:

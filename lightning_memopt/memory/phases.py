@@ -29,6 +29,7 @@ import torch
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.memory.device import DeviceMemory, TrackedMemory, device_memory
 from lightning_memopt.memory.report import (
+    HEAD,
     PHASES,
     MemoryHistory,
     empty_record,
@@ -69,6 +70,9 @@ class PhaseRecorder:
         module: The model (its parameters and buffers are the ``parameters`` category).
         optimizers: Its optimizers (their state is ``optimizer_state``).
         breakdown: One of :data:`BREAKDOWN_MODES` (see :data:`Breakdown`).
+        heads: The model's output heads (:class:`~lightning_memopt.memory.MemoryTracker`'s ``heads``);
+            with a breakdown and at least one, records also carry the head's bytes at each phase's peak
+            (``<phase>_head``).
 
     Raises:
         ValueError: If ``breakdown`` is not one of :data:`BREAKDOWN_MODES`.
@@ -93,12 +97,16 @@ class PhaseRecorder:
         optimizers: Sequence[torch.optim.Optimizer],
         *,
         breakdown: Breakdown = "auto",
+        heads: Sequence[torch.nn.Module] = (),
     ) -> None:
         check_breakdown(breakdown)
         cuda = torch.device(device).type == "cuda"
         self.with_breakdown = breakdown == "always" or (breakdown == "auto" and not cuda)
         """Whether records carry the bytes of each category at each phase's peak."""
-        self.tracker = MemoryTracker(module, list(optimizers)) if not cuda or self.with_breakdown else None
+        self.with_head = self.with_breakdown and bool(heads)
+        """Whether records carry the output head's bytes at each phase's peak (``<phase>_head``)."""
+        tracked = not cuda or self.with_breakdown
+        self.tracker = MemoryTracker(module, list(optimizers), heads=list(heads)) if tracked else None
         """The tracker, where one runs (None on CUDA without a breakdown)."""
         self.memory: DeviceMemory = device_memory(device, tracker=self.tracker)
         """Where the peaks come from."""
@@ -112,7 +120,7 @@ class PhaseRecorder:
 
     def new_record(self, step: int, phases: Sequence[str] = PHASES) -> dict[str, int]:
         """An empty record for ``step``, with a breakdown where this recorder measures one."""
-        return empty_record(step, phases, breakdown=self.with_breakdown)
+        return empty_record(step, phases, breakdown=self.with_breakdown, head=self.with_head)
 
     def start(self, record: dict[str, int], phase: str) -> None:
         """Open a window for ``record[phase]``; a window still open (its step never ended) is dropped."""
@@ -155,7 +163,7 @@ class PhaseRecorder:
 
     def _fold(self) -> dict[str, int]:
         record, phase = self._open
-        breakdown = self.tracker.peak_breakdown if self.with_breakdown else None
+        breakdown = self.tracker.peak_figures if self.with_breakdown else None
         fold_peak(record, phase, self.memory.peak(), breakdown)
         return record
 
@@ -202,11 +210,16 @@ class StepPeaks:
         self._window: dict[str, int] | None = None  # the steps since the last take_window, merged
 
     def begin(
-        self, device: torch.device | str, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+        self,
+        device: torch.device | str,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        heads: Sequence[torch.nn.Module] = (),
     ) -> None:
-        """Measure ``module`` and its ``optimizers`` on ``device`` from now on (a :class:`PhaseRecorder`)."""
+        """Measure ``module`` and its ``optimizers`` (and output ``heads``) on ``device`` from now on (a
+        :class:`PhaseRecorder`)."""
         self.end()
-        self.recorder = PhaseRecorder(device, module, optimizers, breakdown=self.breakdown)
+        self.recorder = PhaseRecorder(device, module, optimizers, breakdown=self.breakdown, heads=heads)
 
     def end(self) -> None:
         """Stop measuring and drop the recorder (the model); the records stay. Safe twice."""
@@ -290,7 +303,9 @@ def record_metrics(record: dict[str, int]) -> dict[str, float]:
 
     A validation record gives ``memory/val_peak_gib``. A training record (or several merged) gives the
     peak of each phase, ``memory/peak_gib`` (the largest phase) and, with a breakdown, the bytes of each
-    category at that peak, ``memory/peak_<category>_gib`` (they sum to ``memory/peak_gib``).
+    category at that peak, ``memory/peak_<category>_gib`` (they sum to ``memory/peak_gib``), and where
+    the record has them, the output head's bytes at that peak, ``memory/peak_head_gib`` (a part of
+    ``activations`` and ``other``).
     """
     if "validation" in record:
         return {"memory/val_peak_gib": record["validation"] / _GIB}
@@ -300,6 +315,8 @@ def record_metrics(record: dict[str, int]) -> dict[str, float]:
     if f"{top}_{CATEGORIES[0]}" in record:
         for category in CATEGORIES:
             metrics[f"memory/peak_{category}_gib"] = record[f"{top}_{category}"] / _GIB
+    if f"{top}_{HEAD}" in record:
+        metrics[f"memory/peak_{HEAD}_gib"] = record[f"{top}_{HEAD}"] / _GIB
     return metrics
 
 

@@ -11,6 +11,9 @@ Plain code over plain numbers: nothing here measures anything or imports Lightni
 ``step`` is the index of the first training batch it covers (0-based), ``steps`` how many batches it
 covers, ``<phase>`` the peak bytes in that phase and ``<phase>_<category>`` the bytes of each category of
 :data:`~lightning_memopt.memory.CATEGORIES` at that peak (present only when a breakdown was measured).
+``<phase>_head``, present only when an output head was tracked, is the part of that peak's
+``activations`` and ``other`` that the model's output head created
+(:attr:`~lightning_memopt.memory.MemoryTracker.peak_head`): not a category, it is not in the sum.
 A phase that did not run in a step (no optimizer step while accumulating gradients) has a peak of 0.
 
 :class:`MemoryHistory` keeps such records with bounded memory; :func:`merge_records` combines records
@@ -27,9 +30,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from lightning_memopt._checks import check_positive_int
-from lightning_memopt.memory.tracker import CATEGORIES
+from lightning_memopt.memory.tracker import CATEGORIES, HEAD
 
 __all__ = [
+    "HEAD",
     "PHASES",
     "MemoryHistory",
     "check_dirpath",
@@ -42,11 +46,15 @@ __all__ = [
 ]
 
 PHASES = ("forward", "backward", "optimizer")
+_FIGURES = (*CATEGORIES, HEAD)  # what a breakdown may carry at a peak, in the records' key order
 _MIB = 2**20
 
 
-def empty_record(step: int, phases: Sequence[str] = PHASES, *, breakdown: bool = True) -> dict[str, int]:
-    """A record for ``step`` with every peak (and, with ``breakdown``, every category) at 0 bytes.
+def empty_record(
+    step: int, phases: Sequence[str] = PHASES, *, breakdown: bool = True, head: bool = False
+) -> dict[str, int]:
+    """A record for ``step`` with every peak (and, with ``breakdown``, every category, and with ``head``
+    too, the output head's bytes) at 0 bytes.
 
     Raises:
         ValueError: If a phase name contains ``_`` (it separates phase and category in the keys).
@@ -58,13 +66,19 @@ def empty_record(step: int, phases: Sequence[str] = PHASES, *, breakdown: bool =
     for phase in phases:
         record[phase] = 0
         if breakdown:
-            record.update({f"{phase}_{c}": 0 for c in CATEGORIES})
+            record.update({f"{phase}_{c}": 0 for c in (_FIGURES if head else CATEGORIES)})
     return record
 
 
 def record_phases(record: dict[str, int]) -> list[str]:
     """The phases a record has a peak for, in the order they were added."""
     return [k for k in record if k not in ("step", "steps") and "_" not in k]
+
+
+def has_head(record: dict[str, int]) -> bool:
+    """Whether the record carries the output head's bytes at each phase's peak (``<phase>_head``)."""
+    phases = record_phases(record)
+    return bool(phases) and f"{phases[0]}_{HEAD}" in record
 
 
 def has_breakdown(record: dict[str, int]) -> bool:
@@ -75,13 +89,15 @@ def has_breakdown(record: dict[str, int]) -> bool:
 
 def fold_peak(record: dict[str, int], phase: str, peak: int, breakdown: dict[str, int] | None) -> None:
     """Raise ``record[phase]`` to ``peak`` if it is larger, taking ``breakdown`` (bytes by category at that
-    peak) along with it, so a phase entered several times in one step keeps its largest peak."""
+    peak, and by :data:`HEAD` the head's where the record has that key) along with it, so a phase entered
+    several times in one step keeps its largest peak."""
     if peak < record[phase]:
         return
     record[phase] = peak
-    if breakdown is not None and f"{phase}_{CATEGORIES[0]}" in record:
-        for category in CATEGORIES:
-            record[f"{phase}_{category}"] = breakdown[category]
+    if breakdown is not None:
+        for key in _FIGURES:
+            if f"{phase}_{key}" in record:
+                record[f"{phase}_{key}"] = breakdown[key]
 
 
 def merge_records(records: Iterable[dict[str, int]], *, same_step: bool = False) -> dict[str, int]:
@@ -103,8 +119,8 @@ def merge_records(records: Iterable[dict[str, int]], *, same_step: bool = False)
         for phase in record_phases(out):
             if other[phase] > out[phase]:
                 out[phase] = other[phase]
-                for category in CATEGORIES:
-                    key = f"{phase}_{category}"
+                for figure in _FIGURES:
+                    key = f"{phase}_{figure}"
                     if key in out:
                         out[key] = other[key]
         out["step"] = min(out["step"], other["step"])
@@ -204,7 +220,8 @@ def summary(history: Sequence[dict[str, int]], val_history: Sequence[dict[str, i
     ]
     if has_breakdown(top):
         parts = ", ".join(f"{c} {_mib(top[f'{phase}_{c}'])}" for c in CATEGORIES)
-        lines.append(f"  at the peak (MiB): {parts}")
+        head = f"; of which the output head {_mib(top[f'{phase}_{HEAD}'])}" if has_head(top) else ""
+        lines.append(f"  at the peak (MiB): {parts}{head}")
     if val_history:
         val = merge_records(val_history)
         lines.append(f"  validation peak {_mib(val['validation'])} MiB over {len(val_history)} runs")
@@ -229,6 +246,11 @@ def _markdown(history: Sequence[dict[str, int]], val_history: Sequence[dict[str,
                 share = at_peak[key] / total if total else 0.0
                 cat_mean = statistics.fmean(r[key] for r in history)
                 out.append(f"| {category} | {_mib(at_peak[key])} | {share:.1%} | {_mib(cat_mean)} |")
+        if has_head(top):
+            key = f"{phase}_{HEAD}"
+            share = at_peak[key] / total if total else 0.0
+            head_mean = _mib(statistics.fmean(r[key] for r in history))
+            out.append(f"| of which the output head | {_mib(at_peak[key])} | {share:.1%} | {head_mean} |")
         out.append(f"| **total** | {_mib(total)} | 100.0% | {_mib(mean)} |")
         out.append("")
     if val_history:

@@ -23,6 +23,20 @@ A storage's category is what it turns out to be: when a live storage is recogniz
 as soon as it is accumulated, optimizer state after the step that created it), the breakdown of the
 peak it was part of is corrected too, so ``peak_breakdown`` always sums to ``peak``.
 
+The output head (``peak_head``, ``current_head``). A language model's last layer turns each token into
+vocabulary-sized logits, and what follows it (the loss, its gradient) holds tensors of that size. The
+tracker counts them as a figure of their own, *inside* the categories (a part of ``activations`` and
+``other``, not a sixth category): the bytes of live ``activations`` and ``other`` storages made by
+ops while a head is *open* (not inputs first seen then, such as a batch's labels). A head opens when
+the forward of a module given as ``heads`` starts, or when
+:func:`~lightning_memopt.head.linear_cross_entropy` is called (the package's chunked head, which calls
+:func:`open_head`); it closes when autograd has computed the gradient w.r.t. the head's input (that
+gradient belongs to the model below the head and is not counted), or when the tracker is exited. So
+a Hugging Face causal LM's own head counts its logits, the log-softmax ``cross_entropy`` saves, and in
+backward the logits-sized gradients; the chunked head counts its one chunk's logits and the gradients it
+computes in forward and holds until backward. A storage recognized later as a parameter's gradient
+(the head weight's) leaves the head figure, at the peak too, as it leaves ``other``.
+
 Costs: one Python call per tensor op while entered (a few microseconds each), so a tracked step runs
 noticeably slower than an untracked one on small tensors; the numbers are unaffected.
 """
@@ -37,9 +51,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTracker", "CATEGORIES", "state_bytes", "tensor_bytes"]
+__all__ = ["MemoryTracker", "CATEGORIES", "open_head", "state_bytes", "tensor_bytes"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+HEAD = "head"
+"""The output head's figure beside the categories (a part of two of them; module docstring)."""
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this many bytes
 
@@ -50,12 +66,17 @@ class _Entry:
     base: str  # the category the storage has when autograd does not hold it
     born: int  # clock when the storage was first seen
     saved: int = 0  # how many of autograd's saved-tensor slots hold it now
+    head: bool = False  # made by an op while an output head was open
 
     @property
     def category(self) -> str:
         if self.saved and _RANK[self.base] > _RANK["activations"]:
             return "activations"
         return self.base
+
+    def head_bytes(self, category: str) -> int:
+        """Its bytes in the head figure if its category is ``category`` (only activations and other count)."""
+        return self.nbytes if self.head and _RANK[category] >= _RANK["activations"] else 0
 
 
 # Every tracker entered now, in entry order. The hooks below serve them all: autograd calls only the
@@ -99,6 +120,17 @@ def _resize(storage: torch.UntypedStorage, size: int):
     return result
 
 
+def open_head(inputs: torch.Tensor) -> None:
+    """An output head starts on ``inputs`` (its features): every entered tracker counts what is created from
+    now on in its head figure, until the gradient w.r.t. ``inputs`` is computed (module docstring).
+
+    Called by :func:`~lightning_memopt.head.linear_cross_entropy`, and by a tracker's ``heads`` modules'
+    forward; a loss of your own that replaces the logits can call it too.
+    """
+    for tracker in dict.fromkeys(_ACTIVE):
+        tracker._open_head(inputs)
+
+
 def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]]:
     """The storages behind ``t``; wrapper subclasses such as DTensor are unwrapped to their locals."""
     if is_traceable_wrapper_subclass(t):
@@ -129,10 +161,16 @@ class _DispatchHook(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         trackers = dict.fromkeys(_ACTIVE)
         if trackers:
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             for tracker in trackers:
-                for t in tensors:
+                # Inputs first: an input seen for the first time existed before the op (a batch's labels),
+                # and only storages the op made can be the output head's (an output viewing an input is
+                # already registered as that input).
+                for t in inputs:
                     tracker._register(t, "other")
+                for t in outputs:
+                    tracker._register(t, "other", made=True)
                 tracker._update_peak()
         return out
 
@@ -145,6 +183,9 @@ class MemoryTracker:
             categorized as such. Optional: without it every byte is ``other`` or ``activations``.
         optimizers: An optimizer or optimizers whose state is categorized as ``optimizer_state``;
             Lightning's ``LightningOptimizer`` wrappers are accepted.
+        heads: A module or modules that are output heads (a Hugging Face causal LM's ``lm_head``): from
+            the start of their forward the tracker counts :attr:`peak_head` (module docstring). Optional:
+            calls of :func:`~lightning_memopt.head.linear_cross_entropy` are counted without it.
 
     The tracker can be entered more than once; each entry continues the same counts. Peak and
     breakdowns are plain ``int`` bytes. See the module docstring for what is counted and what it costs.
@@ -162,9 +203,15 @@ class MemoryTracker:
         self,
         modules: torch.nn.Module | Iterable[torch.nn.Module] | None = None,
         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+        *,
+        heads: torch.nn.Module | Iterable[torch.nn.Module] | None = None,
     ) -> None:
         self._modules = _modules(modules)
         self._optimizers = _optimizers(optimizers)
+        self._heads = _modules(heads, name="heads")
+        self._head_open = False  # whether an output head is open (module docstring)
+        self._head_current = 0
+        self._peak_head = 0
         self._entries: dict[int, _Entry] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._current = dict.fromkeys(CATEGORIES, 0)
@@ -197,10 +244,27 @@ class MemoryTracker:
         """Bytes by category at the moment of ``peak``; the values sum to ``peak``."""
         return dict(self._peak_breakdown)
 
+    @property
+    def current_head(self) -> int:
+        """Bytes alive now that the output head created (module docstring); part of ``current``."""
+        return self._head_current
+
+    @property
+    def peak_head(self) -> int:
+        """Of ``peak``, the bytes the output head created (module docstring); part of the ``activations``
+        and ``other`` of ``peak_breakdown``."""
+        return self._peak_head
+
+    @property
+    def peak_figures(self) -> dict[str, int]:
+        """``peak_breakdown`` and, under ``"head"``, ``peak_head``: what a memory record keeps of a peak."""
+        return {**self._peak_breakdown, HEAD: self._peak_head}
+
     def reset_peak(self) -> None:
         """Start a new peak window from the current bytes (like ``torch.cuda.reset_peak_memory_stats``)."""
         self._peak = self._total
         self._peak_breakdown = dict(self._current)
+        self._peak_head = self._head_current
         self._peak_clock = self._clock
 
     def category_of(self, tensor: torch.Tensor) -> str | None:
@@ -215,6 +279,13 @@ class MemoryTracker:
         self._modules.extend(modules)
         if self._stack:
             self._mark_modules(modules)
+
+    def track_heads(self, *modules: torch.nn.Module) -> None:
+        """Add output heads after construction (see ``heads``)."""
+        modules = tuple(_modules(modules, name="heads"))
+        self._heads.extend(modules)
+        if self._stack:
+            self._hook_heads(modules)
 
     def track_optimizers(self, *optimizers: torch.optim.Optimizer) -> None:
         """Add optimizers after construction (Lightning creates them after the model)."""
@@ -237,6 +308,8 @@ class MemoryTracker:
         # nested trackers each see all ops and saved tensors, and exits in any order pop equivalent hooks.
         saved = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
         mode = _DispatchHook()
+        if not self._stack:
+            self._hook_heads(self._heads)
         if not _ACTIVE:
             torch.UntypedStorage.resize_ = _resize
         _ACTIVE.append(self)
@@ -256,6 +329,7 @@ class MemoryTracker:
         if not _ACTIVE:
             torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
         if not self._stack:
+            self._close_head()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -271,6 +345,40 @@ class MemoryTracker:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
             for b in module.buffers():
                 self._register(b, "parameters")
+
+    def _hook_heads(self, heads: Iterable[torch.nn.Module]) -> None:
+        for head in heads:
+            self._handles.append(head.register_forward_pre_hook(self._head_forward))
+
+    def _head_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        inputs = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self._open_head(inputs)
+
+    def _open_head(self, inputs: torch.Tensor | None) -> None:
+        self._head_open = True
+        if inputs is not None and inputs.requires_grad and torch.is_grad_enabled():
+            # Removed at the last exit like the other hooks: a leaf's hook would stay on the tensor.
+            self._handles.append(inputs.register_hook(self._input_grad))
+
+    def _input_grad(self, grad: torch.Tensor) -> None:
+        """Autograd computed the gradient w.r.t. the head's input: the head closes, without that gradient."""
+        self._close_head()
+        for storage, _ in _storages(grad):
+            entry = self._entries.get(id(storage))
+            if entry is not None and entry.head:
+                self._set_head(entry, False)
+
+    def _close_head(self) -> None:
+        self._head_open = False
+
+    def _set_head(self, entry: _Entry, head: bool) -> None:
+        """Count ``entry`` in the head figure or not, now and (if it was alive then) at the peak."""
+        before = entry.head_bytes(entry.category)
+        entry.head = head
+        change = entry.head_bytes(entry.category) - before
+        self._head_current += change
+        if entry.born <= self._peak_clock:
+            self._peak_head += change
 
     def _mark_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         for opt in optimizers:
@@ -324,20 +432,27 @@ class MemoryTracker:
             return
         self._current[before] -= entry.nbytes
         self._current[after] += entry.nbytes
+        head = entry.head_bytes(after) - entry.head_bytes(before)
+        self._head_current += head
         if fix_peak and entry.born <= self._peak_clock:
             self._peak_breakdown[before] -= entry.nbytes
             self._peak_breakdown[after] += entry.nbytes
+            self._peak_head += head
 
-    def _register(self, t: torch.Tensor, category: str) -> None:
+    def _register(self, t: torch.Tensor, category: str, made: bool = False) -> None:
+        """Count ``t``'s storages under ``category`` (or a category above it); ``made``: an op just made it."""
         for storage, device in _storages(t):
             key = id(storage)
             entry = self._entries.get(key)
             if entry is None:
                 nbytes = _size(storage, device)
                 self._clock += 1  # ticks per new storage, so "born after the peak" is exact
-                self._entries[key] = _Entry(nbytes, category, self._clock)
+                entry = self._entries[key] = _Entry(
+                    nbytes, category, self._clock, head=made and self._head_open
+                )
                 self._refs[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))
                 self._current[category] += nbytes
+                self._head_current += entry.head_bytes(category)
                 self._total += nbytes
             elif _RANK[category] < _RANK[entry.base]:
                 before = entry.category
@@ -349,6 +464,7 @@ class MemoryTracker:
         self._refs.pop(key, None)
         if entry is not None:
             self._current[entry.category] -= entry.nbytes
+            self._head_current -= entry.head_bytes(entry.category)
             self._total -= entry.nbytes
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
@@ -357,8 +473,10 @@ class MemoryTracker:
             return
         nbytes = _size(storage, storage.device)
         self._current[entry.category] += nbytes - entry.nbytes
+        self._head_current -= entry.head_bytes(entry.category)
         self._total += nbytes - entry.nbytes
         entry.nbytes = nbytes
+        self._head_current += entry.head_bytes(entry.category)
         # A storage grown after the peak must not count towards the old peak's breakdown.
         self._clock += 1
         entry.born = self._clock
@@ -368,16 +486,17 @@ class MemoryTracker:
         if self._total > self._peak:
             self._peak = self._total
             self._peak_breakdown = dict(self._current)
+            self._peak_head = self._head_current
             self._peak_clock = self._clock
 
 
-def _modules(value) -> list[torch.nn.Module]:
-    modules = _as_list(value, torch.nn.Module, "modules")
+def _modules(value, name: str = "modules") -> list[torch.nn.Module]:
+    modules = _as_list(value, torch.nn.Module, name)
     for module in modules:
         # A string is iterable too: without this check MemoryTracker("model") fails only at entry.
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
-                f"modules must be torch.nn.Module instances, got {module!r} ({type(module).__name__})"
+                f"{name} must be torch.nn.Module instances, got {module!r} ({type(module).__name__})"
             )
     return modules
 

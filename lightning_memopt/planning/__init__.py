@@ -14,6 +14,8 @@ models (ResNet-bottleneck, Swin)       32 bytes of activations (a meta kernel's 
 bf16-mixed (CPU autocast), zoo         within 0.8% (0 for the transformers; convolutions save a few
                                        bytes more for real than their meta kernels say)
 bf16-true, GPT example                 0 bytes
+tiny HF GPT-2, own or chunked head     0 bytes, every phase and category; its head line as the
+                                       shapes say (``predict_step(head=...)``)
 FSDP2 over 2 ranks (fully_shard)       0 bytes per rank against a 2-process gloo run
 micro-batching (AutoAccumulation)      within 128 bytes per phase of a real Trainer run (Lightning's
                                        own loss scalars), measured by MemoryMonitor

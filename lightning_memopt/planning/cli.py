@@ -19,10 +19,12 @@ JSON output (``--json``), all sizes in bytes per rank:
 ``phases``         ``{forward|backward|optimizer: {peak, parameters, gradients, optimizer_state,
                    activations, other}}``: each phase's peak and its breakdown
 ``categories``     the breakdown at the step's peak
+``head_bytes``     of the step's peak, the bytes the output head made (a part of ``activations`` and
+                   ``other``); null where the model is no causal LM whose head the package can take
 ``fits``           whether ``peak_bytes`` <= ``usable_bytes`` (device memory less headroom)
 ``usable_bytes``   device memory * (1 - headroom)
-``options``        one entry per single change: ``name``, ``config``, ``peak_bytes``, ``cost``, ``fits``,
-                   ``recompute_flops``
+``options``        one entry per single change: ``name``, ``config`` (with ``head``: ``own`` or
+                   ``chunked``), ``peak_bytes``, ``head_bytes``, ``cost``, ``fits``, ``recompute_flops``
 ``cheapest``       the cheapest configuration that fits (or null): ``config``, ``peak_bytes``, ``cost``,
                    ``recompute_flops``, ``yaml`` (the ``trainer:`` block to paste)
 ``modeled``        what was modeled instead of counted (sharding, DDP buckets, offload)
@@ -38,6 +40,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from lightning_memopt.batching.split import batch_size
@@ -142,8 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print JSON instead of text; keys: peak_bytes, peak_phase, phases, categories, fits, usable_bytes, "
-        "options, cheapest (with yaml), modeled; bytes per rank",
+        help="print JSON instead of text; keys: peak_bytes, peak_phase, phases, categories, head_bytes, fits, "
+        "usable_bytes, options, cheapest (with yaml), modeled; bytes per rank",
     )
     p.add_argument("--plot", metavar="PNG", help="write a stacked bar per option (needs matplotlib)")
     return parser
@@ -279,6 +282,7 @@ def _result(
         "peak_phase": pred.peak_phase,
         "phases": pred.phases,
         "categories": pred.categories,
+        "head_bytes": pred.head_bytes,
         "fits": base.fits,
         "options": [_option_dict(name, e) for name, e in options],
         "cheapest": cheapest,
@@ -309,6 +313,8 @@ def _options(planner: Planner, base: Evaluated) -> list[tuple[str, Evaluated]]:
                 planner.evaluate(Config(c0.precision, c0.micro_batch_size, c0.strategy, "offload")),
             )
         )
+    if "chunked" in planner.heads():
+        out.append(("chunked head", planner.evaluate(replace(c0, head="chunked"))))
     if "fsdp" in planner.strategies() and c0.strategy != "fsdp":
         out.append(
             (
@@ -327,8 +333,10 @@ def _option_dict(name: str, e: Evaluated) -> dict[str, Any]:
             "micro_batch_size": e.config.micro_batch_size,
             "strategy": e.config.strategy,
             "checkpoint": e.config.checkpoint,
+            "head": e.config.head,
         },
         "peak_bytes": e.peak_bytes,
+        "head_bytes": None if e.prediction is None else e.prediction.head_bytes,
         "categories": None if e.prediction is None else e.prediction.categories,
         "cost": None if e.cost == float("inf") else round(e.cost, 6),
         "fits": e.fits,
@@ -352,6 +360,10 @@ def render(result: dict[str, Any]) -> str:
             f"{phase:<10}{format_bytes(row['peak']):>12}"
             + "".join(f"{format_bytes(row[c]):>17}" for c in CATEGORIES)
         )
+    if result["head_bytes"] is not None:  # a part of activations and other, not in the row's sum
+        lines[2] += f"{'of which head':>17}"
+        for i, phase in enumerate(PHASES):
+            lines[3 + i] += f"{format_bytes(result['phases'][phase]['head']):>17}"
     verdict = "fits" if result["fits"] else "does NOT fit"
     lines += [
         "",

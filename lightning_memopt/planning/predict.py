@@ -24,15 +24,16 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from lightning_memopt.batching.split import batch_size, micro_batch_sizes, split_batch
 from lightning_memopt.checkpointing import apply_checkpointing, observe_saved, remove_checkpointing
+from lightning_memopt.head.causal_lm import output_heads, take_over_heads
 from lightning_memopt.memory import CATEGORIES, MemoryTracker
-from lightning_memopt.memory.report import PHASES, empty_record, fold_peak
+from lightning_memopt.memory.report import HEAD, PHASES, empty_record, fold_peak
 
 __all__ = [
     "PRECISIONS",
@@ -47,6 +48,10 @@ __all__ = [
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 Strategy = Literal["ddp", "fsdp"]
+Head = Literal["own", "chunked"]
+"""How a Hugging Face causal LM's loss is computed in the predicted step: by its own head (``"own"``), or
+chunk by chunk (``"chunked"``, :func:`~lightning_memopt.head.causal_lm.take_over_heads`)."""
+HEADS: tuple[str, ...] = get_args(Head)
 
 
 @dataclass
@@ -69,15 +74,20 @@ class StepPrediction:
 
     @property
     def phases(self) -> dict[str, dict[str, int]]:
-        """``{phase: {"peak": bytes, category: bytes, ...}}``."""
-        return {
-            p: {"peak": self.record[p], **{c: self.record[f"{p}_{c}"] for c in CATEGORIES}} for p in PHASES
-        }
+        """``{phase: {"peak": bytes, category: bytes, ..., "head": bytes}}`` (``head`` where counted)."""
+        figures = (*CATEGORIES, HEAD) if f"{PHASES[0]}_{HEAD}" in self.record else CATEGORIES
+        return {p: {"peak": self.record[p], **{c: self.record[f"{p}_{c}"] for c in figures}} for p in PHASES}
 
     @property
     def categories(self) -> dict[str, int]:
         """Bytes per category at the step's peak."""
         return {c: self.record[f"{self.peak_phase}_{c}"] for c in CATEGORIES}
+
+    @property
+    def head_bytes(self) -> int | None:
+        """Of the step's peak, the bytes the output head made (a part of ``activations`` and ``other``;
+        :class:`~lightning_memopt.memory.MemoryTracker`), or None where no head was counted."""
+        return self.record.get(f"{self.peak_phase}_{HEAD}")
 
 
 def precision_plugin(precision: str, device_type: str = "cpu"):
@@ -160,14 +170,14 @@ def _run_step(module, optimizer, batch, plugin, record, tracker) -> None:
             # Lightning's order: zero_grad after training_step, so the last step's gradients are alive
             # during this forward.
             optimizer.zero_grad(set_to_none=True)
-        fold_peak(record, "forward", tracker.peak, tracker.peak_breakdown)
+        fold_peak(record, "forward", tracker.peak, tracker.peak_figures)
         tracker.reset_peak()
         loss.backward()
         del loss
-        fold_peak(record, "backward", tracker.peak, tracker.peak_breakdown)
+        fold_peak(record, "backward", tracker.peak, tracker.peak_figures)
         tracker.reset_peak()
         optimizer.step()
-        fold_peak(record, "optimizer", tracker.peak, tracker.peak_breakdown)
+        fold_peak(record, "optimizer", tracker.peak, tracker.peak_figures)
 
 
 class _MicroBatches(list):
@@ -204,6 +214,7 @@ def predict_step(
     blocks: list[tuple[str, nn.Module]] | None = None,
     optimizer_fn: Callable[[], Any] | None = None,
     fresh: Callable[[], nn.Module] | None = None,
+    head: Head | None = None,
 ) -> StepPrediction:
     """Peak memory of one training step of ``module`` on ``batch``, per phase and category, per rank.
 
@@ -223,12 +234,17 @@ def predict_step(
         fresh: Builds a new copy of ``module`` (on fake tensors), to be sharded: ``fully_shard`` changes a
             module for good. Required with ``strategy="fsdp"`` and ``world_size > 1``. (Not
             ``copy.deepcopy``: deep-copying a fake module that has run a step can crash the interpreter.)
+        head: Count the output head's bytes (``<phase>_head`` in the record, :attr:`StepPrediction.head_bytes`)
+            of the Hugging Face causal LMs in the module, computing their loss as :data:`Head` says;
+            ``"chunked"`` takes them over for the step (without the first call's comparison with their
+            own loss, which needs values) and puts them back. Default None: no head line, heads as built.
 
     Returns:
         A :class:`StepPrediction`.
 
     Raises:
-        ValueError: For an unknown precision or strategy, or a micro-batch size out of range.
+        ValueError: For an unknown precision, strategy or head, or a micro-batch size out of range.
+        RuntimeError: With ``head="chunked"``, if the module holds no causal LM whose head can be taken.
 
     Example::
 
@@ -240,6 +256,8 @@ def predict_step(
         raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if head is not None and head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS} or None, got {head!r}")
     if strategy == "fsdp" and world_size > 1 and fresh is None:
         raise ValueError(
             "strategy='fsdp' needs fresh=: a callable that builds the module again, to be sharded"
@@ -260,25 +278,26 @@ def predict_step(
             sharded = fresh()
             with precision_applied(sharded, plugin):
                 shard_module(sharded, [b for _, b in _same_blocks(sharded, module, blocks or [])], mesh)
-                record = _measure(sharded, batch, plugin, checkpoint, optimizer_fn)
+                record = _measure(sharded, batch, plugin, checkpoint, optimizer_fn, head)
         return StepPrediction(record)
     with precision_applied(module, plugin):
-        prediction = StepPrediction(_measure(module, batch, plugin, checkpoint, optimizer_fn))
+        prediction = StepPrediction(_measure(module, batch, plugin, checkpoint, optimizer_fn, head))
         if world_size > 1:
             _add_ddp_buckets(prediction, module)  # in the run's precision: the buckets are gradient-typed
     return prediction
 
 
-def _measure(module, batch, plugin, checkpoint, optimizer_fn) -> dict[str, int]:
+def _measure(module, batch, plugin, checkpoint, optimizer_fn, head=None) -> dict[str, int]:
     """One tracked step of ``module`` (already in its precision), leaving its gradients and mode as they were."""
     was_training = module.training
     module.train()
     grads = [(p, p.grad) for p in module.parameters()]
     try:
-        with _checkpointed(module, checkpoint):
+        with _checkpointed(module, checkpoint), _head_taken(module, head):
             optimizer = first_optimizer((optimizer_fn or module.configure_optimizers)())
-            tracker = MemoryTracker(module, optimizer)
-            record = empty_record(1, PHASES)
+            heads = output_heads(module) if head is not None else []
+            tracker = MemoryTracker(module, optimizer, heads=heads)
+            record = empty_record(1, PHASES, head=head is not None)
             with warnings.catch_warnings(), observe_saved(_mark_cached(tracker)):
                 # training_step's self.log warns when no Trainer is attached: expected here.
                 warnings.filterwarnings("ignore", message=".*self.log.*")
@@ -374,6 +393,18 @@ def _checkpointed(module: nn.Module, checkpoint: dict[str, str] | None):
         yield
     finally:
         remove_checkpointing(module)
+
+
+@contextlib.contextmanager
+def _head_taken(module: nn.Module, head: str | None):
+    if head != "chunked":
+        yield
+        return
+    undo = take_over_heads(module, "chunked", note=lambda _: None, verify=False)  # strict: never a note
+    try:
+        yield
+    finally:
+        undo()
 
 
 def _add_ddp_buckets(prediction: StepPrediction, module: nn.Module) -> None:

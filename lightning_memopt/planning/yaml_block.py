@@ -29,13 +29,16 @@ def trainer_yaml(evaluated, devices: int, capacity: int, headroom: float, batch_
             "      init_args:",
             f"        micro_batch_size: {c.micro_batch_size}",
         ]
-    if c.checkpoint != "none":
+    if c.checkpoint != "none" or c.head == "chunked":
+        # AutoCheckpoint computes a causal LM's loss chunk by chunk unless told head='keep'; with the
+        # step fitting as planned, it checkpoints nothing more than the plan needs.
         callbacks += [
             "    - class_path: lightning_memopt.AutoCheckpoint",
             "      init_args:",
             f"        max_memory: {capacity}  # {format_bytes(capacity)}",
             f"        headroom: {headroom}",
             f"        allow_offload: {'true' if c.checkpoint == 'offload' else 'false'}",
+            f"        head: {'chunked' if c.head == 'chunked' else 'keep'}",
         ]
     if callbacks:
         lines += ["  callbacks:  # add to your own callbacks", *callbacks]

@@ -211,6 +211,27 @@ def test_record_metrics_in_gib():
         "other": 0.0,
     }
     assert record_metrics({"step": 4, "steps": 1, "validation": GIB // 4}) == {"memory/val_peak_gib": 0.25}
+    assert "memory/peak_head_gib" not in metrics
+    record.update({f"{p}_head": GIB // 2 for p in PHASES}, backward_head=GIB)
+    assert record_metrics(record)["memory/peak_head_gib"] == 1.0  # the head at the step's peak (backward)
+
+
+def test_recorder_with_a_head_records_its_bytes():
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 10)
+    model = torch.nn.Sequential(body, head)
+    recorder = PhaseRecorder("cpu", model, [], heads=[head])
+    record = recorder.new_record(0)
+    recorder.start(record, "forward")
+    out = model(torch.ones(3, 4))
+    recorder.switch("backward")
+    out.sum().backward()
+    recorder.stop()
+    # Forward: the logits (3 x 10 float32). Backward: the logits (still bound to `out`), the sum and its
+    # gradient (one float each; the logits' gradient is an expanded view of that float).
+    assert record["forward_head"] == 3 * 10 * 4
+    assert record["backward_head"] == 3 * 10 * 4 + 2 * 4
+    assert "forward_head" not in PhaseRecorder("cpu", model, []).new_record(0)
 
 
 def test_merge_across_ranks_takes_each_phase_from_the_rank_with_its_peak():

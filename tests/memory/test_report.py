@@ -149,3 +149,22 @@ def test_write_report_needs_a_path():
     rec = {"step": 0, "steps": 1, "forward": 1, "backward": 2, "optimizer": 1}
     with pytest.raises(TypeError, match=r"directory must be a str or os.PathLike, got 5 \(int\)"):
         write_report([rec], 5, plot=False)
+
+
+def test_head_keys_fold_merge_and_show_in_the_report(tmp_path):
+    plain = list(empty_record(0))
+    record = empty_record(0, head=True)
+    assert set(record) == set(plain) | {"forward_head", "backward_head", "optimizer_head"}
+    assert "forward_head" not in empty_record(0, breakdown=False, head=True)  # only with a breakdown
+    at_peak = {**dict.fromkeys(CATEGORIES, 100), "head": 60}
+    fold_peak(record, "forward", 500, at_peak)
+    later = empty_record(1, head=True)
+    fold_peak(later, "forward", 700, {**dict.fromkeys(CATEGORIES, 140), "head": 90})
+    fold_peak(later, "backward", 300, {**dict.fromkeys(CATEGORIES, 60), "head": 30})
+    merged = merge_records([record, later])
+    assert (merged["forward"], merged["forward_head"], merged["backward_head"]) == (700, 90, 30)
+    assert summary([record, later]).endswith("other 0.0001; of which the output head 0.0001")
+    md = write_report([record, later], tmp_path, plot=False)[0].read_text()
+    assert "| of which the output head | 0.0001 | 12.9% | 0.0001 |" in md  # 90 of 700 bytes
+    with pytest.raises(KeyError):  # a record with head keys needs the head's bytes with the breakdown
+        fold_peak(empty_record(0, head=True), "forward", 1, dict.fromkeys(CATEGORIES, 0))

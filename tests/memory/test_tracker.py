@@ -231,6 +231,7 @@ def test_nested_trackers_both_see_saved_tensors_and_exit_in_any_order():
             r"modules must be torch.nn.Module instances, got 3 \(int\)",
         ),
         ({"optimizers": "sgd"}, r"optimizers must be torch.optim.Optimizer instances, got str"),
+        ({"heads": "lm_head"}, r"heads must be torch.nn.Module instances, got 'l' \(str\)"),
     ],
 )
 def test_wrong_types_raise_at_construction(kwargs, match):
@@ -245,3 +246,97 @@ def test_track_modules_and_optimizers_check_types():
     with pytest.raises(TypeError, match=r"optimizers must be torch.optim.Optimizer instances, got int"):
         tracker.track_optimizers(1)
     assert tracker._modules == [] and tracker._optimizers == []
+
+
+# ---------------------------------------------------------------------------------------------- the head
+N, H, V = 6, 8, 50  # tokens, features, vocabulary
+LOGITS = N * V * F32
+
+
+def _body_and_head():
+    torch.manual_seed(0)
+    return torch.nn.Linear(H, H), torch.nn.Linear(H, V), torch.randn(N, H), torch.randint(0, V, (N,))
+
+
+def test_own_head_counts_the_logits_sized_tensors_exactly():
+    body, head, x, y = _body_and_head()
+    with MemoryTracker([body, head], heads=head) as tracker:
+        loss = torch.nn.functional.cross_entropy(head(body(x)), y)
+        # At the forward's peak (nll_loss): the logits, their log-softmax, the loss and nll's total weight
+        # (one float each). Not the labels: an input first seen there, not made by the head.
+        assert tracker.peak_head == 2 * LOGITS + 2 * F32
+        # After it: the log-softmax autograd saved for backward, the loss and the total weight.
+        assert tracker.current_head == LOGITS + 2 * F32
+        assert tracker.peak_breakdown["activations"] >= LOGITS  # the head is a part of the categories
+        tracker.reset_peak()
+        loss.backward()
+        # Backward's peak (log_softmax_backward): the saved log-softmax, the gradient w.r.t. it, the
+        # gradient w.r.t. the logits, the loss and its gradient.
+        assert tracker.peak_head == 3 * LOGITS + 2 * F32
+        # The weight's and bias's gradients are gradients, and the gradient w.r.t. the head's input
+        # belongs to the body; the loss's gradient went with backward(): only the loss is left.
+        assert tracker.current_head == F32
+        del loss
+        assert tracker.current_head == 0
+    with MemoryTracker([body, head]) as tracker:  # not told the head: no head line
+        torch.nn.functional.cross_entropy(head(body(x)), y).backward()
+    assert tracker.peak_head == 0
+
+
+def test_chunked_head_counts_its_chunk_and_the_gradients_it_holds():
+    from lightning_memopt.head import linear_cross_entropy
+
+    body, head, x, y = _body_and_head()
+    chunk = 2
+    with MemoryTracker([body, head]) as tracker:  # linear_cross_entropy opens the head itself
+        loss = linear_cross_entropy(body(x), head.weight, y, bias=head.bias, chunk_size=chunk)
+        held = N * F32 + F32 + N * H * F32 + V * H * F32 + V * F32  # losses, ones, d hidden, d weight, d bias
+        # The peak is at the bias's gradient, db += dz.sum(0): the chunk's logits turned gradient (c, V),
+        # their column sum (V,) and the chunk's losses (c,). (Without a bias it is in the chunk's softmax:
+        # the logits and 42 bytes of per-token vectors per token.)
+        assert tracker.peak_head == held + chunk * V * F32 + V * F32 + chunk * F32
+        assert tracker.current_head == (N * H + V * H + V) * F32 + F32  # the held gradients and the loss
+        tracker.reset_peak()
+        loss.backward()
+        del loss
+        assert tracker.current_head == 0  # d weight and d bias are gradients; d hidden went to the body
+    # At backward's peak: the loss and its gradient. The held gradients were alive too, but d weight and
+    # d bias turned out to be gradients and d hidden the body's: not the head's, at that peak either.
+    assert tracker.peak_head == 2 * F32
+
+
+def test_head_closes_at_exit_and_without_gradient():
+    body, head, x, y = _body_and_head()
+    tracker = MemoryTracker([body, head], heads=head)
+    with torch.no_grad(), tracker:
+        head(body(x)).sum()
+        assert tracker.current_head == 0  # the logits and the sum are gone
+        # The peak: when the logits were made, the body's output still alive (freed before the sum).
+        assert tracker.peak_head == LOGITS
+    with tracker:
+        body(x)
+        assert tracker.current_head == 0  # closed at the last exit: the body's output is not the head's
+
+
+def test_track_heads_after_construction():
+    body, head, x, y = _body_and_head()
+    tracker = MemoryTracker([body, head])
+    with tracker:
+        tracker.track_heads(head)
+        head(x)
+        assert tracker.current_head == 0  # the logits were dropped
+        assert tracker.peak_head == LOGITS
+    with pytest.raises(TypeError, match=r"heads must be torch.nn.Module instances, got 1 \(int\)"):
+        tracker.track_heads(1)
+
+
+def test_a_leaf_heads_input_keeps_no_hook_after_exit():
+    from lightning_memopt.head import linear_cross_entropy
+
+    _, head, x, y = _body_and_head()
+    features = x.clone().requires_grad_(True)  # a leaf: its hooks live as long as it does
+    with MemoryTracker(head) as tracker:
+        linear_cross_entropy(features, head.weight, y).backward()
+        assert features._backward_hooks  # the head's closing hook, while entered
+    assert not features._backward_hooks
+    assert tracker.current_head == 0

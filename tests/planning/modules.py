@@ -50,3 +50,31 @@ class DataDependent(TinyLM):
         if x.sum() > 0:  # reads a value
             return x * 2
         return x
+
+
+class TinyGPT2(pl.LightningModule):
+    """A Hugging Face GPT-2 (2 layers, float32, its head tied to the embedding); AdamW.
+
+    ``chunked=True``: at its first training step it puts its own loss through the chunked head
+    (``take_over_heads``), as ``AutoCheckpoint(head="chunked")`` would: a measurement independent of
+    the planner's own take-over (``copy.deepcopy`` copies it before that step)."""
+
+    def __init__(self, vocab: int = 99, width: int = 32, layers: int = 2, chunked: bool = False) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(
+            vocab_size=vocab, n_embd=width, n_layer=layers, n_head=2, n_positions=64
+        )
+        self.model = transformers.GPT2LMHeadModel(config)
+        self.chunked, self.undo = chunked, None
+
+    def training_step(self, batch, batch_idx):
+        if self.chunked and self.undo is None:
+            from lightning_memopt.head.causal_lm import take_over_heads
+
+            self.undo = take_over_heads(self.model, "chunked", note=print)
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)

@@ -169,3 +169,45 @@ def test_yaml_block_builds_the_callbacks_it_names():
         trainer_yaml(Evaluated(Config("32-true", 8, "ddp"), None, 0.0, True), 1, 2**30, 0.1, 8)
     )
     assert plain == {"trainer": {"precision": "32-true", "devices": 1}}
+
+
+def test_causal_lm_gets_the_chunked_head_as_an_option_and_the_cheapest_fit(capsys):
+    """A tiny GPT-2 whose own head does not fit where the chunked one does: the plan counts the head on its
+    own line, offers the chunked head with its peak (a real step with the head taken: equal) and no cost,
+    and picks it, with AutoCheckpoint(head: chunked) in the YAML."""
+    import torch
+
+    sys.path[:0] = [str(ROOT / "examples")]
+    from baseline_step import measure_baseline_step
+
+    from tests.planning.modules import TinyGPT2
+
+    x = torch.randint(0, 99, (4, 32))
+    peaks = {}
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        measured = measure_baseline_step(TinyGPT2(chunked=chunked), x)
+        peaks[chunked] = max(measured[p] for p in ("forward", "backward", "optimizer"))
+    assert peaks[True] < peaks[False]
+    gpt2 = "tests.planning.modules:TinyGPT2"
+    between = (peaks[True] + peaks[False]) // 2
+    result = plan(model=gpt2, batch=["4x32"], device_memory=between, headroom=0.0)
+    assert result["fits"] is False and result["peak_bytes"] == peaks[False]
+    assert result["head_bytes"] == result["phases"][result["peak_phase"]]["head"] > 0
+    option = next(o for o in result["options"] if o["name"] == "chunked head")
+    assert option["config"]["head"] == "chunked" and option["peak_bytes"] == peaks[True]
+    assert option["fits"] is True and option["cost"] == 0.0 and option["recompute_flops"] == 0
+    assert option["head_bytes"] < result["head_bytes"]
+    best = result["cheapest"]
+    assert best["config"] == {**option["config"]} and "        head: chunked" in best["yaml"]
+
+    assert (
+        main(["plan", "--model", gpt2, "--batch", "4x32", "--device-memory", str(between), "--headroom", "0"])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "of which head" in text and "chunked head" in text
+
+    no_lm = plan(model=MODEL, batch=["4x8"], device_memory="1GiB")
+    assert no_lm["head_bytes"] is None and "chunked head" not in [o["name"] for o in no_lm["options"]]
+    assert all(o["config"]["head"] == "own" for o in no_lm["options"])

@@ -191,3 +191,49 @@ def test_micro_batching_matches_a_real_autoaccumulation_run(micro_batch_size, tm
         assert abs(predicted[phase] - measured[phase]) <= 128, phase
         assert predicted[f"{phase}_parameters"] == measured[f"{phase}_parameters"]
         assert predicted[f"{phase}_optimizer_state"] == measured[f"{phase}_optimizer_state"]
+
+
+@pytest.mark.parametrize("head", ["own", "chunked"])
+def test_causal_lm_head_prediction_equals_measured_step(head):
+    """A tiny GPT-2, its loss by its own head or chunked: the fake step with the head taken over by the
+    planner equals a real step whose module took its head over itself, byte for byte; the head's line is
+    what the shapes say (the same bytes as tests/callbacks/test_memory_monitor_head.py, whose Lightning
+    run holds one more scalar in backward)."""
+    from lightning_memopt.head.loss import default_chunk_size
+    from tests.planning.modules import TinyGPT2
+
+    b, t, v, h = 4, 32, 99, 32
+    x = torch.randint(0, v, (b, t))
+    torch.manual_seed(0)
+    measured = _measured(TinyGPT2(chunked=head == "chunked"), x, "32-true")
+    mode = fake_mode()
+    model = build_fake(mode, TinyGPT2, what="TinyGPT2")
+    with mode:
+        predicted = predict_step(model, fake_batch(mode, x), head=head)
+    assert {k: n for k, n in predicted.record.items() if not k.endswith("_head")} == measured
+    logits, f32, i64 = b * t * v * 4, 4, 8
+    if head == "own":  # the logits, log-softmax, padded and shifted labels, loss, total weight
+        forward = 2 * logits + b * (t + 1) * i64 + b * t * i64 + 2 * f32
+        backward = 3 * logits + 2 * f32  # log-softmax, its gradient, the logits' gradient; loss and gradient
+    else:
+        n = b * (t - 1)
+        held = 2 * n * h * f32 + n * i64 + v * h * f32 + n * f32 + f32  # see test_memory_monitor_head.py
+        forward = held + default_chunk_size(n) * (4 * v + 42)
+        backward = v * h * f32 + 2 * f32  # the tied weight's head part waiting for the embedding's
+    assert (predicted.record["forward_head"], predicted.record["backward_head"]) == (forward, backward)
+    assert predicted.head_bytes == predicted.record[f"{predicted.peak_phase}_head"]
+    assert model.model.forward.__func__ is type(model.model).forward  # the take-over was undone
+    assert predict_step(model, fake_batch(mode, x)).head_bytes is None  # no head line unless asked
+
+
+def test_chunked_head_without_a_causal_lm_is_an_error():
+    from tests.planning.modules import TinyLM
+
+    mode = fake_mode()
+    model = build_fake(mode, TinyLM, what="TinyLM")
+    with mode:
+        batch = fake_batch(mode, torch.zeros(2, 8, dtype=torch.long))
+        with pytest.raises(RuntimeError, match="head='chunked' found no Hugging Face causal LM"):
+            predict_step(model, batch, head="chunked")
+        with pytest.raises(ValueError, match=r"head must be one of \('own', 'chunked'\) or None, got 'keep'"):
+            predict_step(model, batch, head="keep")

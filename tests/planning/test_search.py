@@ -67,3 +67,22 @@ def test_grid_and_prices():
     assert p.precisions() == ["bf16-mixed", "bf16-true"]
     assert p.strategies() == ["ddp"]
     assert p.base_cost(Config("bf16-true", 2, "ddp")) == pytest.approx(0.05 + 2 * 0.05)
+
+
+def test_the_chunked_head_is_a_knob_of_causal_lms_and_the_search_agrees_with_brute_force():
+    from tests.planning.modules import TinyGPT2
+
+    mode = fake_mode()
+    module = build_fake(mode, TinyGPT2, what="TinyGPT2")
+    p = Planner(module, parse_batch_spec(["4x32"], mode), usable=1, allow_offload=False)
+    with mode:
+        assert p.heads() == ["own", "chunked"]
+        assert {c.head for c in p.grid()} == {"own", "chunked"} and len(p.grid()) % 2 == 0
+        own = p.predict(Config("32-true", 4, "ddp"))
+        chunked = p.predict(Config("32-true", 4, "ddp", head="chunked"))
+        assert chunked.peak_bytes < own.peak_bytes
+        assert chunked.head_bytes < own.head_bytes
+        assert p.base_cost(Config("32-true", 4, "ddp", head="chunked")) == Prices().chunked_head == 0.0
+        p.usable = chunked.peak_bytes  # only the chunked head fits without another change
+        best, reference = p.cheapest(), p.brute_force()
+        assert best.config == reference.config == Config("32-true", 4, "ddp", head="chunked")
