@@ -4,22 +4,26 @@
 logit, then ``cross_entropy`` on them shifted by one position: the logits-sized tensors dominate a step
 whose blocks are checkpointed. :func:`take_over_heads` patches such a model's instance ``forward``: a call
 with ``labels`` runs the base model (``getattr(model, model.base_model_prefix)``) for the last hidden
-state and computes the shifted loss chunk by chunk from it and ``lm_head``'s weight and bias; it returns
-the model's output type with that ``loss`` and ``logits=None`` (``keep_logits=True`` also returns the
-logits, computed without gradient). Calls without labels, or without gradient, run the model's own
-forward. Nothing else changes: the parameters, ``state_dict`` and the model's own forward (restored by
-the returned undo).
+state and computes the loss chunk by chunk from it and the weight and bias of the model's output
+embeddings (:func:`output_head`); it returns the model's output type with that ``loss`` and no logits
+(``keep_logits=True`` also returns the logits, computed without gradient). Calls without labels, or
+without gradient, run the model's own forward. Nothing else changes: the parameters, ``state_dict`` and
+the model's own forward (restored by the returned undo).
 
-Which models are taken. Only what reproduces the model's own loss:
+Which models are taken. Only what reproduces the model's own loss; every other causal LM gets one note:
 
-1. Declined from the config (one note naming why): a final logit soft-capping
-   (``final_logit_softcapping``, Gemma 2/3), logit scaling (``logit_scale``, ``logits_scaling``), a
-   router's auxiliary loss added to the loss (``output_router_logits=True``, Mixtral and other MoE).
+1. Declined from the model (:func:`decline_reason`): output embeddings that are not an ``nn.Linear``, no
+   base model, a final logit soft-capping (``final_logit_softcapping``, Gemma 2/3), logit scaling
+   (``logit_scale``, ``logits_scaling``), a router's auxiliary loss added to the loss
+   (``output_router_logits=True``, Mixtral and other MoE).
 2. Verified at the first call with labels and gradient: on the batch's first sample (its first 64
-   positions), the model's own loss and its gradient w.r.t. the base model's output are compared with
-   the chunked path's (same random state, so dropout draws the same masks; the random state is put back
-   after). A difference beyond rounding (relative 1e-4; 1e-2 in half precision) declines the head,
-   naming the difference. The check's own logits are those of 64 positions, not of the batch.
+   positions), the hidden states entering the model's own head must be the base model's output; then the
+   model's own loss and its gradient w.r.t. them are compared with the chunked path's (same random state,
+   so dropout draws the same masks; the random state is put back after), with the labels shifted by one
+   position, or, where that differs, not shifted (:attr:`ChunkedHead.shift`: TrOCR's, BART's and XLNet's
+   losses compare position t with label t). A difference beyond rounding (relative 1e-4; 1e-2 in half
+   precision) either way declines the head, naming the difference. The check's own logits are those of
+   64 positions, not of the batch.
 
 The model's own loss upcasts logits to float32 (``logits.float()``), also a float64 model's; the chunked
 loss keeps float64 in float64 and computes half-precision chunks in float32.
@@ -103,8 +107,8 @@ def output_heads(module: torch.nn.Module, head: str | None = "auto") -> list[tor
 
     Args:
         module: The model.
-        head: ``"auto"``: the ``lm_head`` of each causal LM (:func:`causal_lms`; the ones
-            :func:`take_over_heads` takes); a submodule's name (``"head"``): that one; None: none.
+        head: ``"auto"``: the output embeddings of each causal LM (:func:`causal_lms`,
+            :func:`output_head`); a submodule's name (``"head"``): that one; None: none.
 
     Raises:
         ValueError: If ``module`` has no submodule named ``head``.
@@ -113,7 +117,7 @@ def output_heads(module: torch.nn.Module, head: str | None = "auto") -> list[tor
     if check_output_head(head) is None:
         return []
     if head == "auto":
-        return [m.lm_head for m in causal_lms(module)]
+        return [h for m in causal_lms(module) if (h := output_head(m)) is not None]
     try:
         return [module.get_submodule(head)]
     except AttributeError:
@@ -361,7 +365,7 @@ def take_over_heads(
         models = causal_lms(module)
         if not models and head == "chunked":
             raise RuntimeError(
-                "head='chunked' found no Hugging Face causal LM (a *ForCausalLM with an nn.Linear lm_head) "
+                "head='chunked' found no Hugging Face causal LM (a *ForCausalLM or *LMHeadModel) "
                 f"in {type(module).__name__}; call linear_cross_entropy in training_step instead, or pass "
                 "head='auto'"
             )

@@ -211,7 +211,7 @@ def _sweep_rows():
     return [arch for arch in ARCHS if arch.task == "causal_lm"]
 
 
-DECLINED = {
+SWEEP_DECLINED = {
     "gemma2": "Gemma2ForCausalLM has a final logit soft-capping",
     "cohere": "CohereForCausalLM has logit scaling",
     "roberta_causal": "the hidden states entering its output head are not its base model's output",
@@ -227,7 +227,7 @@ def test_every_causal_lm_of_the_sweep_is_taken_exactly_or_declined_with_its_reas
     outcome, detail = sweep_one(arch)
     if arch.name == "xglm":
         assert outcome == "skipped" and "overflow" in detail  # its sinusoidal positions, in float64
-    elif arch.name in DECLINED:
-        assert outcome == "declined" and DECLINED[arch.name] in detail, detail
+    elif arch.name in SWEEP_DECLINED:
+        assert outcome == "declined" and SWEEP_DECLINED[arch.name] in detail, detail
     else:
         assert outcome == "taken", detail
