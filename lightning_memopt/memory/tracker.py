@@ -38,7 +38,11 @@ computes in forward and holds until backward. A storage recognized later as a pa
 (the head weight's) leaves the head figure, at the peak too, as it leaves ``other``.
 
 Costs: one Python call per tensor op while entered (a few microseconds each), so a tracked step runs
-noticeably slower than an untracked one on small tensors; the numbers are unaffected.
+noticeably slower than an untracked one on small tensors. One difference in what runs: while any dispatch
+mode is active, autograd sums the gradients of a tensor used twice (a tied embedding, a residual input)
+out of place, where without one it may add the second into the first; at such a sum the tracked run holds
+one gradient-sized tensor more than an untracked one (``benchmarks/head.py`` shows it on GPT-2's tied
+embedding: 147 MiB at the end of backward).
 """
 
 from __future__ import annotations
