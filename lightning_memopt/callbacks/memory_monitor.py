@@ -79,8 +79,8 @@ class MemoryMonitor(ReleasingCallback):
             keeping the larger peak (default 2048: a few MiB at most).
         head: The output head, counted on its own line (``<phase>_head`` in the records,
             ``memory/peak_head_gib``; what counts: :class:`~lightning_memopt.memory.MemoryTracker`).
-            ``"auto"`` (default): each Hugging Face causal LM's ``lm_head``, also when ``AutoCheckpoint``
-            computes its loss chunk by chunk; a submodule's name (``"head"``); None: no head line.
+            ``"auto"`` (default): each Hugging Face causal LM's output embeddings (``lm_head``), also
+            when ``AutoCheckpoint`` computes its loss chunk by chunk; a submodule's name; None: none.
 
     Raises:
         ValueError: If ``log_every_n_steps`` or ``max_history`` is not a positive int, ``breakdown``
