@@ -8,7 +8,7 @@ take (``count_fn``, ``split_fn``, ``length_fn``, ``exactness``) must agree where
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -30,7 +30,7 @@ _SHARED = {
     "split_fn": "split_fn(batch, sizes) -> list of micro-batches",
     "length_fn": "length_fn(batch) -> tokens per sample",
 }
-_EXACTNESS = ("warn", "raise", "off")
+_EXACTNESS = get_args(Exactness)
 _VERSION = 2  # of the saved state; checkpoints without one hold the two callbacks' own (before one owner)
 
 

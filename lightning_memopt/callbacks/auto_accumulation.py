@@ -123,7 +123,8 @@ class AutoAccumulation(MicroBatching):
         )
         self.headroom = check_headroom(headroom)
         self.max_probes = max_probes
-        self.fixed_size, self.eval_micro_batch_size = micro_batch_size, eval_micro_batch_size
+        self.fixed_size = micro_batch_size
+        self.eval_micro_batch_size = eval_micro_batch_size
         super().__init__(
             log=log, count_fn=count_fn, split_fn=split_fn, length_fn=length_fn, exactness=exactness
         )
