@@ -91,6 +91,7 @@ class MicroBatchEngine:
         self._undo: list[Callable[[], None]] = []
         self._originals: dict[str, Callable[..., Any]] = {}
         self._sharding: Any = _UNKNOWN
+        self._batch_idx = 0  # of the step running (for optimizer_zero_grad)
         self._skip_zero_grad = False
         self._pending_backward = False
         self.state: StepState | None = None  # the step's start, for a retry (None between steps)

@@ -53,14 +53,8 @@ class Pass:
 
 
 class TrainingStep:
-    """One training batch as micro-batches, attempt after attempt until one succeeds on every rank.
-
-    Args:
-        engine: The :class:`~lightning_memopt.batching.engine.MicroBatchEngine` running it.
-        batch: The optimizer batch.
-        rest: ``training_step``'s other positional arguments (``batch_idx``).
-        kwargs: Its keyword arguments.
-    """
+    """One training batch as micro-batches, attempt after attempt until one succeeds on every rank
+    (``rest`` and ``kwargs``: ``training_step``'s other arguments)."""
 
     def __init__(self, engine: Any, batch: Any, rest: tuple, kwargs: dict) -> None:
         self.engine, self.batch, self.rest, self.kwargs = engine, batch, rest, kwargs

@@ -32,16 +32,11 @@ class OOMBackoff(MicroBatching):
         grow_after: After this many steps in a row without an out-of-memory error at a reduced size, try
             twice the size again (never above the starting size, nor up to a size that already failed).
             Default None: never grow back.
-        overlap_after: Under DDP, after this many steps in a row without an OOM at one size, and when a
-            step runs as 2 or more micro-batches, the ranks agree after the first k-1 micro-batches and
-            the last one synchronizes gradients inside its backward, as DDP does without this callback
-            (communication overlaps backward again; one 8-byte all-reduce per step). The price: an OOM
-            in that last micro-batch cannot be retried on every rank and ends the run with
-            :class:`~lightning_memopt.MicroBatchOOMError`. Under FSDP2, after this many
-            steps in a row without an OOM at one size (any number of micro-batches), the micro-batches
-            run without sync points and without agreement (no extra collective at all); any OOM then
-            ends the run with ``MicroBatchOOMError`` on that rank, and the other ranks fail at their
-            next collective. Default None: always agree first (safe).
+        overlap_after: After this many steps in a row without an OOM at one size, trade recovery for
+            speed: under DDP the last micro-batch (of 2 or more) synchronizes gradients inside its
+            backward again, under FSDP2 the micro-batches run without sync points; an OOM where the ranks
+            no longer agree then ends the run with :class:`~lightning_memopt.MicroBatchOOMError`. Default
+            None: always agree first (safe). The collectives each way costs: ``docs/micro_batching.md``.
         count_fn: ``count_fn(micro_batch) -> number`` of items the loss averages over, or ``"sum"``;
             replaces what the engine learns from the loss. Default None: learned. Shared with
             ``AutoAccumulation`` (give it to one of them).
@@ -53,10 +48,8 @@ class OOMBackoff(MicroBatching):
             ``AutoAccumulation``.
         exactness: ``"warn"``, ``"raise"`` or ``"off"``: the one-time check of ``AutoAccumulation``'s
             ``exactness``. Shared with ``AutoAccumulation``.
-        log: Log the ``batching/*`` keys from the training step. Default True. They are the same keys
-            as :class:`~lightning_memopt.AutoAccumulation`'s (one engine drives both; its docstring has
-            the table), and on one CUDA device ``batching/near_misses``: steps after which the allocator
-            was found thrashing, since the fit started (cumulative count).
+        log: Log the ``batching/*`` keys of :class:`~lightning_memopt.AutoAccumulation`'s table (one
+            engine drives both). Default True.
 
     The micro-batch sizes and the count of clean steps towards ``grow_after`` are saved in checkpoints:
     a resumed run continues exactly as the uninterrupted one.
