@@ -43,13 +43,7 @@ def _int_all_reduce(value: int, op: dist.ReduceOp, device: torch.device) -> int:
 
 
 def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """True on every rank if ``flag`` is true on any rank (one 8-byte all-reduce).
-
-    Example::
-
-        >>> any_rank(False)  # a single process: no communication
-        False
-    """
+    """True on every rank if ``flag`` is true on any rank (one 8-byte all-reduce)."""
     return bool(_int_all_reduce(int(flag), dist.ReduceOp.MAX, torch.device(device)))
 
 
@@ -64,24 +58,14 @@ def max_over_ranks(value: int, device: torch.device | str = "cpu") -> int:
 
 
 def max_over_ranks_each(values: list[int], device: torch.device | str = "cpu") -> list[int]:
-    """Each of ``values``' largest over all ranks, on every rank (one all-reduce of ``8 * len(values)`` bytes).
-
-    Example::
-
-        >>> max_over_ranks_each([0, 3])  # a single process: no communication
-        [0, 3]
-    """
+    """Each of ``values``' largest over all ranks, on every rank (one all-reduce of ``8 * len(values)`` bytes)."""
     return _all_reduce([int(v) for v in values], dist.ReduceOp.MAX, torch.device(device))
 
 
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter], used: list[int] | None = None) -> None:
-    """Average the ``.grad`` of ``params`` over all ranks, as DDP's backward would have.
-
-    Gradients are flattened into buckets of at most 25 MiB per dtype and device, so the extra memory is
-    one bucket, not a copy of every gradient. A parameter without a gradient counts as zeros (DDP does
-    the same for parameters a rank did not use), so all ranks send buckets of the same shape; with
-    ``used`` (per parameter that requires grad, agreed over ranks: does any rank have a gradient), one
-    that no rank used keeps ``grad=None``.
+    """Average the ``.grad`` of ``params`` over all ranks, as DDP's backward would have, in buckets of
+    :data:`_BUCKET_BYTES` per dtype and device. A missing gradient counts as zeros (as in DDP); with
+    ``used`` (per parameter that requires grad, agreed over ranks), one no rank used keeps ``grad=None``.
     """
     if not is_distributed():
         return

@@ -1,16 +1,8 @@
 """The micro-batch engine: one optimizer batch run as k micro-batches, with OOM retry on every rank.
 
-The one module that touches Lightning's loop and strategy (the names it relies on, and why:
-:mod:`~lightning_memopt.batching.surface`). At fit start it patches the strategy's step methods
-(``training_step``, ``backward``, ``optimizer_step``, the evaluation steps) and the LightningModule's
-``optimizer_zero_grad`` (:func:`~lightning_memopt._patch.patch`); at the end of the fit it takes them off.
-
-- A training batch is a :class:`~lightning_memopt.batching.step.TrainingStep`: sized, cut, run micro-batch
-  by micro-batch, each loss weighted and backwarded inside ``training_step``; the wrapped ``backward``
-  then only fires Lightning's hooks, once, with the whole gradient in place.
-- Every phase that can run out of memory (training, the optimizer step, evaluation) goes through the one
-  retry loop, :meth:`MicroBatchEngine.run_with_retry`: an attempt, the ranks' agreement on whether any
-  rank failed (:mod:`~lightning_memopt.batching.regime`), and on a failure the attempt's recovery.
+The one module that patches Lightning's strategy (the names it relies on: :mod:`~.surface`). A training
+batch is a :class:`~.step.TrainingStep`; every phase that can run out of memory goes through the one
+retry loop, :meth:`MicroBatchEngine.run_with_retry`.
 """
 
 from __future__ import annotations
@@ -99,9 +91,10 @@ class MicroBatchEngine:
         self._undo: list[Callable[[], None]] = []
         self._originals: dict[str, Callable[..., Any]] = {}
         self._sharding: Any = _UNKNOWN
+        self._batch_idx = 0  # of the step running (for optimizer_zero_grad)
         self._skip_zero_grad = False
         self._pending_backward = False
-        self._state: StepState | None = None
+        self.state: StepState | None = None  # the step's start, for a retry (None between steps)
         self._metrics = ChangedOrEvery()
         self.held_at: tuple[int, int] | None = None  # optimizer state entries, and state_bytes then
 
@@ -138,7 +131,7 @@ class MicroBatchEngine:
         for undo in reversed(self._undo):
             undo()
         self._undo, self._originals = [], {}
-        self._state, self._sharding, self.held_at = None, _UNKNOWN, None
+        self.state, self._sharding, self.held_at = None, _UNKNOWN, None
 
     # ------------------------------------------------------------------ the retry loop
     def run_with_retry(self, attempt: Attempt) -> tuple[Regime, int]:
@@ -194,16 +187,16 @@ class MicroBatchEngine:
     # ------------------------------------------------------------------ training
     def _training_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         module = self.trainer.lightning_module
-        own_state = self.retry_on_oom and self._state is None  # not inside our optimizer_step wrapper
+        own_state = self.retry_on_oom and self.state is None  # not inside our optimizer_step wrapper
         if own_state:
-            self._state = self.capture(module)
+            self.state = self.capture(module)
         self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         before = self._allocator_retries()
         step = TrainingStep(self, args[0], args[1:], kwargs)
         regime, retries = self.run_with_retry(step)
         regime.succeeded()
         if own_state:
-            self._state = None
+            self.state = None
         model = self.sizes.model
         key = self.sizes.tokens if model is None else model.revision  # what the thrash watch keys on
         self.sizes.succeeded(retried=retries > 0, total=step.total, size=step.size)
@@ -241,10 +234,6 @@ class MicroBatchEngine:
             self._skip_zero_grad = False
             return None
         return original(*args, **kwargs)
-
-    def original_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The strategy's own ``training_step``."""
-        return self._originals["training_step"](*args, **kwargs)
 
     def original(self, name: str) -> Callable[..., Any]:
         """The strategy's own method ``name`` (one of the patched step methods)."""
@@ -296,9 +285,6 @@ class MicroBatchEngine:
         """Whether the split of a batch of structure ``key`` (:func:`~.loss.batch_key`) is still to be checked."""
         return self.exactness != "off" and key not in self.checked_keys
 
-    def checked(self, key: str) -> None:
-        self.checked_keys.add(key)
-
     def report_inexact(self, cause: str, *, local: bool = False) -> None:
         """Say, once per cause, that micro-batching changes this step (``exactness="raise"``: raise).
 
@@ -323,8 +309,8 @@ class MicroBatchEngine:
 
     def restore(self) -> None:
         """Put the step's start back (after a failed attempt) and free the allocator's cache."""
-        if self._state is not None:
-            self._state.restore()
+        if self.state is not None:
+            self.state.restore()
         if (memory := self._device_memory()) is not None:
             memory.empty_cache()
 
@@ -347,17 +333,14 @@ class MicroBatchEngine:
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
-        """The optimizer step with OOM retry: an OOM in it (clipping, ``on_before_optimizer_step``, the
-        update) restores the step's start, runs the training step again smaller and steps again.
-        Distributed: the training step (and its agreement) runs first, so every rank reaches the step's own
-        agreement (while sizes are unsettled, :mod:`~lightning_memopt.batching.regime`) from the same place."""
+        """The optimizer step with OOM retry (:class:`~.step.OptimizerStep`)."""
         if not self.retry_on_oom:
             return original(optimizer, closure, model, **kwargs)
-        self._state = self.capture(self.trainer.lightning_module)
+        self.state = self.capture(self.trainer.lightning_module)
         try:
             return OptimizerStep(self, original, optimizer, closure, model, kwargs).run_all()
         finally:
-            self._state = None
+            self.state = None
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -390,11 +373,6 @@ class MicroBatchEngine:
             return None
         memory = self._device_memory()
         return None if memory is None else memory.alloc_retries()
-
-    @property
-    def state(self) -> StepState | None:
-        """The step's start, captured for a retry (None without OOM retry, or between steps)."""
-        return self._state
 
     def _device_memory(self, tracker: Any = None) -> Any:
         return memory_of(self.trainer.strategy.root_device, tracker)

@@ -39,24 +39,16 @@ BATCHNORM_ADVICE = (
 
 
 class MicroBatchOOMError(RuntimeError):
-    """Out of memory at the smallest micro-batch: splitting the batch further cannot help.
-
-    The smallest micro-batch is one sample, or two for a model with BatchNorm layers in training mode.
-    The message holds the failed step's memory by category and a checklist of what to do.
-
-    A ``RuntimeError`` subclass on purpose: :func:`is_out_of_memory` never
-    takes it for an allocator error, so nothing retries it again.
+    """Out of memory at the smallest micro-batch (one sample; two with BatchNorm in training mode): splitting
+    further cannot help. The message holds the failed step's memory by category and a checklist of what to
+    do. A ``RuntimeError`` subclass on purpose: :func:`is_out_of_memory` never takes it for an allocator
+    error, so nothing retries it.
     """
 
 
 class SplitNotExactWarning(UserWarning):
-    """Micro-batching will not give this step the unsplit batch's gradient, and the message says why.
-
-    Raised as a warning (once, on rank zero) by the micro-batching callbacks when their one-time check
-    finds that a split batch's gradient differs from another split's, or when something they see makes
-    the result depend on the split: BatchNorm in training mode, a parameter or buffer written in place
-    inside ``training_step``, a loss that couples the samples of a batch. The message names the cause
-    and the fix; ``exactness="raise"`` turns it into :class:`SplitNotExactError`.
+    """Micro-batching will not give this step the unsplit batch's gradient; the message names the cause and
+    the fix. Warned once, on rank zero; ``exactness="raise"`` raises :class:`SplitNotExactError` instead.
     """
 
 

@@ -1,16 +1,6 @@
 """Whether a split step gives the unsplit gradient: the one-time check, and the causes when it does not.
 
-Weights learned from the loss (:mod:`~lightning_memopt.batching.loss`) make a split exact only for a step
-whose gradient is a sum over its samples. Some steps are not: BatchNorm in training mode normalizes each
-micro-batch by its own statistics; a ``training_step`` that writes a parameter or buffer in place (an EMA
-teacher, a queue of negatives) writes once per micro-batch instead of once per step; an in-batch loss
-(contrastive negatives, a load-balancing term) couples the samples of a micro-batch only. Nothing about
-the weights can fix these, so the engine checks instead of assuming: on the first split step of each batch
-structure it runs the same batch again as another split of the same size (every boundary moved by half a
-micro-batch, dropout off in both runs, RNGs and buffers restored) and compares the gradients (:func:`difference` against
-:func:`tolerance`). When they differ, :func:`causes` names why from what the step showed, and the engine
-warns once (``exactness="raise"``: raises) with the fix. The check costs one extra forward and backward of
-the batch (two when the model draws random numbers, which must be off for the comparison), once.
+What the check runs, what it costs and the tolerances: ``docs/micro_batching.md``, "Exact by verification".
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """What a micro-batch's loss divides by, learned from torch's loss functions as ``training_step`` calls them.
 
-A step split into micro-batches gives the unsplit step's gradient when each micro-batch's loss is weighted
-by its share of what the whole batch's loss divides by: a loss that is a mean over ``N`` items of which
-micro-batch ``i`` holds ``n_i`` weighs ``n_i / N``; a loss that is a sum weighs 1. Which items a loss
-counts is the user's code, not a convention: ``reduction="sum"``, ``ignore_index=0``, a causal shift in
-``training_step``, class weights, ``loss.sum() / self.batch_size``. So the engine does not guess:
-
-1. :class:`LossObserver` (a ``TorchFunctionMode`` that handles only the loss functions of
-   :data:`LOSS_FUNCTIONS`) records each call of one micro-batch's ``training_step``: its reduction and,
-   for a mean, what it divides by, computed from the call's own arguments (targets not equal to *its*
-   ``ignore_index``, class weights, elements).
-2. :func:`decompose` writes the loss ``training_step`` returned as a sum of those calls times their
-   coefficients (``d loss / d term``, from autograd) plus a remainder: ``ce + 0.1 * aux`` is two parts; a
-   ``reduction="none"`` loss summed, averaged or masked by hand is one part whose coefficients say which.
-3. :func:`learn` finds, for each mean part, a :class:`Rule` that computes its count from a micro-batch
-   before it runs (the entries of a batch tensor that are not the ignore index, after a shift of one
-   position, or samples), checked against what the loss divided by.
-
-The engine then weighs micro-batches with the rules alone and observes again only where a rule cannot be
-trusted (a new batch structure) or where the parts need weights of their own (:class:`Weighting`).
-Dividing by something the batch does not show (a random mask drawn inside ``training_step``) is not
-explained: the engine then weighs by samples and its one-time check
-(:mod:`~lightning_memopt.batching.exactness`) says whether that was exact.
+:class:`LossObserver` records the loss calls of a micro-batch, :func:`decompose` writes the returned loss
+as parts of those calls, :func:`learn` finds for each mean part a :class:`Rule` that computes its count
+from a micro-batch; :class:`Weigher` weighs micro-batches with the rules across the fit. The whole
+method: ``docs/micro_batching.md``, "Exact by verification".
 """
 
 from __future__ import annotations
@@ -291,13 +273,10 @@ def _candidates(part: Part, micro_batch: Any) -> list[Rule]:
     for ignore in [term.ignore_index, None] if term.target is not None else [None]:
         weight = term.weight if ignore is not None else None
         ways: list[tuple[str | None, bool]] = [(None, False)]
-        if (
-            ignore is not None and ignore >= 0
-        ):  # an index past the classes (extractive QA: the input's length)
+        # An index past the classes (extractive QA: the input's length) may follow the length, be clamped.
+        if ignore is not None and ignore >= 0:
             widths = [None] + [p for p, x in tensors if x.dim() >= 2 and x.shape[1] == ignore]
-            ways = [
-                (w, clamp) for w in widths for clamp in (False, True)
-            ]  # may follow the length; be clamped
+            ways = [(w, clamp) for w in widths for clamp in (False, True)]
         for path, x in tensors:
             if ignore is not None and x.is_floating_point():
                 continue  # an ignore index compares with integer targets
@@ -323,15 +302,8 @@ def _close(a: float, b: float) -> bool:
 
 
 class Weighting:
-    """The rules learned for the parts of one batch structure's loss (see the module docstring).
-
-    Built from a step's first micro-batch (every rule that explains each part's count), narrowed by the
-    step's later micro-batches (:meth:`confirm`) and by later observed steps. Where every rule still
-    possible gives the same weights on a batch (:meth:`agreed_shares`), each micro-batch's weight is
-    known before it runs and the step is not observed; where they differ (parts that follow different
-    rules, ``ce`` over tokens + ``aux`` over samples; or rules a batch can tell apart) it is observed and
-    each part weighed by its own rule.
-    """
+    """The rules learned for the parts of one batch structure's loss: every rule that explains each part's
+    count on a step's first micro-batch, narrowed by later micro-batches (:meth:`confirm`)."""
 
     def __init__(self, parts: list[Part], micro_batch: Any, samples: int) -> None:
         self.signature = [(p.term.name, p.kind) for p in parts]
@@ -366,9 +338,7 @@ class Weighting:
 
     def agreed_shares(self, micro_batches: Sequence[Any], sizes: Sequence[int]) -> list[float] | None:
         """The micro-batches' weights when every rule still possible for every part gives the same ones on
-        this batch: then it does not matter which is right, and the step need not be observed. None where
-        they differ (a first batch without padding left ``input_ids`` and ``labels`` both possible; a
-        padded batch tells them apart): the step is observed and the rules narrowed by its counts."""
+        this batch (the step need not be observed); None where they differ."""
         found: list[float] | None = None
         for rules in self.rules:
             for rule in [rules] if rules == SUM else rules:
@@ -393,15 +363,6 @@ def shares(rule: Rule | str, micro_batches: Sequence[Any], sizes: Sequence[int])
     if total <= 0:
         counts, total = [float(n) for n in sizes], float(sum(sizes))
     return [c / total for c in counts]
-
-
-def user_shares(
-    count_fn: Callable[[Any], Any] | str, micro_batches: Sequence[Any], sizes: Sequence[int]
-) -> list[float]:
-    """Weights from the user's ``count_fn`` (:func:`~.split.micro_batch_weights`; ``"sum"``: 1 each)."""
-    if count_fn == SUM:
-        return [1.0] * len(sizes)
-    return micro_batch_weights(micro_batches, sizes, count_fn)
 
 
 def batch_key(batch: Any) -> str:
@@ -442,8 +403,10 @@ class StepWeights:
         self.weights: list[float] | None = None
         if len(sizes) == 1:
             self.weights = [1.0]
+        elif weigher.count_fn == SUM:
+            self.weights = [1.0] * len(sizes)
         elif weigher.count_fn is not None:
-            self.weights = user_shares(weigher.count_fn, micro_batches, sizes)
+            self.weights = micro_batch_weights(micro_batches, sizes, weigher.count_fn)
         elif learned is not None:
             self.weights = learned.agreed_shares(micro_batches, sizes)
 

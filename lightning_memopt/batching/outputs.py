@@ -1,22 +1,7 @@
 """One step's logged values and outputs from its micro-batches', as the unsplit step would have them.
 
-A step run as k micro-batches must look like the unsplit step to everything after it: one loss, one
-output, one logged value per name. The rules (the weights are each micro-batch's share of the batch's
-samples unless said otherwise):
-
-- ``self.log`` / ``self.log_dict``: each name is logged once per step with the value the unsplit step
-  would log, chosen by its ``reduce_fx``: ``"mean"`` (the default) the weighted mean (the step's loss
-  itself where the logged value is the loss ``training_step`` returns; by the ``batch_size`` passed to
-  ``log`` where one is), ``"sum"`` the total, ``"max"``/``"min"`` the largest/smallest; another callable
-  is applied to the micro-batches' values stacked, as Lightning applies it to the steps' values at the
-  end of an epoch. A torchmetrics ``Metric`` logged on step shows the whole batch's value: during a split
-  step each metric accumulates the step alone (:class:`StepMetrics`), is computed, then merged back; a
-  metric torchmetrics cannot merge (``full_state_update=True``) shows its micro-batches' values
-  averaged by samples.
-- ``training_step``'s output dict: per-sample tensors (one row per sample of each micro-batch) are
-  joined; integer tensors and ints are summed (counts, histograms); floating values are averaged by
-  samples; anything else is the last micro-batch's. Averaged floats and kept objects are a guess (a
-  float may be a sum): each such key is named once in a warning.
+The rules (``self.log`` by ``reduce_fx``, torchmetrics on step, the output dict's keys):
+``docs/micro_batching.md``, "One step".
 """
 
 from __future__ import annotations
@@ -50,6 +35,11 @@ def _mergeable(metric: Any) -> bool:
     return metric.full_state_update is False and not metric.dist_sync_on_step
 
 
+def _is_loss(value: Any, loss: torch.Tensor) -> bool:
+    """Whether a logged ``value`` is the loss ``loss`` (itself, or detached from it)."""
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.data_ptr() == loss.data_ptr()
+
+
 class LogRecorder:
     """Holds back the ``log`` calls of a step's micro-batches; :meth:`flush` logs each name once.
 
@@ -77,10 +67,6 @@ class LogRecorder:
             self._caches.setdefault(name, []).append(value._forward_cache)
         self._records.setdefault(name, []).append((value, self.share, args, kwargs))
 
-    def is_loss(self, value: Any, loss: torch.Tensor) -> bool:
-        """Whether a logged ``value`` is the loss ``loss`` (itself, or detached from it)."""
-        return isinstance(value, torch.Tensor) and value.numel() == 1 and value.data_ptr() == loss.data_ptr()
-
     def flush(self, losses: list[torch.Tensor] | None = None, full_loss: torch.Tensor | None = None) -> None:
         """Log every recorded name once through the module's own ``log``.
 
@@ -93,9 +79,8 @@ class LogRecorder:
             value, _, args, kwargs = records[-1]
             if len(records) > 1:
                 value = self._reduce(name, records, kwargs.get("reduce_fx", "mean"), losses, full_loss)
-                if (
-                    kwargs.get("batch_size") is not None
-                ):  # the user counted a micro-batch; the step counts all
+                # the user counted a micro-batch; the step counts all
+                if kwargs.get("batch_size") is not None:
                     kwargs = {**kwargs, "batch_size": sum(r[3].get("batch_size") or 0 for r in records)}
             log(name, value, *args, **kwargs)
         self._records.clear()
@@ -117,7 +102,7 @@ class LogRecorder:
         stacked = torch.stack([torch.as_tensor(v).detach().double() for v in values])
         if kind == "mean":
             if losses is not None and full_loss is not None and len(losses) == len(values):
-                if all(self.is_loss(v, loss) for v, loss in zip(values, losses)):
+                if all(_is_loss(v, loss) for v, loss in zip(values, losses)):
                     return full_loss.detach()
             sizes = [r[3].get("batch_size") for r in records]
             weights = [float(s) for s in sizes] if None not in sizes else [r[1] for r in records]

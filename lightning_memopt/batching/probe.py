@@ -78,13 +78,8 @@ def measure_peak(
 
 
 class BatchProbes:
-    """Probes of one batch through the engine's strategy (what :class:`~.sizes.MicroBatchSizes` measures
-    with, :class:`~.sizes.Probes`).
-
-    Args:
-        engine: The :class:`~lightning_memopt.batching.engine.MicroBatchEngine` serving the fit.
-        batch: The batch probed.
-    """
+    """Probes of one batch through the engine's strategy: the :class:`~.sizes.Probes` that
+    :class:`~.sizes.MicroBatchSizes` measures with."""
 
     def __init__(self, engine: Any, batch: Any) -> None:
         self.engine, self.batch = engine, batch

@@ -1,25 +1,9 @@
 """The distributed regime of one attempt: what runs around each micro-batch, how a failure is agreed on,
-what happens after success. Chosen in one place, :func:`choose_regime`, once per attempt.
+what happens after success; chosen in one place, :func:`choose_regime`.
 
-The regimes (training unless said):
-
-- :class:`Regime` (local): one process, or OOM retry off. Every micro-batch but the last runs under
-  ``no_sync``; the last synchronizes gradients in its backward as DDP normally does. Evaluation and the
-  optimizer step in one process too.
-- :class:`Agreed`: DDP (or any data-parallel strategy) with retry. Every micro-batch runs under
-  ``no_sync``; the ranks agree once; then gradients are averaged. Evaluation under any distributed
-  strategy, and the first optimizer step at each size, agree the same way.
-- :class:`Overlapped`: DDP with ``overlap_after`` once stable and at least 2 micro-batches.
-- :class:`Sharded`: FSDP2 with retry: sync points before every FSDP collective.
-- :class:`Unagreed`: FSDP2 with ``overlap_after`` once stable, and settled optimizer steps under any
-  distributed strategy: no agreement; an OOM raises :class:`MicroBatchOOMError`.
-
-Under a distributed strategy with OOM retry (``OOMBackoff``), an OOM on any rank makes every rank drop
-the attempt and retry at the same size, and no rank waits in a collective that another will not reach.
-The rule that guarantees it: after any point where a rank can run out of memory, the next collective of
-every rank is a sync point (``any_rank``, an 8-byte all-reduce), which the failed rank answers "yes"
-from its recovery path. What that costs per step and strategy is counted in the docs
-(``docs/micro_batching.md``, "Out of memory on one rank"; tested in ``tests/callbacks/test_distributed.py``).
+The rule every regime keeps: after any point where a rank can run out of memory, every rank's next
+collective is a sync point (:func:`sync_point`), so no rank waits in a collective another will not
+reach. What each regime costs per step: ``docs/micro_batching.md``, "Out of memory on one rank".
 """
 
 from __future__ import annotations
@@ -97,11 +81,7 @@ def no_sync(strategy: Any) -> contextlib.AbstractContextManager:
 
 
 class Regime:
-    """Local: one process, or no OOM retry. The base of the distributed regimes.
-
-    Args:
-        strategy: The Trainer's strategy.
-    """
+    """Local: one process, or no OOM retry; the base of the distributed regimes."""
 
     name = "local"
     distributed = False  # the other ranks take part in this attempt's agreement or fail with this rank
@@ -336,11 +316,7 @@ def drop_attempt(model: torch.nn.Module, sharding: Sharding | None) -> None:
 
 
 class Sharding:
-    """The FSDP2 modules of a model, found once per fit (:func:`find_sharding`).
-
-    Args:
-        modules: The ``fully_shard`` modules, root first (the order of ``model.modules()``).
-    """
+    """The ``fully_shard`` modules of a model, root first, found once per fit (:func:`find_sharding`)."""
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self.modules = modules
@@ -361,19 +337,12 @@ class Sharding:
     def armed(self, sync: Callable[[], None]) -> Iterator[None]:
         """Hooks that run ``sync`` before each FSDP2 all-gather and reduce-scatter of a micro-batch.
 
-        Per sharded module with parameters of its own, verified on torch 2.13 (FSDP2 registers its
-        pre-forward hook with ``prepend=True`` and its post-forward hook after the module's others):
-
-        - forward: a pre-hook prepended after ``fully_shard`` runs before FSDP's, which all-gathers;
-        - before its backward all-gather: a forward hook prepended before FSDP's post-forward registers
-          a tensor hook on the outputs; FSDP's post-forward then registers its pre-backward (all-gather,
-          prefetch of the next module) on the same tensors, and tensor hooks run in registration order;
-        - before its reduce-scatter: a forward pre-hook that runs after FSDP's (which put its
-          post-backward function on the inputs that require grad) puts :class:`SyncInBackward` on them,
-          so in backward the sync point runs before FSDP's post-backward;
-        - modules whose inputs need no gradient reduce-scatter in FSDP's final callback of the backward;
-          the micro-batch's loss carries a :class:`SyncInBackward` (:meth:`Sharded.wrap_loss`) whose
-          backward (the first node of the backward) syncs and queues a sync point ahead of FSDP's.
+        Why the hooks come first (torch 2.13: FSDP2 prepends its pre-forward hook and appends its
+        post-forward one): a prepended pre-hook runs before the forward all-gather; a prepended forward
+        hook puts a tensor hook on the outputs before FSDP's pre-backward (all-gather) hook; a pre-hook
+        after FSDP's wraps the inputs in :class:`SyncInBackward`, ahead of its post-backward
+        reduce-scatter. Reduce-scatters in FSDP's final callback get theirs from the loss
+        (:meth:`Sharded.wrap_loss`).
         """
         handles = []
         for m in self.owners:

@@ -1,10 +1,4 @@
-"""The shape of a batch, and a micro-step's peak memory as a function of it (plain torch).
-
-A batch of variable-length sequences is padded to its longest sample, so a step's memory grows with
-``samples x tokens per sample`` (:func:`tokens_per_sample`), not with samples alone; attention that is not
-memory-efficient adds a term in the square of the length. :class:`ShapeModel` fits that to probes;
-:class:`~lightning_memopt.batching.sizes.MicroBatchSizes` sizes each batch from it.
-"""
+"""The shape of a batch, and a micro-step's peak memory as a function of it (plain torch)."""
 
 from __future__ import annotations
 
@@ -44,24 +38,9 @@ def tokens_per_sample(batch: Any) -> int:
 class ShapeModel:
     """A training micro-step's peak bytes as a function of its shape, fitted to probes.
 
-    ``peak(samples, width) = held + workspace + samples * per_sample(width)``, where
-
-    - ``held``: the bytes alive when the step's micro-batches start, besides what they allocate
-      (parameters, optimizer state, the batch, the step's snapshot for a retry; set before each batch);
-    - ``workspace``: what a micro-step allocates that does not grow with its samples (gradients,
-      workspaces: the intercept of the line through the first batch's probes, as increments over their
-      start);
-    - ``per_sample(width)``: bytes one sample of ``width`` tokens adds, from the widths measured: exact
-      at a measured width; between two measured widths, the chord between them (above a convex curve, so
-      on the safe side); beyond them, the nearest measured width scaled by the fitted shape
-      ``linear * width + quadratic * width**2`` (least squares over the measured widths, relative error;
-      the square term is attention that is not memory-efficient: ``width x width`` scores per head).
-
-    A width is known (:meth:`knows`) within a factor of sqrt(2) of a measured one, or between two
-    measured widths at most a factor of 2 apart; the first batch of an unknown width is probed once,
-    which measures it: a few probes per fit (about two per doubling of the length), after which every
-    batch is sized from the model alone. A batch that runs out of memory anyway (:meth:`missed`) makes
-    its width cost at least its share of the limit, so that shape is not tried again.
+    ``peak(samples, width) = held + workspace + samples * per_sample(width)``: exact at a measured width,
+    the chord between two measured widths, the nearest one scaled by ``linear * width + quadratic *
+    width**2`` beyond them (``docs/micro_batching.md``, "Per-batch sizing").
 
     Example::
 
@@ -185,15 +164,9 @@ class ShapeModel:
     def from_probes(
         cls, probes: list[tuple[int, int | None]], *, width: int, size: int, whole: bool, **limits: int
     ) -> ShapeModel:
-        """The model of the first batch's search (:func:`~.sizing.find_micro_batch_size`).
-
-        ``probes``: its ``(samples, peak or None)`` on a batch of ``width`` tokens per sample; ``size``: the
-        size it found; ``whole``: whether that is the whole batch. ``limits``: ``budget``, ``limit`` and
-        ``held``, what the probes' peaks started from. The workspace is the intercept of the line through
-        the two largest sizes that fitted, less ``held``; the bytes per sample make the model predict
-        exactly ``size`` at ``width`` (more only when ``size`` was the whole batch and the probe says more
-        would fit).
-        """
+        """The model of the first batch's search: ``probes`` (``(samples, peak or None)``, at ``width``) found
+        ``size`` (``whole``: the whole batch); ``limits``: ``budget``, ``limit`` and ``held``. It predicts
+        exactly ``size`` at ``width`` (more only for a whole batch whose probe says more would fit)."""
         budget, held = limits["budget"], limits["held"]
         s2, p2 = max((s, p) for s, p in probes if p is not None and p <= budget)
         line = MemoryModel.through_largest(probes, budget)  # what the search's result reports as its model

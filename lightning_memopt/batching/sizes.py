@@ -1,27 +1,8 @@
 """How many samples a training micro-batch holds: the one place that decides it (plain torch).
 
-:class:`MicroBatchSizes` owns the size for the whole fit, from the first batch to the last:
-
-- **Unit.** Sizes are kept in padded tokens (samples x the batch's tokens per sample, its *width*;
-  :func:`~lightning_memopt.batching.shapes.tokens_per_sample`) and converted to samples of the batch
-  of the moment in one method, :meth:`MicroBatchSizes.samples`: a batch of 8-token samples runs 4 times
-  the samples of a 32-token one. Where every batch has one shape this is simply a size in samples.
-- **With a memory limit** (``AutoAccumulation(max_memory=...)``): before the first step, a handful of
-  probes (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`) find the largest size that
-  fits; their peaks become a :class:`~lightning_memopt.batching.shapes.ShapeModel` (peak bytes by
-  samples and width) that sizes every later batch; a batch of a width the model does not know yet is
-  probed once first (probe, fit, verify). An out-of-memory error raises that width's prediction.
-- **Without one**: the size is the user's ``micro_batch_size`` or the whole batch; an out-of-memory
-  error halves it (never below the floor: 1 sample, 2 with BatchNorm in training mode); after
-  ``grow_after`` clean steps it doubles, up to the size the fit started at and below the smallest size
-  that ever failed. A step after which the CUDA allocator thrashed (:meth:`MicroBatchSizes.near_miss`)
-  lowers the size the same way without a retry.
-- **Under DDP/FSDP2** every rank sizes its own batch and the ranks agree on the number of micro-batches
-  (FSDP2 communicates in each one); without a model the size stays in samples there.
-
-The engine asks :meth:`MicroBatchSizes.plan` once per training attempt; it reports what happened with
-:meth:`~MicroBatchSizes.failed`, :meth:`~MicroBatchSizes.near_miss` and :meth:`~MicroBatchSizes.succeeded`.
-Everything is saved by :meth:`~MicroBatchSizes.state` as plain values.
+Sizes are kept in padded tokens (samples x the batch's tokens per sample, its *width*) and converted to
+samples of the batch of the moment in one method, :meth:`MicroBatchSizes.samples`. How the sizes are
+probed, backed off, grown and agreed on: ``docs/micro_batching.md`` ("Sizing", "Per-batch sizing").
 """
 
 from __future__ import annotations
@@ -67,13 +48,6 @@ class Probes(Protocol):
 
     def held(self) -> int:
         """Bytes alive when a micro-step of the batch starts, besides what it allocates."""
-
-
-def _agreed_peak(probes: Probes, samples: int, evaluation: bool) -> int | None:
-    """The largest peak over ranks (None if any ran out of memory): one 8-byte all-reduce."""
-    peak = probes.peak(samples, evaluation)
-    agreed = max_over_ranks(_FAILED if peak is None else peak, probes.device)
-    return None if agreed == _FAILED else agreed
 
 
 class MicroBatchSizes:
@@ -251,10 +225,11 @@ class MicroBatchSizes:
     def _find(self, probes: Probes, whole: int, limit: int, floor: int, *, evaluation: bool) -> int:
         log = self.eval_probes if evaluation else self.probes
 
-        def probe(samples: int) -> int | None:
-            peak = _agreed_peak(probes, samples, evaluation)
-            log.append((samples, peak))
-            return peak
+        def probe(samples: int) -> int | None:  # the largest peak over ranks, None if any ran out of memory
+            peak = probes.peak(samples, evaluation)
+            agreed = max_over_ranks(_FAILED if peak is None else peak, probes.device)
+            log.append((samples, None if agreed == _FAILED else agreed))
+            return log[-1][1]
 
         try:
             result = find_micro_batch_size(

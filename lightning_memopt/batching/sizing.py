@@ -1,15 +1,8 @@
 """Find the largest micro-batch that fits in memory, in a handful of probes.
 
-A probe is one training micro-step at a given size that reports its peak bytes (or runs out of memory).
-Searching by out-of-memory errors alone (Lightning's ``BatchSizeFinder`` doubles, then bisects) takes
-tens of steps; but peak memory is a smooth, convex function of the size (a fixed part, a part per
-sample, and parts that grow faster: activations, or a peak that moves from the optimizer step to
-backward as the batch grows). So the search runs the loop per-batch sizing runs for each new length
-(:class:`~lightning_memopt.batching.shapes.ShapeModel`): fit a model of peak vs size to the probes,
-probe the largest size it predicts under the budget, and refit with that probe. Convexity bounds the
-answer: past the two largest sizes that fitted the curve stays above the line through them (no size
-past its crossing fits), and the chord to a size measured over the budget lies above it (its crossing
-fits). Measured accuracy and probe counts: ``docs/benchmarks.md`` (``benchmarks/batching.py``).
+Probe, fit a model of peak bytes vs size, probe the largest size it predicts under the budget, refit.
+Peak memory is convex in the size, which bounds the answer (why, and the measured accuracy:
+``docs/micro_batching.md``, "Sizing"; ``docs/benchmarks.md``, from ``benchmarks/batching.py``).
 """
 
 from __future__ import annotations

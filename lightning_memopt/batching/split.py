@@ -1,14 +1,8 @@
-"""Splitting one optimizer batch into micro-batches, and weighting their losses.
+"""Splitting one optimizer batch into micro-batches along dim 0, and weighting their losses.
 
-A batch is split along dim 0 of every tensor in it, through the containers Lightning users put batches
-in: tensors, dicts (and other mappings), lists, tuples, namedtuples and dataclasses. Every tensor with
-dims must hold one row per sample (its dim 0 is the batch size): a tensor whose dim 0 differs is an
-error naming it, since passing it whole to every micro-batch would silently misalign it. A list or
-tuple of plain values (strings, numbers) whose length is the batch size holds one value per sample
-and is split with the tensors; other plain values (a string tag, an int, a 0-dim tensor) go to every
-micro-batch unchanged. Any other object needs the LightningModule hook
-``split_batch(self, batch, sizes) -> list`` (or a ``split_fn`` given to the callback), which the error
-message names.
+Tensors, mappings, lists, tuples, namedtuples and dataclasses are split; plain values go to every
+micro-batch, or are split when a list holds one per sample. Other objects need the module's
+``split_batch(self, batch, sizes)`` hook or a ``split_fn``.
 """
 
 from __future__ import annotations
@@ -94,16 +88,15 @@ def _check_rows(batch: Any, total: int) -> None:
 
 
 def micro_batch_sizes(total: int, micro: int, *, smallest: int = 1, count: int | None = None) -> list[int]:
-    """Sizes of the micro-batches that run ``total`` samples at most ``micro`` at a time.
+    """Sizes of the micro-batches that run ``total`` samples at most ``micro`` at a time: the fewest, as
+    even as possible, the larger ones last (the last forward is the largest, which ``AutoCheckpoint``
+    profiles). None has fewer than ``smallest`` samples, even if one then exceeds ``micro``; ``count``
+    (agreed over ranks) fixes their number where ``total`` and ``smallest`` allow.
 
-    The split is as even as possible with the fewest micro-batches: ``micro_batch_sizes(10, 4)`` is
-    ``[3, 3, 4]``, not ``[4, 4, 2]``, so that no micro-batch is much smaller than the others (a tiny
-    slice wastes a step and is where BatchNorm statistics go worst). The larger ones come last, so the
-    step's last forward is its largest micro-batch: the one ``AutoCheckpoint`` profiles. With ``smallest``
-    (2 for BatchNorm in training mode), no micro-batch has fewer samples, even if one then exceeds
-    ``micro``: ``micro_batch_sizes(5, 2, smallest=2)`` is ``[2, 3]``. With ``count`` (the number of
-    micro-batches the ranks agreed on), that many micro-batches, as even as possible, or as many as
-    ``total`` and ``smallest`` allow: ``micro_batch_sizes(10, 4, count=4)`` is ``[2, 2, 3, 3]``.
+    Example::
+
+        >>> micro_batch_sizes(10, 4), micro_batch_sizes(5, 2, smallest=2), micro_batch_sizes(10, 4, count=4)
+        ([3, 3, 4], [2, 3], [2, 2, 3, 3])
     """
     if total < 1 or micro < 1:
         raise ValueError(f"need total >= 1 and micro >= 1, got total={total}, micro={micro}")
@@ -183,14 +176,9 @@ def split_batch(
 def micro_batch_weights(
     micro_batches: Sequence[Any], sizes: Sequence[int], count_fn: Callable[[Any], float] | None = None
 ) -> list[float]:
-    """Weights that turn per-micro-batch mean losses into the mean loss of the whole batch.
-
-    With no ``count_fn`` each micro-batch weighs its share of samples (``size / total``), which is exact
-    for a loss that is a mean over samples, an uneven last micro-batch included. For a loss that is a
-    mean over something else, such as non-padding tokens, ``count_fn(micro_batch)`` returns how many of
-    those the micro-batch holds and the weights are its share of the total count (see
-    :mod:`lightning_memopt.batching.loss` for what this makes exact, and how the engine learns the counts). A
-    micro-batch may count 0 items: its weight is 0.
+    """Weights that turn per-micro-batch mean losses into the mean loss of the whole batch: each
+    micro-batch's share of the samples, or of ``count_fn(micro_batch)`` (the items its mean averages
+    over, e.g. non-padding tokens; 0 is allowed).
 
     Raises:
         ValueError: If the counts are negative or all zero.

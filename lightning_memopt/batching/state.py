@@ -1,13 +1,7 @@
-"""Snapshot and restore of everything a training step changes besides weights and optimizer state.
+"""Snapshot and restore of everything a training step changes besides weights and optimizer state, so a
+retried step runs exactly as the step at the smaller size would have (plain torch).
 
-A step that runs out of memory half-way has already moved state that the retry must find as it was:
-BatchNorm running statistics (module buffers), torchmetrics accumulators, random number generators
-(dropout masks) and the GradScaler. :class:`StepState` captures them at the start of a step and puts
-them back, so a retried step is bit for bit the step that would have run at the smaller size first.
-Gradients are not captured: the engine zeroes them at the start of every step, so "as they were" is
-"none" (:func:`drop_gradients`).
-
-Plain torch; torchmetrics metrics are recognized by their attributes, not imported.
+Gradients are not captured: the engine zeroes them at the start of every step (:func:`drop_gradients`).
 """
 
 from __future__ import annotations
@@ -157,14 +151,8 @@ class _Saved:
 
 
 class OptimizerSnapshot:
-    """Copies of optimizers' parameters and state, in host memory, to undo an optimizer step.
-
-    Under data parallelism a step that ran out of memory on one rank may have updated the weights and
-    created optimizer state on the others; restoring this snapshot on every rank makes them equal to the
-    step's start again. Copies are taken of each rank's local data (a DTensor's shard under FSDP2) and
-    kept on the CPU, so a snapshot costs host memory (parameters plus optimizer state), not device memory.
-    Optimizer state that the step created (``optimizer.state`` entries or keys missing from the snapshot)
-    is removed on restore, so lazily created state is created again by the retried step.
+    """Copies of optimizers' parameters and state, in host memory, to undo an optimizer step on every rank
+    (each rank's local shard under FSDP2). State the step created is removed on restore.
 
     Args:
         optimizers: The optimizers whose parameters and state to copy.

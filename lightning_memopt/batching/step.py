@@ -1,17 +1,8 @@
-"""One optimizer batch run as micro-batches: the attempt that the engine's retry loop repeats.
+"""One optimizer batch run as micro-batches: the attempts that the engine's retry loop repeats.
 
-An attempt (:class:`TrainingStep`, driven by
-:meth:`~lightning_memopt.batching.engine.MicroBatchEngine.run_with_retry`):
-
-1. :meth:`~TrainingStep.choose`: zero the gradients, ask :class:`~.sizes.MicroBatchSizes` for this batch's
-   size (it may probe first), pick the attempt's distributed regime.
-2. :meth:`~TrainingStep.run`: for each micro-batch, the user's ``training_step`` (through the strategy:
-   DDP/FSDP forward and autocast apply), its loss times its weight (:mod:`~.loss`: learned from the loss
-   functions the step calls, known before the micro-batch's backward), scaled by the GradScaler,
-   ``backward()``. Logged values are held back (:class:`~.outputs.LogRecorder`). On the first split step
-   of a batch structure, the check of :mod:`~.exactness` follows.
-3. :meth:`~TrainingStep.recover` after an out-of-memory error on any rank: drop the attempt, restore the
-   step's start, halve the size (or raise :class:`~.errors.MicroBatchOOMError` at the floor).
+:class:`TrainingStep` sizes and cuts the batch (``choose``), runs each micro-batch's ``training_step``
+with its weighted loss and backward, then the one-time check of :mod:`~.exactness` (``run``), and after
+an out-of-memory error on any rank drops the attempt and halves the size (``recover``).
 """
 
 from __future__ import annotations
@@ -62,14 +53,8 @@ class Pass:
 
 
 class TrainingStep:
-    """One training batch as micro-batches, attempt after attempt until one succeeds on every rank.
-
-    Args:
-        engine: The :class:`~lightning_memopt.batching.engine.MicroBatchEngine` running it.
-        batch: The optimizer batch.
-        rest: ``training_step``'s other positional arguments (``batch_idx``).
-        kwargs: Its keyword arguments.
-    """
+    """One training batch as micro-batches, attempt after attempt until one succeeds on every rank
+    (``rest`` and ``kwargs``: ``training_step``'s other arguments)."""
 
     def __init__(self, engine: Any, batch: Any, rest: tuple, kwargs: dict) -> None:
         self.engine, self.batch, self.rest, self.kwargs = engine, batch, rest, kwargs
@@ -135,10 +120,10 @@ class TrainingStep:
                 local=True,
             )
         if checking:
-            engine.checked(key)
+            engine.checked_keys.add(key)
             self._check(regime, start, written)
         elif looking:  # distributed, no agreement to check on: what one rank can see, said on every rank
-            engine.checked(key)
+            engine.checked_keys.add(key)
             batchnorm = exactness.batchnorms(self.module)
             if written or batchnorm:
                 engine.report_inexact(
@@ -174,7 +159,7 @@ class TrainingStep:
             for i, part in enumerate(parts):
                 result.recorder.share = sizes[i] / self.total if i < len(sizes) else 0.0
                 with regime.around(i, last=i == len(parts) - 1), weights.observing() as observer:
-                    out = engine.original_step(part, *self.rest, **self.kwargs)
+                    out = engine.original("training_step")(part, *self.rest, **self.kwargs)
                     loss = loss_of(out)
                     if loss is None:
                         if len(parts) > 1:
@@ -240,10 +225,8 @@ class TrainingStep:
         for sizes, pad in runs:
             start.restore()
             drop_attempt(engine.trainer.strategy.model, None)
-            with (
-                exactness.no_dropout(),
-                replaying(),
-            ):  # what learns from forwards (AutoCheckpoint) skips these
+            # replaying(): what learns from forwards (AutoCheckpoint) skips these
+            with exactness.no_dropout(), replaying():
                 self.run_pass(regime, sizes, pad, check=True)
             drawn = drawn or start.drawn_since()  # random numbers drawn beside dropout's
             grads.append(exactness.gradients(module))

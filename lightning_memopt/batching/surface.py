@@ -1,24 +1,11 @@
-"""The Lightning names the micro-batch engine relies on, why, and the set-ups it refuses.
+"""The Lightning names the micro-batch engine relies on, and the set-ups it refuses.
 
-The micro-batch engine (:mod:`~lightning_memopt.batching.engine` and the modules it drives) is the one
-part of the package that touches Lightning's internals. It relies on exactly the names listed in
-:data:`LIGHTNING_SURFACE` (``tests/batching/test_engine.py`` checks them, so a Lightning
-upgrade that changes them fails loudly instead of training wrongly):
-
-- ``Strategy.training_step`` / ``backward`` / ``optimizer_step`` / ``validation_step`` / ``test_step`` /
-  ``predict_step`` are called by the loops through ``getattr(trainer.strategy, name)``, so the engine
-  patches them on the instance at fit start and takes the patches off at teardown
-  (:func:`~lightning_memopt._patch.patch`).
-- Automatic optimization calls ``training_step`` → ``optimizer_zero_grad`` (first batch of an
-  accumulation window only) → ``backward`` → ``optimizer.step``, all inside the closure that
-  ``optimizer.step(closure)`` runs. Zero-grad comes AFTER training_step, so the engine zeroes gradients
-  itself (through the module's own hook) before the micro-batches and patches the LightningModule's
-  ``optimizer_zero_grad`` to skip the call that follows.
-- ``Precision.pre_backward`` / ``post_backward`` fire ``on_before_backward`` / ``on_after_backward``;
-  the engine calls only those for its step, once, with the full gradient in place. The strategy's own
-  ``pre_backward`` is skipped (DDP's reducer is not prepared a second time).
-- ``ParallelStrategy.block_backward_sync`` gives DDP's ``no_sync``; ``precision_plugin.scaler`` is the
-  GradScaler of ``16-mixed``.
+:data:`LIGHTNING_SURFACE` lists every Lightning name the engine uses; a test checks them, so an upgrade
+that changes one fails loudly instead of training wrongly. Why each: the loops call the strategy's step
+methods through ``getattr``, so the engine patches them on the instance; automatic optimization zeroes
+gradients after ``training_step``, so the engine zeroes first and skips the ``optimizer_zero_grad`` call
+that follows; the precision plugin's ``pre_backward``/``post_backward`` fire the backward hooks once
+(DDP's own ``pre_backward`` is skipped); ``block_backward_sync`` is DDP's ``no_sync``.
 """
 
 from __future__ import annotations
@@ -79,11 +66,6 @@ def check_setup(trainer: Any, pl_module: Any) -> None:
             f"micro-batching does not work with {type(trainer.strategy).__name__}: DeepSpeed owns gradient "
             "accumulation; use its `train_micro_batch_size_per_gpu` config instead of AutoAccumulation/OOMBackoff"
         )
-    check_accumulation(trainer)
-
-
-def check_accumulation(trainer: Any) -> None:
-    """Refuse Lightning's own gradient accumulation."""
     if trainer.accumulate_grad_batches != 1:
         raise MisconfigurationException(
             f"accumulate_grad_batches={trainer.accumulate_grad_batches} with micro-batching: the engine "

@@ -1,18 +1,7 @@
 """Thrash detection: allocator retries that keep coming back mean the steps run too close to the limit.
 
-On CUDA, when an allocation does not fit, the caching allocator synchronizes the device, frees every
-cached block that holds no tensor, and tries again; ``num_alloc_retries`` in ``torch.cuda.memory_stats``
-counts these retries (read through :meth:`~lightning_memopt.memory.device.DeviceMemory.alloc_retries`).
-Once in a while that is cheap and even useful: the cache is rebuilt in the layout the steps need now
-(the first steps of a fit, a longer batch than any before, after evaluation), and the next steps of that
-shape reuse it without retrying. When it happens step after step, what the step needs plus the cache's
-fragmentation does not fit: every step pays a device synchronization and a round of ``cudaFree`` and
-``cudaMalloc``, a large slowdown without any out-of-memory error. A smaller micro-batch ends it.
-
-The rule (:class:`ThrashWatch`, plain Python): the allocator retried during at least ``min_steps`` (2)
-of the last ``window`` (5) training steps at one micro-batch size. One step with retries is a re-pack,
-not thrashing. A new size (a back-off, growth) starts a new window, because the new size re-packs the
-cache once too; so does each detection, so that the next one needs fresh evidence at the size it led to.
+What the CUDA allocator does near its limit, and why the rule below tells a re-pack from thrashing:
+``docs/micro_batching.md``, "Thrashing: near misses on CUDA".
 """
 
 from __future__ import annotations

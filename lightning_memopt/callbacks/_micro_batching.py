@@ -1,21 +1,18 @@
 """The one owner of a fit's micro-batch engine; AutoAccumulation and OOMBackoff are its two configurations.
 
-Several micro-batching callbacks in one Trainer share one engine and one saved state: the first of them
-in ``trainer.callbacks`` owns both, and each adds its own options to it at ``setup`` (no registry: the
-Trainer's callback list is where they find each other). ``AutoAccumulation`` sizes micro-batches to a
-memory limit; ``OOMBackoff`` retries a step that ran out of memory; together, both. The options both take
-(``count_fn``, ``split_fn``, ``length_fn``, ``exactness``) must agree where both are given.
+The first micro-batching callback in ``trainer.callbacks`` owns the engine and the saved state; each adds
+its options at ``setup`` (no registry: the callback list is where they find each other). The options both
+take (``count_fn``, ``split_fn``, ``length_fn``, ``exactness``) must agree where both are given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
@@ -24,8 +21,6 @@ from lightning_memopt.batching.exactness import batchnorms, causes
 from lightning_memopt.batching.sizes import MicroBatchSizes
 from lightning_memopt.batching.surface import check_setup
 from lightning_memopt.callbacks._hooks import ReleasingCallback
-from lightning_memopt.memory.budget import usable_bytes
-from lightning_memopt.memory.device import device_memory
 
 __all__ = ["MicroBatching", "engine_of"]
 
@@ -35,7 +30,7 @@ _SHARED = {
     "split_fn": "split_fn(batch, sizes) -> list of micro-batches",
     "length_fn": "length_fn(batch) -> tokens per sample",
 }
-_EXACTNESS = ("warn", "raise", "off")
+_EXACTNESS = get_args(Exactness)
 _VERSION = 2  # of the saved state; checkpoints without one hold the two callbacks' own (before one owner)
 
 
@@ -70,24 +65,20 @@ class MicroBatching(ReleasingCallback):
         self._owner: MicroBatching | None = None  # during a run: the callback that owns the engine
         self._loaded: list[dict[str, Any]] = []  # states restored before the engine existed
 
-    # ------------------------------------------------------------------ what each configuration adds
-    def _sizes(self) -> dict[str, Any]:
-        """This callback's options of :class:`~lightning_memopt.batching.sizes.MicroBatchSizes`."""
-        return {}
+    def _options(self, trainer: pl.Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This configuration's options of :class:`~lightning_memopt.batching.sizes.MicroBatchSizes` and of
+        :class:`~lightning_memopt.batching.engine.MicroBatchEngine`."""
+        return {}, {}
 
-    def _engine_options(self) -> dict[str, Any]:
-        """This callback's options of :class:`~lightning_memopt.batching.engine.MicroBatchEngine`."""
-        return {}
-
-    def _limit(self, trainer: pl.Trainer) -> int | None:
-        """The memory limit to probe micro-batch sizes for, in bytes; None: do not probe."""
-        return None
-
-    # ------------------------------------------------------------------ the run
     @property
     def engine(self) -> MicroBatchEngine | None:
         """The engine that splits this fit's batches (the owner's), once set up."""
         return self._engine
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per training micro-batch now; None runs the whole batch."""
+        return None if self._engine is None else self._engine.sizes.micro_batch_size
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -126,11 +117,9 @@ class MicroBatching(ReleasingCallback):
         sizes: dict[str, Any] = {}
         options: dict[str, Any] = {"log_metrics": any(cb.log_metrics for cb in group)}
         for cb in group:
-            sizes.update(cb._sizes())
-            options.update(cb._engine_options())
-            limit = cb._limit(trainer)
-            if limit is not None:
-                sizes["max_memory"] = limit
+            cb_sizes, cb_options = cb._options(trainer)
+            sizes.update(cb_sizes)
+            options.update(cb_options)
         for name in (*_SHARED, "exactness"):
             options[name] = _agreed(group, name)
         return MicroBatchEngine(MicroBatchSizes(**sizes), **options)
@@ -204,22 +193,4 @@ def engine_of(trainer: pl.Trainer) -> MicroBatchEngine | None:
         if isinstance(cb, MicroBatching):
             engine = cb.engine
             return engine if engine is not None and engine.installed else None
-    return None
-
-
-def memory_limit(max_memory: Any, trainer: pl.Trainer, owner: str) -> int | None:
-    """``max_memory`` in bytes (None: the CUDA device's capacity; a fraction: of it); None with a warning
-    where the device cannot say how much it has (CPU without ``max_memory``).
-
-    Raises:
-        ValueError: For a fraction of a device whose capacity is unknown.
-    """
-    device = trainer.strategy.root_device
-    capacity = device_memory(device).capacity() if device.type == "cuda" else None
-    if max_memory is not None or capacity is not None:
-        return usable_bytes(max_memory, 0.0, capacity)  # the limit itself; the search applies the headroom
-    rank_zero_warn(
-        f"{owner} cannot ask a {device.type!r} device how much memory it has; pass max_memory= (e.g. '6GiB') "
-        "to pick a micro-batch size. Running whole batches."
-    )
     return None

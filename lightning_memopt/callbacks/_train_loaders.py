@@ -1,10 +1,8 @@
 """Where the training DataLoaders come from, and acting on them before Lightning starts their workers.
 
-Lightning 2.x requests the training DataLoaders and iterates them (starting their workers) in one step
-of its fit loop, with no hook in between. :func:`on_train_loaders` reaches them earlier: through the fit
-loop's ``_data_source`` (a Lightning 2.x internal, listed with why in
-:data:`lightning_memopt._lightning.LIGHTNING_NAMES` and checked by a test), either at once (loaders given
-to ``fit``) or by wrapping the ``train_dataloader`` hook of the LightningModule or LightningDataModule.
+Lightning 2.x requests the training DataLoaders and iterates them in one step of its fit loop;
+:func:`on_train_loaders` reaches them earlier through the fit loop's ``_data_source`` (listed in
+:data:`lightning_memopt._lightning.LIGHTNING_NAMES`, checked by a test).
 """
 
 from __future__ import annotations

@@ -6,12 +6,14 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.batching.engine import Exactness
-from lightning_memopt.callbacks._micro_batching import MicroBatching, memory_limit
-from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory
+from lightning_memopt.callbacks._micro_batching import MicroBatching
+from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
+from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["AutoAccumulation"]
@@ -20,34 +22,13 @@ __all__ = ["AutoAccumulation"]
 class AutoAccumulation(MicroBatching):
     """Run each DataLoader batch as the fewest micro-batches that fit, accumulating to the same update.
 
-    The DataLoader batch is the optimizer batch (the effective batch never changes, unlike Lightning's
-    ``BatchSizeFinder``). Before the first step, a few probe steps (forward and backward of one
-    micro-batch, nothing else changed: no weight update, gradients dropped, BatchNorm statistics,
-    torchmetrics states and RNGs restored) measure peak memory at a few sizes, fit a line (a parabola
-    where the curve bends) to predict the largest size that fits ``max_memory * (1 - headroom)``, verify
-    it with one more probe and fall back to bisection when a prediction misses
-    (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`). Under DDP/FSDP every rank probes
-    and all use the smallest size found. The size is saved in the checkpoint: a resumed run does not
-    probe again.
-
-    Per batch, in one process: the size is kept in padded tokens (samples x tokens per sample of the
-    probed batch; :mod:`lightning_memopt.batching.shapes`), so a batch of shorter sequences runs in fewer,
-    larger micro-batches and a longer one in more. Under DDP/FSDP2 the size stays in samples.
-
-    Exact accumulation, verified: each micro-batch's loss is weighted by its share of what the whole
-    batch's loss divides by, learned from the loss functions ``training_step`` calls (their reduction,
-    their ``ignore_index``, class weights, a shift of the labels done in ``training_step``: see
-    :mod:`lightning_memopt.batching.loss`), so the accumulated gradient equals the unsplit batch's up to
-    rounding, an uneven last micro-batch included. On the first split step of each batch structure the
-    engine checks it: the same batch runs once more as another split of the same size (every boundary
-    moved by half a micro-batch, dropout off, every state restored) and the gradients are compared; when they differ, a
-    :class:`~lightning_memopt.SplitNotExactWarning` names the cause and the fix (BatchNorm in training
-    mode, a parameter or buffer written in place inside ``training_step``, a loss that couples the
-    samples of a batch, a loss the engine cannot explain: pass ``count_fn``); ``exactness="raise"`` raises
-    it instead (:mod:`lightning_memopt.batching.exactness`). Dropout draws different masks when a batch is
-    split, so a model with dropout trains like the unsplit run, not bit-for-bit like it. Values logged
-    with ``self.log`` in ``training_step`` are logged once per step as the unsplit step would log them
-    (:mod:`lightning_memopt.batching.outputs`).
+    The DataLoader batch is the optimizer batch: the effective batch never changes (unlike Lightning's
+    ``BatchSizeFinder``). Before the first step a few probes find the largest micro-batch whose peak fits
+    ``max_memory * (1 - headroom)`` (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`); later
+    batches are sized for their own length. Each micro-batch's loss is weighted by its share of what the
+    batch's loss divides by, learned from the loss functions ``training_step`` calls, and the first split
+    of each batch structure is checked against another split (``exactness``). How:
+    ``docs/micro_batching.md``. The size is saved in the checkpoint: a resumed run does not probe again.
 
     Args:
         micro_batch_size: A fixed training micro-batch size; skips probing. Default None: probe.
@@ -87,7 +68,7 @@ class AutoAccumulation(MicroBatching):
     ``batching/oom_retries``         out-of-memory retries since the fit started (cumulative count)
     ``batching/near_misses``         with ``OOMBackoff`` on a CUDA device: steps after which the
                                      allocator was found thrashing (cumulative count; each halved the
-                                     size, see :mod:`lightning_memopt.batching.thrash`)
+                                     size)
     ===============================  ===============================================================
 
     Attributes:
@@ -142,7 +123,8 @@ class AutoAccumulation(MicroBatching):
         )
         self.headroom = check_headroom(headroom)
         self.max_probes = max_probes
-        self.fixed_size, self.eval_micro_batch_size = micro_batch_size, eval_micro_batch_size
+        self.fixed_size = micro_batch_size
+        self.eval_micro_batch_size = eval_micro_batch_size
         super().__init__(
             log=log, count_fn=count_fn, split_fn=split_fn, length_fn=length_fn, exactness=exactness
         )
@@ -163,16 +145,22 @@ class AutoAccumulation(MicroBatching):
         return [] if self.engine is None else self.engine.sizes.eval_probes
 
     @override
-    def _sizes(self) -> dict[str, Any]:
-        return {
-            "micro_batch_size": self.fixed_size,
-            "eval_micro_batch_size": self.eval_micro_batch_size,
-            "headroom": self.headroom,
-            "max_probes": self.max_probes,
-        }
+    def _options(self, trainer: pl.Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
+        sizes = {"micro_batch_size": self.fixed_size, "eval_micro_batch_size": self.eval_micro_batch_size}
+        limit = self._limit(trainer)
+        return {**sizes, "headroom": self.headroom, "max_probes": self.max_probes, "max_memory": limit}, {}
 
-    @override
     def _limit(self, trainer: pl.Trainer) -> int | None:
+        """``max_memory`` in bytes (None: the CUDA device's capacity; a fraction: of it); None for a fixed
+        size, or with a warning where the device cannot say how much it has (CPU without ``max_memory``)."""
         if self.fixed_size is not None:
             return None
-        return memory_limit(self.max_memory, trainer, "AutoAccumulation")
+        device = trainer.strategy.root_device
+        capacity = device_memory(device).capacity() if device.type == "cuda" else None
+        if self.max_memory is not None or capacity is not None:
+            return usable_bytes(self.max_memory, 0.0, capacity)  # the limit; the search takes the headroom
+        rank_zero_warn(
+            f"AutoAccumulation cannot ask a {device.type!r} device how much memory it has; pass max_memory= "
+            "(e.g. '6GiB') to pick a micro-batch size. Running whole batches."
+        )
+        return None

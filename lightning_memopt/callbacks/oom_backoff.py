@@ -17,57 +17,26 @@ __all__ = ["OOMBackoff"]
 class OOMBackoff(MicroBatching):
     """Catch out-of-memory errors in a step, restore the step's start, split the batch further and retry.
 
-    The DataLoader batch stays the optimizer batch: a step that runs out of memory (forward, backward or
-    optimizer step; on any rank) is thrown away — its gradients dropped, BatchNorm statistics,
-    torchmetrics states, RNGs and the GradScaler put back as they were at the step's start — and the
-    same batch runs again as twice as many micro-batches, whose gradients accumulate to the same update.
-    Under DDP and FSDP2 (``ModelParallelStrategy``) every rank retries with the same size, wherever the
-    OOM happened on whichever rank, so no rank waits in a collective that another will never reach:
-    the ranks agree with small all-reduces (under FSDP2 before each of FSDP's collectives), counted per
-    step and strategy in one place, :mod:`lightning_memopt.batching.regime`; the first optimizer step at
-    each size is agreed on too, and undone on every rank if one failed. Validation, test and predict
-    steps halve their own micro-batch likewise. At one sample per micro-batch (two for a model with
-    BatchNorm layers in training mode, which cannot normalize one sample) it raises :class:`~lightning_memopt.MicroBatchOOMError` with the step's memory breakdown
-    and a checklist of what to do.
-
-    The retried step is exact: micro-batch losses are weighted as ``AutoAccumulation`` weighs them (by
-    their share of what the loss divides by, learned from the loss functions ``training_step`` calls;
-    see :mod:`lightning_memopt.batching.loss`) and the first split step is checked against another split
-    (``exactness``), so after a back-off the update equals the unsplit batch's up to rounding or a
-    :class:`~lightning_memopt.SplitNotExactWarning` says why not; dropout draws different masks in a
-    split batch.
-
-    In one process, an out-of-memory error lowers a budget in padded tokens (samples x tokens per
-    sample; :mod:`lightning_memopt.batching.shapes`), not a size in samples: later batches of the length
-    that failed run smaller micro-batches, shorter batches run in fewer, and growth stays below the
-    padded size that failed. Under DDP/FSDP2 the size is in samples, for every batch.
-
-    On one CUDA device it also lowers the size before any out-of-memory error: when the caching allocator
-    keeps freeing its cache and retrying allocations step after step (thrashing, a large slowdown without
-    an error; the rule and why: :mod:`lightning_memopt.batching.thrash`), the next steps run at half the
-    size, as after an out-of-memory error but without retrying the step; ``engine.near_misses`` counts
-    these. At the smallest micro-batch it warns once and trains on.
-
-    Works with :class:`~lightning_memopt.AutoAccumulation` (which picks the starting size; both share one
-    engine) or alone (starting from the whole batch).
-
-    Only out-of-memory errors are caught (``torch.OutOfMemoryError`` and the device and CPU allocators'
-    messages, see :func:`~lightning_memopt.batching.errors.is_out_of_memory`); any other error propagates.
+    The DataLoader batch stays the optimizer batch: the failed attempt is dropped, the step's start
+    restored (gradients, buffers, torchmetrics states, RNGs, GradScaler) and the same batch runs as twice
+    as many micro-batches, weighted and checked as ``AutoAccumulation``'s are. Under DDP and FSDP2 every
+    rank retries together, whichever rank failed. Evaluation steps halve their own micro-batch likewise.
+    At the smallest micro-batch (one sample, two with BatchNorm in training mode) it raises
+    :class:`~lightning_memopt.MicroBatchOOMError` with the step's memory and a checklist. On one CUDA
+    device a thrashing allocator lowers the size too, without a retry. Only out-of-memory errors are
+    caught (:func:`~lightning_memopt.batching.errors.is_out_of_memory`). How:
+    ``docs/micro_batching.md``. Works alone (from the whole batch) or with
+    :class:`~lightning_memopt.AutoAccumulation`, which picks the starting size (one engine for both).
 
     Args:
         grow_after: After this many steps in a row without an out-of-memory error at a reduced size, try
             twice the size again (never above the starting size, nor up to a size that already failed).
             Default None: never grow back.
-        overlap_after: Under DDP, after this many steps in a row without an OOM at one size, and when a
-            step runs as 2 or more micro-batches, the ranks agree after the first k-1 micro-batches and
-            the last one synchronizes gradients inside its backward, as DDP does without this callback
-            (communication overlaps backward again; one 8-byte all-reduce per step). The price: an OOM
-            in that last micro-batch cannot be retried on every rank and ends the run with
-            :class:`~lightning_memopt.MicroBatchOOMError`. Under FSDP2, after this many
-            steps in a row without an OOM at one size (any number of micro-batches), the micro-batches
-            run without sync points and without agreement (no extra collective at all); any OOM then
-            ends the run with ``MicroBatchOOMError`` on that rank, and the other ranks fail at their
-            next collective. Default None: always agree first (safe).
+        overlap_after: After this many steps in a row without an OOM at one size, trade recovery for
+            speed: under DDP the last micro-batch (of 2 or more) synchronizes gradients inside its
+            backward again, under FSDP2 the micro-batches run without sync points; an OOM where the ranks
+            no longer agree then ends the run with :class:`~lightning_memopt.MicroBatchOOMError`. Default
+            None: always agree first (safe). The collectives each way costs: ``docs/micro_batching.md``.
         count_fn: ``count_fn(micro_batch) -> number`` of items the loss averages over, or ``"sum"``;
             replaces what the engine learns from the loss. Default None: learned. Shared with
             ``AutoAccumulation`` (give it to one of them).
@@ -79,10 +48,8 @@ class OOMBackoff(MicroBatching):
             ``AutoAccumulation``.
         exactness: ``"warn"``, ``"raise"`` or ``"off"``: the one-time check of ``AutoAccumulation``'s
             ``exactness``. Shared with ``AutoAccumulation``.
-        log: Log the ``batching/*`` keys from the training step. Default True. They are the same keys
-            as :class:`~lightning_memopt.AutoAccumulation`'s (one engine drives both; its docstring has
-            the table), and on one CUDA device ``batching/near_misses``: steps after which the allocator
-            was found thrashing, since the fit started (cumulative count).
+        log: Log the ``batching/*`` keys of :class:`~lightning_memopt.AutoAccumulation`'s table (one
+            engine drives both). Default True.
 
     The micro-batch sizes and the count of clean steps towards ``grow_after`` are saved in checkpoints:
     a resumed run continues exactly as the uninterrupted one.
@@ -127,17 +94,6 @@ class OOMBackoff(MicroBatching):
         self.grow_after = grow_after
         self.overlap_after = overlap_after
 
-    retry_on_oom = True
-
-    @property
-    def micro_batch_size(self) -> int | None:
-        """Samples per training micro-batch now; None runs the whole batch."""
-        return None if self.engine is None else self.engine.sizes.micro_batch_size
-
     @override
-    def _sizes(self) -> dict[str, Any]:
-        return {"grow_after": self.grow_after}
-
-    @override
-    def _engine_options(self) -> dict[str, Any]:
-        return {"retry_on_oom": True, "overlap_after": self.overlap_after}
+    def _options(self, trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {"grow_after": self.grow_after}, {"retry_on_oom": True, "overlap_after": self.overlap_after}

@@ -150,13 +150,13 @@ def test_max_memory_forms(tmp_path):
 def test_max_memory_resolves_through_the_budget_rule(monkeypatch):
     import types
 
-    from lightning_memopt.callbacks import _micro_batching
+    from lightning_memopt.callbacks import auto_accumulation
 
     class Memory:
         def capacity(self):
             return 8000
 
-    monkeypatch.setattr(_micro_batching, "device_memory", lambda device: Memory())
+    monkeypatch.setattr(auto_accumulation, "device_memory", lambda device: Memory())
     trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
     limits = [AutoAccumulation(max_memory=m)._limit(trainer) for m in (0.25, None, "1KiB", 3000)]
     assert limits == [2000, 8000, 1024, 3000]  # the headroom is applied by the search: usable_bytes once more
