@@ -12,18 +12,20 @@ the model's own forward (restored by the returned undo).
 
 Which models are taken. Only what reproduces the model's own loss; every other causal LM gets one note:
 
-1. Declined from the model (:func:`decline_reason`): output embeddings that are not an ``nn.Linear``, no
-   base model, a final logit soft-capping (``final_logit_softcapping``, Gemma 2/3), logit scaling
-   (``logit_scale``, ``logits_scaling``), a router's auxiliary loss added to the loss
-   (``output_router_logits=True``, Mixtral and other MoE).
-2. Verified at the first call with labels and gradient: on the batch's first sample (its first 64
-   positions), the hidden states entering the model's own head must be the base model's output; then the
-   model's own loss and its gradient w.r.t. them are compared with the chunked path's (same random state,
-   so dropout draws the same masks; the random state is put back after), with the labels shifted by one
-   position, or, where that differs, not shifted (:attr:`ChunkedHead.shift`: TrOCR's, BART's and XLNet's
-   losses compare position t with label t). A difference beyond rounding (relative 1e-4; 1e-2 in half
-   precision) either way declines the head, naming the difference. The check's own logits are those of
-   64 positions, not of the batch.
+1. Declined from the model (:func:`decline_reason`): output embeddings that are not an ``nn.Linear`` or
+   are sharded on their own (FSDP2's ``fully_shard`` on the head), no base model, a final logit
+   soft-capping (``final_logit_softcapping``, Gemma 2/3), logit scaling (``logit_scale``,
+   ``logits_scaling``), a router's auxiliary loss added to the loss (``output_router_logits=True``,
+   Mixtral and other MoE).
+2. Verified at the first call with labels and gradient (a head weight that is a DTensor then, as under
+   tensor parallelism, is declined): on the batch's first sample (its first 64 positions), the hidden
+   states entering the model's own head must be the base model's output; then the model's own loss and
+   its gradient w.r.t. them are compared with the chunked path's (same random state, so dropout draws the
+   same masks; the random state is put back after), with the labels shifted by one position, or, where
+   that differs, not shifted (:attr:`ChunkedHead.shift`: TrOCR's, BART's and XLNet's losses compare
+   position t with label t). A difference beyond rounding (relative 1e-4; 1e-2 in half precision) either
+   way declines the head, naming the difference. The check's own logits are those of 64 positions, not of
+   the batch.
 
 The model's own loss upcasts logits to float32 (``logits.float()``), also a float64 model's; the chunked
 loss keeps float64 in float64 and computes half-precision chunks in float32.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -58,6 +61,10 @@ HeadMode = Literal["auto", "chunked", "keep"]
 ``"chunked"``: the same, but a model that cannot be taken (or none found) is an error; ``"keep"``: off."""
 
 _SUFFIXES = ("ForCausalLM", "LMHeadModel")
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a torch built without distributed
+    _DTENSOR = ()
 VERIFY_TOKENS = 64  # positions of the first sample on which the first batch's check compares
 _NOT_FOR_BASE = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
 # config attribute -> what it does to the logits or the loss that the chunked head does not reproduce
@@ -134,6 +141,8 @@ def decline_reason(model: torch.nn.Module) -> str | None:
     name = type(model).__name__
     if output_head(model) is None:
         return f"{name}'s output embeddings are not an nn.Linear"
+    if hasattr(output_head(model), "unshard"):  # FSDP2 gathers its weight only while its forward runs
+        return f"{name}'s output head is sharded on its own (fully_shard on it)"
     if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), torch.nn.Module):
         return f"{name} has no base model (base_model_prefix) whose output feeds the head"
     config = getattr(model, "config", None)
@@ -241,6 +250,8 @@ class ChunkedHead:
         the own path's logits there are small. The labels are shifted by one position, or, where that
         differs and the model's own loss does not shift them, not (:attr:`shift`).
         """
+        if isinstance(output_head(self.model).weight, _DTENSOR):  # as it is while the model runs
+            return "its output head's weight is a DTensor while the model runs (tensor parallelism)"
         part = _prefix(call, VERIFY_TOKENS)
         own_hidden, own, own_grad = self._run(lambda: original(**part), output_head(self.model), pre=True)
         if not bool(torch.isfinite(own)):  # every label of the slice ignored: check the next call
@@ -313,13 +324,13 @@ def _output(model: torch.nn.Module, outputs: Any, loss: torch.Tensor, logits: to
         from transformers.modeling_outputs import CausalLMOutputWithPast as kind  # noqa: N813
     names = {f.name for f in dataclasses.fields(kind)}
     fields = {k: v for k, v in outputs.items() if k in names}
-    result = kind(**fields, loss=loss, logits=logits)
-    if logits is None:  # reading them says why there are none, rather than handing back None
-        result.__class__ = _without_logits(kind)
-    return result
+    # Without logits, reading them says why there are none, rather than handing back None.
+    return (kind if logits is not None else _without_logits(kind))(**fields, loss=loss, logits=logits)
 
 
 _WITHOUT_LOGITS: dict[type, type] = {}
+# top-level modules whose code reads every field of an output (None for the logits there)
+_FIELD_WALKERS = frozenset({"torch", "transformers", "lightning", "pytorch_lightning", "dataclasses", "copy"})
 NO_LOGITS = (
     "this output has no logits: its loss was computed chunk by chunk from the hidden states without them "
     "(AutoCheckpoint's head='auto', lightning_memopt.head); pass AutoCheckpoint(head='keep') to read "
@@ -328,12 +339,16 @@ NO_LOGITS = (
 
 
 def _without_logits(kind: type) -> type:
-    """``kind`` whose ``logits`` attribute raises :data:`NO_LOGITS` (one subclass per output type)."""
+    """``kind`` whose ``logits`` attribute raises :data:`NO_LOGITS` when the user's code reads it (one
+    subclass per output type). Library code that walks an output's fields reads None: transformers'
+    ``__post_init__``, torch's pytree and FSDP2's hooks on a forward's output, Lightning's collections."""
     if kind not in _WITHOUT_LOGITS:
 
         def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
             if name == "logits":
-                raise AttributeError(NO_LOGITS)
+                caller = sys._getframe(1).f_globals.get("__name__", "").partition(".")[0]
+                if caller not in _FIELD_WALKERS:
+                    raise AttributeError(NO_LOGITS)
             return kind.__getattribute__(self, name)
 
         def __repr__(self: Any) -> str:  # noqa: N807
