@@ -258,9 +258,8 @@ class ChunkedHead:
             self.verified = False
             return None
         tol = 1e-2 if own.dtype in (torch.float16, torch.bfloat16) else 1e-4
-        reasons = []
+        base, reasons = getattr(self.model, self.model.base_model_prefix), []
         for self.shift in (True, False):
-            base = getattr(self.model, self.model.base_model_prefix)
             hidden, loss, grad = self._run(lambda: self.chunked(part), base, pre=False)
             if hidden.shape != own_hidden.shape or _gap(hidden, own_hidden) > tol:
                 self.shift = True
