@@ -87,8 +87,14 @@ def check_head(head: Any) -> HeadMode:
 
 def causal_lms(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The Hugging Face causal LMs in ``module`` (itself included): a class named ``*ForCausalLM`` or
-    ``*LMHeadModel``. Whether each can be taken is :func:`decline_reason`'s question."""
-    return [m for m in module.modules() if type(m).__name__.endswith(_SUFFIXES)]
+    ``*LMHeadModel`` that holds no other (one that does is a wrapper, such as a LightningModule named so).
+    Whether each can be taken is :func:`decline_reason`'s question."""
+    found = [m for m in module.modules() if type(m).__name__.endswith(_SUFFIXES)]
+    return [m for m in found if not any(o is not m and _holds(m, o) for o in found)]
+
+
+def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:

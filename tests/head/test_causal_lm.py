@@ -223,6 +223,20 @@ def test_a_loss_without_the_shift_is_learned_at_the_first_batch():
     _assert_equal(out.loss, ref, [g for g in got if g is not None], [w for w in want if w is not None])
 
 
+def test_a_wrapper_named_like_a_causal_lm_is_not_one():
+    class GPTLMHeadModel(torch.nn.Module):  # a user's wrapper, named as transformers names causal LMs
+        def __init__(self):
+            super().__init__()
+            self.lm = _gpt2()
+
+    wrapper = GPTLMHeadModel()
+    assert causal_lms(wrapper) == [wrapper.lm]
+    undo = take_over_heads(wrapper, "chunked", note=pytest.fail)
+    assert "forward" in vars(wrapper.lm)
+    undo()
+    assert "forward" not in vars(wrapper.lm)
+
+
 def test_found_inside_a_wrapper_and_declined_with_a_note():
     notes = []
     wrapper = torch.nn.ModuleDict({"lm": _gpt2(), "other": torch.nn.Linear(2, 2)})
