@@ -46,7 +46,8 @@ def _step(model: torch.nn.Module, batch: dict, float64_loss: bool = False) -> tu
     """The own loss, the loss differentiated, the gradients by parameter name and the output of one
     forward and backward. ``float64_loss``: differentiate the reference instead, a cross-entropy over the
     head's logits as the head computed them (float64; some models cast their logits to float32 after),
-    shifted by one position or not, whichever is closer to the model's own loss."""
+    soft-capped where the config says so, shifted by one position or not, whichever is closer to the
+    model's own loss."""
     model.zero_grad(set_to_none=True)
     logits: list[torch.Tensor] = []
     handle = output_head(model).register_forward_hook(lambda module, args, out: logits.append(out))
@@ -56,9 +57,11 @@ def _step(model: torch.nn.Module, batch: dict, float64_loss: bool = False) -> tu
         handle.remove()
     loss = out.loss
     if float64_loss:  # shifted, or not: whichever the model's own loss is (TrOCR's, XLNet's are not)
-        labels = batch["labels"]
-        shifted = F.cross_entropy(logits[-1][:, :-1].flatten(0, 1), labels[:, 1:].flatten())
-        unshifted = F.cross_entropy(logits[-1].flatten(0, 1), labels.flatten())
+        labels, z = batch["labels"], logits[-1]
+        if cap := getattr(model.config, "final_logit_softcapping", None):  # Gemma 2's, after the head
+            z = cap * torch.tanh(z / cap)
+        shifted = F.cross_entropy(z[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        unshifted = F.cross_entropy(z.flatten(0, 1), labels.flatten())
         loss = min((shifted, unshifted), key=lambda ref: abs(float(ref.detach() - out.loss.detach())))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -13,10 +13,10 @@ the model's own forward (restored by the returned undo).
 Which models are taken. Only what reproduces the model's own loss; every other causal LM gets one note:
 
 1. Declined from the model (:func:`decline_reason`): output embeddings that are not an ``nn.Linear`` or
-   are sharded on their own (FSDP2's ``fully_shard`` on the head), no base model, a final logit
-   soft-capping (``final_logit_softcapping``, Gemma 2/3), logit scaling (``logit_scale``,
-   ``logits_scaling``), a router's auxiliary loss added to the loss (``output_router_logits=True``,
-   Mixtral and other MoE).
+   are sharded on their own (FSDP2's ``fully_shard`` on the head), no base model, logit scaling
+   (``logit_scale``, ``logits_scaling``), a router's auxiliary loss added to the loss
+   (``output_router_logits=True``, Mixtral and other MoE). A final logit soft-capping
+   (``final_logit_softcapping``, Gemma 2/3) is computed chunk by chunk too (``softcap``).
 2. Verified at the first call with labels and gradient (a head weight that is a DTensor then, as under
    tensor parallelism, is declined): on the batch's first sample (its first 64 positions), the hidden
    states entering the model's own head must be the base model's output; then the model's own loss and
@@ -69,7 +69,6 @@ VERIFY_TOKENS = 64  # positions of the first sample on which the first batch's c
 _NOT_FOR_BASE = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
 # config attribute -> what it does to the logits or the loss that the chunked head does not reproduce
 _DECLINED = {
-    "final_logit_softcapping": "a final logit soft-capping",
     "logit_scale": "logit scaling",
     "logits_scaling": "logit scaling",
     "output_router_logits": "a router auxiliary loss added to the loss",
@@ -225,6 +224,8 @@ class ChunkedHead:
         outputs = base(**_for_base(base, call))
         hidden = outputs[0]  # (B, T, H): last_hidden_state
         head = output_head(model)
+        # Gemma 2's and 3's final logit soft-capping: softcap * tanh(logits / softcap), before the loss
+        cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None) or None
         labels = call.get("shift_labels")
         if labels is None and self.shift:  # position t predicts token t + 1
             hidden, labels = hidden[..., :-1, :], call["labels"][..., 1:]
@@ -237,6 +238,7 @@ class ChunkedHead:
             labels.to(hidden.device),
             bias=head.bias,
             reduction="mean" if num_items is None else "sum",
+            softcap=cap,
         )
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
@@ -244,6 +246,7 @@ class ChunkedHead:
         if self.keep_logits:
             with torch.no_grad():
                 logits = head(outputs[0])
+                logits = logits if cap is None else torch.tanh(logits / cap) * cap
         return _output(model, outputs, loss, logits)
 
     def _verify(self, original: Callable[..., Any], call: dict[str, Any]) -> str | None:

@@ -104,11 +104,11 @@ def test_the_check_compares_on_a_64_token_prefix_of_one_sample():
 def test_decline_reasons_from_the_config():
     model = _gpt2()
     assert decline_reason(model) is None
+    model.config.logit_scale = 0.0625
+    assert decline_reason(model) == "GPT2LMHeadModel has logit scaling (config.logit_scale=0.0625)"
+    model.config.logit_scale = None
     model.config.final_logit_softcapping = 30.0
-    assert decline_reason(model) == (
-        "GPT2LMHeadModel has a final logit soft-capping (config.final_logit_softcapping=30.0)"
-    )
-    model.config.final_logit_softcapping = None
+    assert decline_reason(model) is None  # computed chunk by chunk (linear_cross_entropy's softcap)
     model.config.logits_scaling = 1.0
     assert decline_reason(model) is None  # a scaling of 1 changes nothing
     model.config.logits_scaling = 8.0

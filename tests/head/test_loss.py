@@ -54,6 +54,24 @@ def test_equals_unchunked_float64(reduction, smoothing, bias, chunk_size):
         assert _rel(got, want) <= 1e-12
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("chunk_size", [1, 4, None])
+def test_softcap_equals_the_capped_logits_cross_entropy_float64(reduction, smoothing, chunk_size):
+    hidden, weight, b, labels = _inputs(bias=True)
+    hidden.data.mul_(3)  # logits of about +-25: the cap (10) bends them
+    labels[2, 3] = -100
+    kw = dict(label_smoothing=smoothing, reduction=reduction)
+    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk_size, softcap=10.0, **kw)
+    capped = 10.0 * torch.tanh(F.linear(hidden, weight, b) / 10.0)
+    ref = F.cross_entropy(capped.reshape(-1, V), labels.reshape(-1), **kw)
+    ref = ref.reshape(labels.shape) if reduction == "none" else ref
+    uncapped = _reference(hidden, weight, labels, b, **kw)
+    assert _rel(out, ref) <= 1e-12 and _rel(uncapped, ref) > 1e-2  # the cap changed the loss
+    for got, want in zip(_grads(out, (hidden, weight, b)), _grads(ref, (hidden, weight, b))):
+        assert _rel(got, want) <= 1e-12
+
+
 def test_ignore_index_other_than_default_and_float32():
     hidden, weight, _, labels = _inputs(dtype=torch.float32)
     labels[1, ::2] = 3  # class 3 is ignored here
@@ -134,6 +152,7 @@ def test_default_chunk_size():
         (dict(labels=torch.zeros(3, 7)), TypeError, "labels must be integer class indices"),
         (dict(hidden=torch.zeros(3, 7, H, dtype=torch.long)), TypeError, "hidden must be a floating-point"),
         (dict(bias=torch.zeros(V + 1)), ValueError, r"bias must be \(V,\) = \(11,\)"),
+        (dict(softcap=0.0), ValueError, r"softcap must be a positive number or None, got 0.0"),
         (
             dict(labels=torch.full((3, 7), V)),
             ValueError,
