@@ -46,7 +46,7 @@ def _step(model: torch.nn.Module, batch: dict, float64_loss: bool = False) -> tu
     """The own loss, the loss differentiated, the gradients by parameter name and the output of one
     forward and backward. ``float64_loss``: differentiate the reference instead, a cross-entropy over the
     head's logits as the head computed them (float64; some models cast their logits to float32 after),
-    soft-capped where the config says so, shifted by one position or not, whichever is closer to the
+    scaled and soft-capped where the model says so (Cohere, Granite, Gemma 2), shifted by one position or not, whichever is closer to the
     model's own loss."""
     model.zero_grad(set_to_none=True)
     logits: list[torch.Tensor] = []
@@ -58,6 +58,7 @@ def _step(model: torch.nn.Module, batch: dict, float64_loss: bool = False) -> tu
     loss = out.loss
     if float64_loss:  # shifted, or not: whichever the model's own loss is (TrOCR's, XLNet's are not)
         labels, z = batch["labels"], logits[-1]
+        z = z * getattr(model, "logit_scale", 1.0) / getattr(model.config, "logits_scaling", 1.0)
         if cap := getattr(model.config, "final_logit_softcapping", None):  # Gemma 2's, after the head
             z = cap * torch.tanh(z / cap)
         shifted = F.cross_entropy(z[:, :-1].flatten(0, 1), labels[:, 1:].flatten())

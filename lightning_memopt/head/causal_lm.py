@@ -13,10 +13,10 @@ the model's own forward (restored by the returned undo).
 Which models are taken. Only what reproduces the model's own loss; every other causal LM gets one note:
 
 1. Declined from the model (:func:`decline_reason`): output embeddings that are not an ``nn.Linear`` or
-   are sharded on their own (FSDP2's ``fully_shard`` on the head), no base model, logit scaling
-   (``logit_scale``, ``logits_scaling``), a router's auxiliary loss added to the loss
-   (``output_router_logits=True``, Mixtral and other MoE). A final logit soft-capping
-   (``final_logit_softcapping``, Gemma 2/3) is computed chunk by chunk too (``softcap``).
+   are sharded on their own (FSDP2's ``fully_shard`` on the head), no base model, a router's auxiliary
+   loss added to the loss (``output_router_logits=True``, Mixtral and other MoE). Logit scaling (Cohere's
+   ``logit_scale``, Granite's ``logits_scaling``) and a final logit soft-capping
+   (``final_logit_softcapping``, Gemma 2/3) are computed chunk by chunk too (:func:`_logit_transform`).
 2. Verified at the first call with labels and gradient (a head weight that is a DTensor then, as under
    tensor parallelism, is declined): on the batch's first sample (its first 64 positions), the hidden
    states entering the model's own head must be the base model's output; then the model's own loss and
@@ -68,11 +68,7 @@ except ImportError:  # a torch built without distributed
 VERIFY_TOKENS = 64  # positions of the first sample on which the first batch's check compares
 _NOT_FOR_BASE = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
 # config attribute -> what it does to the logits or the loss that the chunked head does not reproduce
-_DECLINED = {
-    "logit_scale": "logit scaling",
-    "logits_scaling": "logit scaling",
-    "output_router_logits": "a router auxiliary loss added to the loss",
-}
+_DECLINED = {"output_router_logits": "a router auxiliary loss added to the loss"}
 
 
 def check_head(head: Any) -> HeadMode:
@@ -150,6 +146,8 @@ def decline_reason(model: torch.nn.Module) -> str | None:
         return f"{name}'s output head is sharded on its own (fully_shard on it)"
     if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), torch.nn.Module):
         return f"{name} has no base model (base_model_prefix) whose output feeds the head"
+    if torch.is_tensor(getattr(model, "logit_scale", None)):  # learned: its gradient would be lost
+        return f"{name} has a learned logit scale (a tensor logit_scale)"
     config = getattr(model, "config", None)
     for attribute, what in _DECLINED.items():
         value = getattr(config, attribute, None)
@@ -224,8 +222,7 @@ class ChunkedHead:
         outputs = base(**_for_base(base, call))
         hidden = outputs[0]  # (B, T, H): last_hidden_state
         head = output_head(model)
-        # Gemma 2's and 3's final logit soft-capping: softcap * tanh(logits / softcap), before the loss
-        cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None) or None
+        scale, cap = _logit_transform(model)
         labels = call.get("shift_labels")
         if labels is None and self.shift:  # position t predicts token t + 1
             hidden, labels = hidden[..., :-1, :], call["labels"][..., 1:]
@@ -238,6 +235,7 @@ class ChunkedHead:
             labels.to(hidden.device),
             bias=head.bias,
             reduction="mean" if num_items is None else "sum",
+            logit_scale=scale,
             softcap=cap,
         )
         if num_items is not None:
@@ -245,7 +243,7 @@ class ChunkedHead:
         logits = None
         if self.keep_logits:
             with torch.no_grad():
-                logits = head(outputs[0])
+                logits = head(outputs[0]) * scale
                 logits = logits if cap is None else torch.tanh(logits / cap) * cap
         return _output(model, outputs, loss, logits)
 
@@ -301,6 +299,16 @@ class ChunkedHead:
         finally:
             handle.remove()
             state.restore()
+
+
+def _logit_transform(model: torch.nn.Module) -> tuple[float, float | None]:
+    """What the model does to its head's logits before the loss: a scale (Cohere multiplies by
+    ``logit_scale``, Granite divides by ``config.logits_scaling``), then Gemma 2's and 3's soft-capping
+    (``softcap * tanh(logits / softcap)``, ``config.final_logit_softcapping``)."""
+    config = getattr(model, "config", None)
+    scale = float(getattr(model, "logit_scale", None) or getattr(config, "logit_scale", None) or 1.0)
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)
+    return scale, getattr(config, "final_logit_softcapping", None) or None
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -18,8 +18,9 @@ chunk's logits exist at any time and nothing logits-sized is kept for backward:
 The loss per token ``i`` with target ``y`` and label smoothing ``e`` over ``V`` classes (PyTorch's
 definition) is ``(1 - e) * (lse_i - z_iy) + e * (lse_i - mean_j z_ij)``, and its gradient w.r.t. the
 logits is ``softmax(z_i) - (1 - e) * onehot(y) - e / V``; tokens whose label is ``ignore_index`` count
-zero and are not counted by the mean. With ``softcap`` the logits are ``c * tanh(z / c)`` first, and the
-gradient is multiplied by ``1 - tanh(z / c)^2`` on its way back to ``z``.
+zero and are not counted by the mean. With ``logit_scale`` ``s`` and ``softcap`` ``c`` the logits are
+``c * tanh(s * z / c)`` first, and the gradient is multiplied by ``s * (1 - tanh(s * z / c)^2)`` on its way
+back to ``z``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    logit_scale: float = 1.0,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), labels, ...)``, computed a chunk of tokens at a time.
@@ -80,7 +82,9 @@ def linear_cross_entropy(
             shaped like ``labels``).
         chunk_size: Tokens per chunk. Default (None): :func:`default_chunk_size` (at most 1/16 of the
             tokens). Larger chunks run fewer, larger matmuls and hold more.
-        softcap: Soft-cap the logits first, ``z = softcap * tanh(z / softcap)`` (Gemma 2's and 3's
+        logit_scale: Multiply the logits by this first (Cohere's ``logit_scale``; Granite's
+            ``1 / logits_scaling``); default 1.
+        softcap: Soft-cap the (scaled) logits, ``z = softcap * tanh(z / softcap)`` (Gemma 2's and 3's
             ``final_logit_softcapping``); None (default): not. Each chunk then holds a second logits-sized
             buffer (the ``tanh``, for its derivative).
 
@@ -90,7 +94,7 @@ def linear_cross_entropy(
     Raises:
         ValueError: For shapes that do not match, a label outside ``[0, V)`` other than
             ``ignore_index``, an unknown reduction, a smoothing outside ``[0, 1]``, a bad ``chunk_size``,
-            a ``softcap`` that is not a positive number.
+            a ``softcap`` that is not a positive number, a ``logit_scale`` that is not a finite number.
         TypeError: For labels that are not integers, or features that are not floating point.
 
     Example::
@@ -115,22 +119,20 @@ def linear_cross_entropy(
             label_smoothing=label_smoothing,
             reduction=reduction,
             chunk_size=chunk_size,
+            logit_scale=logit_scale,
             softcap=softcap,
         )
     _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, chunk_size)
     if softcap is not None and (isinstance(softcap, bool) or not float(softcap) > 0):
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if isinstance(logit_scale, bool) or not math.isfinite(float(logit_scale)):
+        raise ValueError(f"logit_scale must be a finite number, got {logit_scale!r}")
     open_head(hidden)  # a MemoryTracker counts what follows as the output head's bytes
     h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     y = labels.reshape(-1)  # (N,)
     chunk = chunk_size or default_chunk_size(h.shape[0])
-    opts = (
-        ignore_index,
-        float(label_smoothing),
-        reduction,
-        chunk,
-        None if softcap is None else float(softcap),
-    )
+    cap = None if softcap is None else float(softcap)
+    opts = (ignore_index, float(label_smoothing), reduction, chunk, float(logit_scale), cap)
     loss = _LinearCrossEntropy.apply(h, weight, bias, y, opts)
     return loss.reshape(labels.shape) if reduction == "none" else loss
 
@@ -178,10 +180,12 @@ def _chunk_grad(h, weight, bias, y, opts, scale):
 
     One ``(c, V)`` buffer: the logits become the softmax, then the gradient, in place.
     """
-    ignore_index, smoothing, _, _, softcap = opts
+    ignore_index, smoothing, _, _, scale_logits, softcap = opts
     z = torch.matmul(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())  # (c, V)
     if z.dtype in (torch.float16, torch.bfloat16):
         z = z.float()  # softmax and its sums in float32, as F.cross_entropy's kernels accumulate
+    if scale_logits != 1.0:
+        z.mul_(scale_logits)
     if softcap is not None:  # z = softcap * tanh(z / softcap); keep the tanh for the derivative
         tanh = z.div_(softcap).tanh_().clone()
         z.mul_(softcap)
@@ -203,6 +207,8 @@ def _chunk_grad(h, weight, bias, y, opts, scale):
         z.sub_((smoothing / z.shape[1]) * weights[:, None])
     if softcap is not None:  # through the cap: d(softcap * tanh(x / softcap))/dx = 1 - tanh^2
         z.mul_(tanh.square_().neg_().add_(1))
+    if scale_logits != 1.0:
+        z.mul_(scale_logits)
     return loss.masked_fill(~counted, 0), z
 
 
@@ -234,7 +240,7 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """``h (N, H)``, ``weight (V, H)``, ``bias (V,)``, ``y (N,)``; ``opts``: (ignore_index, smoothing,
-    reduction, chunk, softcap). See the module docstring for what is held between forward and backward."""
+    reduction, chunk, logit_scale, softcap). See the module docstring for what is held between forward and backward."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, y, opts):

@@ -104,15 +104,17 @@ def test_the_check_compares_on_a_64_token_prefix_of_one_sample():
 def test_decline_reasons_from_the_config():
     model = _gpt2()
     assert decline_reason(model) is None
-    model.config.logit_scale = 0.0625
-    assert decline_reason(model) == "GPT2LMHeadModel has logit scaling (config.logit_scale=0.0625)"
-    model.config.logit_scale = None
-    model.config.final_logit_softcapping = 30.0
-    assert decline_reason(model) is None  # computed chunk by chunk (linear_cross_entropy's softcap)
-    model.config.logits_scaling = 1.0
-    assert decline_reason(model) is None  # a scaling of 1 changes nothing
-    model.config.logits_scaling = 8.0
-    assert decline_reason(model) == "GPT2LMHeadModel has logit scaling (config.logits_scaling=8.0)"
+    # computed chunk by chunk (linear_cross_entropy's logit_scale and softcap): not declined
+    config = model.config
+    config.logit_scale, config.logits_scaling, config.final_logit_softcapping = 0.5, 8.0, 30.0
+    assert decline_reason(model) is None
+    model.config.output_router_logits = True
+    assert decline_reason(model) == (
+        "GPT2LMHeadModel has a router auxiliary loss added to the loss (config.output_router_logits=True)"
+    )
+    model.config.output_router_logits = False
+    model.logit_scale = torch.nn.Parameter(torch.tensor(2.0))  # learned: its gradient would be lost
+    assert decline_reason(model) == "GPT2LMHeadModel has a learned logit scale (a tensor logit_scale)"
 
 
 def test_decline_reasons_from_the_structure():

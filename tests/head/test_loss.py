@@ -57,17 +57,31 @@ def test_equals_unchunked_float64(reduction, smoothing, bias, chunk_size):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 @pytest.mark.parametrize("chunk_size", [1, 4, None])
-def test_softcap_equals_the_capped_logits_cross_entropy_float64(reduction, smoothing, chunk_size):
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_scale_and_softcap_equal_the_transformed_logits_cross_entropy_float64(
+    reduction, smoothing, chunk_size, scale
+):
     hidden, weight, b, labels = _inputs(bias=True)
-    hidden.data.mul_(3)  # logits of about +-25: the cap (10) bends them
+    hidden.data.mul_(3 / scale)  # scaled logits of about +-25: the cap (10) bends them
     labels[2, 3] = -100
     kw = dict(label_smoothing=smoothing, reduction=reduction)
-    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk_size, softcap=10.0, **kw)
-    capped = 10.0 * torch.tanh(F.linear(hidden, weight, b) / 10.0)
+    out = linear_cross_entropy(
+        hidden, weight, labels, bias=b, chunk_size=chunk_size, logit_scale=scale, softcap=10.0, **kw
+    )
+    capped = 10.0 * torch.tanh(F.linear(hidden, weight, b) * scale / 10.0)
     ref = F.cross_entropy(capped.reshape(-1, V), labels.reshape(-1), **kw)
     ref = ref.reshape(labels.shape) if reduction == "none" else ref
     uncapped = _reference(hidden, weight, labels, b, **kw)
     assert _rel(out, ref) <= 1e-12 and _rel(uncapped, ref) > 1e-2  # the cap changed the loss
+    for got, want in zip(_grads(out, (hidden, weight, b)), _grads(ref, (hidden, weight, b))):
+        assert _rel(got, want) <= 1e-12
+
+
+def test_logit_scale_alone_equals_the_scaled_logits_cross_entropy_float64():
+    hidden, weight, b, labels = _inputs(bias=True)
+    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=4, logit_scale=0.125)
+    ref = F.cross_entropy((F.linear(hidden, weight, b) * 0.125).reshape(-1, V), labels.reshape(-1))
+    assert _rel(out, ref) <= 1e-12 and _rel(_reference(hidden, weight, labels, b), ref) > 1e-2
     for got, want in zip(_grads(out, (hidden, weight, b)), _grads(ref, (hidden, weight, b))):
         assert _rel(got, want) <= 1e-12
 
@@ -153,6 +167,7 @@ def test_default_chunk_size():
         (dict(hidden=torch.zeros(3, 7, H, dtype=torch.long)), TypeError, "hidden must be a floating-point"),
         (dict(bias=torch.zeros(V + 1)), ValueError, r"bias must be \(V,\) = \(11,\)"),
         (dict(softcap=0.0), ValueError, r"softcap must be a positive number or None, got 0.0"),
+        (dict(logit_scale=float("inf")), ValueError, r"logit_scale must be a finite number, got inf"),
         (
             dict(labels=torch.full((3, 7), V)),
             ValueError,

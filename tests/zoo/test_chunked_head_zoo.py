@@ -46,6 +46,11 @@ def gemma2(dtype):
     return transformers.Gemma2ForCausalLM(config).to(dtype)
 
 
+def granite(dtype):
+    config = _tiny(transformers.GraniteConfig, logits_scaling=8.0)
+    return transformers.GraniteForCausalLM(config).to(dtype)
+
+
 def mixtral_aux(dtype):
     model = zoo.mixtral(dtype)
     model.config.output_router_logits = True  # the loss adds router_aux_loss_coef * the balancing loss
@@ -69,6 +74,7 @@ TAKEN = {
     "mistral": mistral,
     "mixtral": zoo.mixtral,
     "gemma2_softcap": gemma2,  # its final logit soft-capping computed chunk by chunk
+    "granite_scaled": granite,  # its logits divided by logits_scaling, chunk by chunk
 }
 DECLINED = {
     "mixtral_aux": (
@@ -213,7 +219,6 @@ def _sweep_rows():
 
 
 SWEEP_DECLINED = {
-    "cohere": "CohereForCausalLM has logit scaling",
     "roberta_causal": "the hidden states entering its output head are not its base model's output",
 }
 
