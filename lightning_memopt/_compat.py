@@ -48,6 +48,15 @@ def fsdp_module_type() -> type | None:
     return FSDPModule
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (a sharded tensor); False on a torch without."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
 def reset_fsdp_iteration(sharded: list[Any]) -> None:
     """Put FSDP2 back to the start of an iteration after one that stopped half-way (``sharded``: root first).
 

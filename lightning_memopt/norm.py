@@ -45,6 +45,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._pytree import tree_map
 
 from lightning_memopt._checks import check_positive_int
+from lightning_memopt._compat import is_dtensor
 
 __all__ = [
     "ConversionReport",
@@ -395,7 +396,7 @@ def _to_convert(
                 "a GroupNorm would silently drop what its forward adds. Register a converter with "
                 f"lightning_memopt.norm.register_converter({type(sub).__name__}, fn) or replace it yourself"
             )
-        if any(_is_dtensor(p) for p in params):
+        if any(is_dtensor(p) for p in params):
             raise ValueError(
                 f"{_display(layer_names)} has sharded (DTensor) parameters; convert BatchNorm layers before "
                 "sharding the model (before fully_shard / the strategy wraps it)"
@@ -597,10 +598,6 @@ def _is_frozen_batchnorm_class(module: nn.Module) -> bool:
     # torchvision.ops.FrozenBatchNorm2d and timm's FrozenBatchNorm2d/FrozenBatchNormAct2d, without importing
     # either: they are plain modules with fixed statistics in buffers.
     return any("FrozenBatchNorm" in cls.__name__ for cls in type(module).__mro__)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return any(cls.__name__ == "DTensor" for cls in type(t).__mro__)
 
 
 def _check_group_options(num_groups: Any, group_size: Any, groups: Any) -> int:

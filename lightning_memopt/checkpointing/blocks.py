@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from lightning_memopt._compat import fsdp_module_type, is_dtensor
 from lightning_memopt.checkpointing.apply import _STATE
 
 __all__ = ["find_blocks", "blocks_run", "candidate_classes", "check_blocks"]
@@ -144,12 +145,10 @@ def _stem(model: nn.Module, first: str) -> tuple[str, nn.Module] | None:
 def _sharded_by_ancestor(module: nn.Module) -> bool:
     """Whether an enclosing ``fully_shard`` (FSDP2) owns ``module``'s parameters: outside that module's
     forward they are shards, so ``module`` cannot be profiled alone (a block is its own FSDP unit)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without FSDP2
+    fsdp = fsdp_module_type()
+    if fsdp is None:  # torch without FSDP2
         return False
-    return not isinstance(module, FSDPModule) and any(isinstance(p, DTensor) for p in module.parameters())
+    return not isinstance(module, fsdp) and any(is_dtensor(p) for p in module.parameters())
 
 
 def find_blocks(

@@ -41,6 +41,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from lightning_memopt._compat import fsdp_module_type, is_dtensor
 from lightning_memopt._patch import patch
 from lightning_memopt._rng import RngState
 from lightning_memopt.head.loss import linear_cross_entropy
@@ -61,10 +62,6 @@ HeadMode = Literal["auto", "chunked", "keep"]
 ``"chunked"``: the same, but a model that cannot be taken (or none found) is an error; ``"keep"``: off."""
 
 _SUFFIXES = ("ForCausalLM", "LMHeadModel")
-try:
-    from torch.distributed.tensor import DTensor as _DTENSOR
-except ImportError:  # a torch built without distributed
-    _DTENSOR = ()
 VERIFY_TOKENS = 64  # positions of the first sample on which the first batch's check compares
 _NOT_FOR_BASE = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
 # config attribute -> what it does to the logits or the loss that the chunked head does not reproduce
@@ -139,10 +136,10 @@ def output_heads(module: torch.nn.Module, head: str | None = "auto") -> list[tor
 def decline_reason(model: torch.nn.Module) -> str | None:
     """Why the chunked head cannot reproduce ``model``'s loss, read from its structure and config; None if
     nothing says (the first batch's check still may)."""
-    name = type(model).__name__
-    if output_head(model) is None:
+    name, head, fsdp = type(model).__name__, output_head(model), fsdp_module_type()
+    if head is None:
         return f"{name}'s output embeddings are not an nn.Linear"
-    if hasattr(output_head(model), "unshard"):  # FSDP2 gathers its weight only while its forward runs
+    if fsdp is not None and isinstance(head, fsdp):  # FSDP2 gathers its weight only while its forward runs
         return f"{name}'s output head is sharded on its own (fully_shard on it)"
     if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), torch.nn.Module):
         return f"{name} has no base model (base_model_prefix) whose output feeds the head"
@@ -257,7 +254,7 @@ class ChunkedHead:
         the own path's logits there are small. The labels are shifted by one position, or, where that
         differs and the model's own loss does not shift them, not (:attr:`shift`).
         """
-        if isinstance(output_head(self.model).weight, _DTENSOR):  # as it is while the model runs
+        if is_dtensor(output_head(self.model).weight):  # as it is while the model runs
             return "its output head's weight is a DTensor while the model runs (tensor parallelism)"
         part = _prefix(call, VERIFY_TOKENS)
         own_hidden, own, own_grad = self._run(lambda: original(**part), output_head(self.model), pre=True)
