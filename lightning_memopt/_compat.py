@@ -18,10 +18,13 @@ __all__ = [
     "fsdp_module_type",
     "in_backward",
     "queue_backward_callback",
+    "saved_tensors_hooks_below",
     "reset_fsdp_iteration",
     "tree_flatten",
     "tree_unflatten",
     "untracked",
+    "view_base",
+    "saved_by",
 ]
 
 #: The base of BatchNorm1d/2d/3d, SyncBatchNorm and the lazy BatchNorm classes (private, stable since 1.0).
@@ -57,6 +60,15 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def saved_tensors_hooks_below() -> tuple[Callable, Callable] | None:
+    """The ``(pack, unpack)`` pair of saved-tensor hooks in effect now (a ``MemoryTracker``'s, an
+    offloader's), for hooks entered next to pass on what they do not handle themselves; None where none
+    is, or where saved-tensor hooks are disabled (then no pair can be entered either: raises)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # private; present on torch 2.x
+        raise RuntimeError("saved-tensor hooks are disabled here")
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)  # private; present on torch 2.x
+
+
 def reset_fsdp_iteration(sharded: list[Any]) -> None:
     """Put FSDP2 back to the start of an iteration after one that stopped half-way (``sharded``: root first).
 
@@ -77,3 +89,13 @@ def untracked() -> Any:
     from torch.utils._python_dispatch import _disable_current_modes  # private; present on torch 2.x
 
     return _disable_current_modes()
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of (itself where it is not a view)."""
+    return t._base if t._is_view() else t  # private; public behaviour since 1.0
+
+
+def saved_by(node: Any, name: str) -> Any:
+    """What the autograd ``node`` saved for backward as ``name`` (``self``, ``approximate``, ...)."""
+    return getattr(node, f"_saved_{name}")  # private; present on torch 2.x

@@ -1,5 +1,6 @@
 """The private torch APIs behind lightning_memopt._compat still do what the package relies on."""
 
+import pytest
 import torch
 
 from lightning_memopt import _compat
@@ -27,3 +28,26 @@ def test_pytree_batchnorm_and_fsdp_names():
     assert all(issubclass(c, _compat.BatchNormBase) for c in (torch.nn.BatchNorm1d, torch.nn.SyncBatchNorm))
     fsdp = _compat.fsdp_module_type()
     assert fsdp is None or fsdp.__name__ == "FSDPModule"
+
+
+def test_saved_tensors_hooks_below_is_the_pair_in_effect():
+    assert _compat.saved_tensors_hooks_below() is None
+    pack, unpack = (lambda t: t), (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert _compat.saved_tensors_hooks_below() == (pack, unpack)
+        with torch.autograd.graph.saved_tensors_hooks(unpack, pack):
+            assert _compat.saved_tensors_hooks_below() == (unpack, pack)
+    with (
+        torch.autograd.graph.disable_saved_tensors_hooks("off"),
+        pytest.raises(RuntimeError, match="disabled"),
+    ):
+        _compat.saved_tensors_hooks_below()
+
+
+def test_view_base_and_saved_by():
+    x = torch.randn(4, 6, requires_grad=True)
+    y = torch.nn.functional.gelu(x, approximate="tanh")
+    v = y.view(2, 12)
+    assert _compat.view_base(v) is y and _compat.view_base(y) is y
+    node = y.grad_fn
+    assert _compat.saved_by(node, "approximate") == "tanh" and torch.equal(_compat.saved_by(node, "self"), x)

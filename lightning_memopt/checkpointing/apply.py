@@ -19,9 +19,10 @@ Treatments (``Choice``):
                 backward (stopping early once everything needed is recomputed)
 ``offload``     tensors saved for backward are copied to CPU memory and brought back in backward;
                 parameters are never offloaded. Costs transfer bytes, no FLOPs
-``pointwise``   the block's pointwise sub-modules (norms, activations) keep only their inputs and are
-                run again in backward, as modules: no per-op dispatch (``pointwise.py``). Holds what
-                ``selective`` holds, or more where ``selective`` also drops functional pointwise results
+``pointwise``   the outputs of the block's pointwise sub-modules (norms, activations) and of functional
+                ``gelu``/``silu`` are made again in backward from their inputs, one at a time: no per-op
+                dispatch (``pointwise.py``). Holds about what ``selective`` holds, or more where
+                ``selective`` also drops other functional pointwise results
 ==============  ======================================================================================
 
 Nothing is recomputed or offloaded when the block is in ``eval()`` mode or gradients are disabled.
@@ -48,7 +49,7 @@ from lightning_memopt.checkpointing._inputs import storage_key as _storage_key
 from lightning_memopt.checkpointing._inputs import tensors as _tensors
 from lightning_memopt.checkpointing.dry_run import fake_call
 from lightning_memopt.checkpointing.offload import overlapped_offload
-from lightning_memopt.checkpointing.pointwise import pointwise_forward, pointwise_modules
+from lightning_memopt.checkpointing.pointwise import Pointwise, pointwise_forward, pointwise_modules
 from lightning_memopt.checkpointing.written import Snapshot
 
 __all__ = [
@@ -234,7 +235,7 @@ class _BlockState:
         # selective: per input signature, which compute ops' outputs to cache
         self.cache_policies: dict[str, _CachePolicy] = {}
         # pointwise: per input signature, which sub-modules to recompute
-        self.pointwise: dict[str, tuple[str, ...]] = {}
+        self.pointwise: dict[str, Pointwise] = {}
         self.calls = 0  # forwards run through the instance ``forward`` (also ``block.forward(...)``)
         self.verified = False  # a recomputing forward ran and wrote no state (written.py)
         self.unrepeatable: str | None = None  # why a recomputation cannot reproduce the forward

@@ -1,12 +1,12 @@
-"""The ``pointwise`` treatment: a block's norms and activations recomputed in backward, as modules.
+"""The ``pointwise`` treatment: a block's norms and activations recomputed in backward, without per-op dispatch.
 
 Op-level selective checkpointing (``selective``) decides per op which outputs to keep: torch calls a
 Python policy on every op of the forward, and replays the block's whole Python forward in backward. On a
 CPU and on small blocks that machinery costs more time than the recompute it prices (on a 2-core CPU,
-15-100% of a step at 1.00x FLOPs: ``benchmarks/checkpointing.py``). Most of what it drops, though, are the outputs of a block's
-pointwise *sub-modules* (a LayerNorm's output, which the next linear layer saves; an activation's) and
-their intermediates: recomputing those sub-modules as modules, as Megatron's ``recompute_modules`` does,
-needs no per-op dispatch at all.
+15-100% of a step at 1.00x FLOPs: ``benchmarks/checkpointing.py``). Most of what it drops, though, are the
+outputs of a block's pointwise *sub-modules* (a LayerNorm's output, which the next linear layer saves; an
+activation's) and of activations called as functions (``F.silu(w1(x)) * w3(x)``): those can be made again
+from tensors autograd holds anyway, one at a time, as Megatron's ``recompute_modules`` does for modules.
 
 Which sub-modules (found once per input signature, by one dry run on fake tensors,
 :func:`pointwise_modules`): the outermost modules inside the block that
@@ -19,19 +19,34 @@ Which sub-modules (found once per input signature, by one dry run on fake tensor
 - whose output a later op outside them saves for backward (else there is nothing to drop), and whose
   inputs autograd holds anyway (else keeping them to recompute from would cost what is saved).
 
-How (:func:`pointwise_forward`): each such module runs as an autograd Function that keeps only its inputs
-(it runs without grad, so its intermediates are not saved) and returns its output. When the block's
-forward returns, the storages of those outputs are freed (``resize_(0)``): the ops that saved them keep
-pointing at the storage. When backward reaches the block (a pre-hook on the autograd nodes of its
-outputs, which runs after FSDP's own pre-backward hooks gather the parameters), each module runs once
-more, with grad, on its inputs: its output refills the storage for the ops that saved it (written
-through a fresh alias, so the saved tensors' version counters do not move), and its graph serves the
-module's own backward. Each pointwise module therefore runs twice per step, as under ``selective``, and
-the gradients equal the plain run's bit for bit (the same ops on the same values).
+And, without a dry run, every output of ``gelu`` or ``silu`` that an op of the block saves: their own
+backward keeps their input (read from the autograd node, ``_compat.saved_by``).
 
-It holds what ``selective`` holds where the block's dropped tensors are all outputs of such modules, and
-more where ``selective`` also drops functional pointwise results (a residual sum, a reshaped copy): the
-profile measures both, and the planner pays ``selective``'s dispatch only where it buys memory.
+How (:func:`pointwise_forward`), two ways, both giving the plain run's gradients bit for bit (the same ops
+on the same values):
+
+- *Output only* (most modules: those whose own ops save, beyond their inputs and parameters, at most an
+  eighth of their output's bytes, such as LayerNorm's mean and rstd; and the functional activations).
+  While the block's forward runs, saved-tensor hooks give an op that saves such an output (or a view of
+  it) a recipe instead of the tensor; every other tensor goes to the hooks in effect below (a
+  ``MemoryTracker``'s), so they see what they would under keep. When the forward ends nothing holds the
+  output. In backward, the first op that reads it runs the module's forward (or the activation) once
+  more on its inputs, without grad (with grad under ``create_graph``, so second-order gradients flow
+  through it), and the last lets it go. The module's own backward is the one its forward recorded.
+- *Run again with grad* (modules whose own intermediates are large: a hand-written RMSNorm's normalized
+  input). Each runs as an autograd Function that keeps only its inputs (it runs without grad, so its
+  intermediates are not saved) and returns its output. When the block's forward returns, the storages of
+  those outputs are freed (``resize_(0)``): the ops that saved them keep pointing at the storage. When
+  backward reaches the block (a pre-hook on the autograd nodes of its outputs, which runs after FSDP's own
+  pre-backward hooks gather the parameters), each module runs once more, with grad, on its inputs: its
+  output refills the storage for the ops that saved it (written through a fresh alias, so the saved
+  tensors' version counters do not move), and its graph serves the module's own backward.
+
+An input changed in place after the forward (which keep's version check would refuse in backward) is
+refused by both, naming the module. The treatment holds what ``selective`` holds where the block's dropped
+tensors are all such outputs, plus the small tensors the output-only modules' own backward keeps, and
+more where ``selective`` also drops other functional pointwise results (a residual sum, a reshaped copy):
+the profile measures both, and the planner pays ``selective``'s dispatch only where it buys memory.
 """
 
 from __future__ import annotations
@@ -46,10 +61,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_memopt._compat import saved_by, saved_tensors_hooks_below, view_base
 from lightning_memopt.checkpointing._inputs import storage_key, tensors
 from lightning_memopt.checkpointing.dry_run import fake_call
 
-__all__ = ["pointwise_modules", "pointwise_forward"]
+__all__ = ["Pointwise", "pointwise_modules", "pointwise_forward"]
 
 
 @dataclass(eq=False)  # compared by identity: `in stack`
@@ -64,8 +80,8 @@ class _Seen:
     output: object = None
     output_saved: bool = False
     """Whether an op outside the module saved its output for backward."""
-    saved_inside: set = field(default_factory=set)
-    """Storages the module's own ops saved for backward."""
+    saved_inside: dict = field(default_factory=dict)
+    """Storages the module's own ops saved for backward, with their bytes."""
 
 
 class _Watch(TorchDispatchMode):
@@ -96,14 +112,29 @@ class _Watch(TorchDispatchMode):
         return out
 
 
+@dataclass(frozen=True)
+class Pointwise:
+    """The sub-modules (names relative to the block) the ``pointwise`` treatment recomputes in one block."""
+
+    names: tuple[str, ...] = ()
+    """All of them, in the order the forward first calls them."""
+    rerun: tuple[str, ...] = ()
+    """Those run again with grad in backward, so that their own intermediates go too (a hand-written
+    RMSNorm's normalized input); the others only lose their output, recomputed without grad."""
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+
 def pointwise_modules(
     block: nn.Module, fn: Callable, args: tuple, kwargs: dict, *, is_compute: Callable
-) -> tuple:
-    """Qualified names (relative to ``block``) of the sub-modules the ``pointwise`` treatment recomputes
-    when ``fn(*args, **kwargs)`` runs ``block``'s forward (the rule: this module's docstring).
+) -> Pointwise:
+    """The sub-modules of ``block`` the ``pointwise`` treatment recomputes when ``fn(*args, **kwargs)``
+    runs its forward (the rule: this module's docstring).
 
     ``is_compute(op)`` tells a compute-heavy op (:func:`~lightning_memopt.checkpointing.apply.is_compute_op`).
-    Found on fake tensors; where the block does not run on them, none (the treatment then equals keep).
+    Found on fake tensors; where the block does not run on them, none (the treatment then drops only the
+    functional activations' outputs).
     """
     stack: list[_Seen] = []
     seen: dict[str, _Seen] = {}
@@ -128,7 +159,7 @@ def pointwise_modules(
         saved.add(key)
         kept.append(t)
         for s in stack:
-            s.saved_inside.add(key)
+            s.saved_inside[key] = t.numel() * t.element_size()
         for s in seen.values():
             if s not in stack and isinstance(s.output, torch.Tensor) and storage_key(s.output) == key:
                 s.output_saved = True
@@ -145,14 +176,24 @@ def pointwise_modules(
             _Watch(stack, is_compute),
         ):
             fn(*fargs, **fkwargs)
-    except Exception:  # a data-dependent op, an op fake tensors do not support: recompute nothing
-        return ()
+    except Exception:  # a data-dependent op, an op fake tensors do not support: no sub-module
+        return Pointwise()
     finally:
         for h in handles:
             h.remove()
     own = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
     chosen = [n for n, s in seen.items() if _qualifies(s, saved, own)]
-    return tuple(n for n in chosen if not any(n.startswith(c + ".") for c in chosen))
+    names = tuple(n for n in chosen if not any(n.startswith(c + ".") for c in chosen))
+    return Pointwise(names, tuple(n for n in names if not _holds_little(seen[n], own)))
+
+
+def _holds_little(s: _Seen, own: set) -> bool:
+    """Whether the module's own ops save, beyond its inputs and parameters, at most an eighth of its
+    output's bytes (a LayerNorm's mean and rstd; nothing for a GELU): then dropping its output alone
+    frees nearly what running it again with grad would."""
+    inputs = {storage_key(t) for t in s.inputs} | own
+    inside = sum(b for k, b in s.saved_inside.items() if k not in inputs)
+    return 8 * inside <= s.output.numel() * s.output.element_size()
 
 
 def _qualifies(s: _Seen, saved: set, own: set) -> bool:
@@ -263,19 +304,31 @@ class _Recompute(torch.autograd.Function):
         return (None, *inputs, *grads)
 
 
-def pointwise_forward(block: nn.Module, fn: Callable, args: tuple, kwargs: dict, names: tuple) -> object:
-    """``fn(*args, **kwargs)`` (``block``'s forward) with the sub-modules ``names`` recomputed in backward
-    (:func:`pointwise_modules`; how: this module's docstring)."""
+def pointwise_forward(block: nn.Module, fn: Callable, args: tuple, kwargs: dict, found: Pointwise) -> object:
+    """``fn(*args, **kwargs)`` (``block``'s forward) with the sub-modules ``found`` recomputed in backward
+    (:func:`pointwise_modules`), and the outputs of functional activations (how: this module's docstring)."""
     calls: list[_Call] = []
-    modules = [block.get_submodule(n) for n in names]
+    recipes: dict = {}  # storage key of a dropped output -> its _Recipe
+    held = {storage_key(t) for t in tensors((args, kwargs))}
     with contextlib.ExitStack() as stack:
-        for module in modules:
-            stack.enter_context(_routed(module, calls))
+        for name in found.names:
+            module = block.get_submodule(name)
+            if name in found.rerun:
+                stack.enter_context(_routed(module, calls))
+            else:
+                record = functools.partial(_record, recipes, _own_forward(module))
+                stack.callback(module.register_forward_hook(record, with_kwargs=True).remove)
+        try:
+            stack.enter_context(_DroppedSaves(recipes, held))
+        except RuntimeError:  # saved-tensor hooks disabled here: the rerun modules alone
+            pass
         out = fn(*args, **kwargs)
+    kept = {storage_key(t) for t in tensors(out)} | held
+    for key, recipe in recipes.items():
+        recipe.settle(keep=key in kept)
     nodes = list(dict.fromkeys(t.grad_fn for t in tensors(out) if t.grad_fn is not None))
     if not nodes:
         return out
-    kept = {storage_key(t) for t in tensors((out, args, kwargs))}
     freed = [c for c in calls if c.output is not None and storage_key(c.output) not in kept]
     for c in freed:
         c.release()
@@ -284,6 +337,131 @@ def pointwise_forward(block: nn.Module, fn: Callable, args: tuple, kwargs: dict,
         for node in nodes:  # the first node backward reaches refills all; after FSDP's pre-backward hooks
             node.register_prehook(refill)
     return out
+
+
+def _own_forward(module: nn.Module) -> Callable:
+    """The module's forward without its hooks: an instance ``forward`` where it has one, else its class's."""
+    own = module.__dict__.get("forward")
+    return own if own is not None else functools.partial(type(module).forward, module)
+
+
+class _Recipe:
+    """How to make a dropped output again: ``run(*args, **kwargs)`` on tensors autograd holds anyway.
+
+    Made once per output; every op that saved the output (or a view of it) holds a :class:`_Packed` of
+    it. The first to be unpacked in backward runs the recipe, the last lets the result go.
+    """
+
+    def __init__(
+        self, label: str, run: Callable, args: tuple, kwargs: dict, output: torch.Tensor, autocast
+    ) -> None:
+        self.label, self.run, self.args, self.kwargs, self.autocast = label, run, args, kwargs, autocast
+        self.inputs = tensors((args, kwargs))
+        self.versions = [t._version for t in self.inputs]
+        self.output: torch.Tensor | None = output  # until the forward ends (settle)
+        self.offset = output.storage_offset()
+        self.pending = 0  # packs not unpacked yet
+        self.made: torch.Tensor | None = None
+
+    def settle(self, keep: bool) -> None:
+        """At the end of the block's forward: an output the block passes on (or was given) stays held and
+        is never recomputed; any other goes (the packs alone held it)."""
+        if not keep:
+            self.output = None
+
+    def value(self) -> torch.Tensor:
+        if self.output is not None:
+            return self.output
+        made = self.made
+        if made is None:
+            if [t._version for t in self.inputs] != self.versions:
+                raise RuntimeError(
+                    f"an input of {self.label} was modified in place after its forward; the "
+                    "pointwise treatment cannot recompute it. Use 'selective' or 'full' for this block."
+                )
+            device, dtype, enabled = self.autocast
+            with torch.autocast(device, dtype=dtype, enabled=enabled):  # grad only under create_graph
+                made = self.run(*self.args, **self.kwargs)
+        self.pending -= 1
+        self.made = made if self.pending > 0 else None
+        return made
+
+
+class _Packed:
+    """What an op saved instead of a dropped output: the recipe and where its tensor lies in the output."""
+
+    __slots__ = ("recipe", "size", "stride", "offset")
+
+    def __init__(self, recipe: _Recipe, t: torch.Tensor) -> None:
+        recipe.pending += 1
+        self.recipe, self.size, self.stride = recipe, t.size(), t.stride()
+        self.offset = t.storage_offset() - recipe.offset
+
+    def unpack(self) -> torch.Tensor:
+        made = self.recipe.value()
+        return made.as_strided(self.size, self.stride, made.storage_offset() + self.offset)
+
+
+def _record(recipes: dict, run: Callable, module: nn.Module, args: tuple, kwargs: dict, out) -> None:
+    """Forward hook of a sub-module whose output alone is dropped: its recipe, found by the saving op."""
+    if isinstance(out, torch.Tensor) and torch.is_grad_enabled():
+        device = out.device.type
+        autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        recipes[storage_key(out)] = _Recipe(type(module).__name__, run, args, kwargs, out, autocast)
+
+
+# Functional activations whose backward keeps their input: (name, how to run it again from its node).
+_ACTIVATIONS: dict[str, tuple[str, Callable]] = {
+    "GeluBackward0": (
+        "gelu",
+        lambda node: functools.partial(
+            torch.ops.aten.gelu.default, approximate=saved_by(node, "approximate")
+        ),
+    ),
+    "SiluBackward0": ("silu", lambda node: torch.ops.aten.silu.default),
+}
+
+
+def _activation_recipe(t: torch.Tensor) -> _Recipe | None:
+    """A recipe for ``t`` where it is (a view of) the output of a functional activation, else None."""
+    base = view_base(t)
+    known = _ACTIVATIONS.get(type(base.grad_fn).__name__)
+    if known is None:
+        return None
+    label, make = known
+    source = saved_by(base.grad_fn, "self")
+    if storage_key(source) == storage_key(base):  # computed in place
+        return None
+    device = base.device.type  # the op ran on ``source`` as it is: no autocast around it again
+    return _Recipe(
+        label, make(base.grad_fn), (source,), {}, base, (device, torch.get_autocast_dtype(device), False)
+    )
+
+
+class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
+    """While the block's forward runs: an op that saves a dropped output (or a view of it) saves its
+    :class:`_Packed` instead; every other tensor goes to the hooks in effect below (a tracker's), so
+    that they see what they would under keep. Raises where saved-tensor hooks are disabled."""
+
+    def __init__(self, recipes: dict, held: set) -> None:
+        below = saved_tensors_hooks_below()
+        below_pack, below_unpack = below or (torch.Tensor.detach, None)
+
+        def pack(t: torch.Tensor):
+            key = storage_key(t)
+            recipe = recipes.get(key)
+            if recipe is None and key not in held:
+                recipe = _activation_recipe(t)
+                if recipe is not None:
+                    recipes[key] = recipe
+            return below_pack(t) if recipe is None else _Packed(recipe, t)
+
+        def unpack(packed):
+            if type(packed) is _Packed:
+                return packed.unpack()
+            return packed if below_unpack is None else below_unpack(packed)
+
+        super().__init__(pack, unpack)
 
 
 def _refill(calls: list[_Call], grad_outputs) -> None:
@@ -296,7 +474,7 @@ def _routed(module: nn.Module, calls: list[_Call]):
     """While entered, ``module``'s calls go through :class:`_Recompute` (an instance ``forward``, restored
     after: an instance ``forward`` the module had already is the one run)."""
     own = module.__dict__.get("forward")
-    run = own if own is not None else functools.partial(type(module).forward, module)
+    run = _own_forward(module)
 
     def forward(*args, **kwargs):
         call = _Call(module, run, args, kwargs)

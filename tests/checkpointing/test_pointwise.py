@@ -16,7 +16,7 @@ from lightning_memopt.checkpointing import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing.apply import _STATE, is_compute_op
-from lightning_memopt.checkpointing.pointwise import pointwise_modules
+from lightning_memopt.checkpointing.pointwise import Pointwise, pointwise_modules
 from tests.checkpointing.models import TinyGPT
 
 
@@ -58,7 +58,10 @@ class _Mixed(nn.Module):
 
 def test_pointwise_takes_the_outermost_deterministic_pointwise_modules_whose_output_is_saved():
     torch.manual_seed(0)
-    assert _found(_Mixed(), torch.randn(4, 8, requires_grad=True)) == ("ln", "act")
+    found = _found(_Mixed(), torch.randn(4, 8, requires_grad=True))
+    # Width 8: the LayerNorm's own mean and rstd are a quarter of its output's bytes, so it runs again with
+    # grad (they go too); the GELU saves only its input, so only its output goes.
+    assert found == Pointwise(("ln", "act"), rerun=("ln",))
 
 
 def test_pointwise_takes_nothing_where_the_dry_run_cannot_run():
@@ -71,7 +74,7 @@ def test_pointwise_takes_nothing_where_the_dry_run_cannot_run():
             return self.fc(self.ln(x)) * (x.nonzero().shape[0] > 0)  # fake tensors cannot size nonzero
 
     block, x = DataDependent(), torch.randn(4, 8, requires_grad=True)
-    assert _found(block, x) == ()
+    assert _found(block, x) == Pointwise() and not _found(block, x)
     ref = _grads(block, x)
     apply_checkpointing(block, {"": "pointwise"})
     got = _grads(block, x)
@@ -87,14 +90,15 @@ def test_pointwise_holds_exact_bytes_and_gradients_equal_on_the_tests_gpt():
     ref = _grads(model, idx)
     profiles = profile_blocks(model, blocks, idx)
     keep, pointwise = profiles[1].options["keep"], profiles[1].options["pointwise"]
-    # The block's two LayerNorms: their outputs (B,T,h fp32, saved by the next linear layer) and their
-    # mean and rstd (B,T fp32 each) go; their inputs are kept (the Function saves them, as LayerNorm did).
-    assert keep.internal_bytes - pointwise.internal_bytes == 2 * (B * T * h * 4 + 2 * B * T * 4)
+    # The block's two LayerNorms: their outputs (B,T,h fp32, saved by the next linear layer) go; their
+    # inputs, mean and rstd (B,T fp32 each, an eighth of the output at h=16) stay with their own backward.
+    # And the functional GELU's output (B,T,4h, saved by fc_proj): recomputed from its input.
+    assert keep.internal_bytes - pointwise.internal_bytes == 2 * B * T * h * 4 + B * T * 4 * h * 4
     assert pointwise.recompute_flops == 0 < pointwise.recompute_bytes
     # Predicted = measured bytes for plans with pointwise blocks: test_checkpointing.py's profile test.
     apply_checkpointing(model, dict.fromkeys((n for n, _ in blocks), "pointwise"))
     got = _grads(model, idx)
-    assert model.h[0].__dict__[_STATE].pointwise.popitem()[1] == ("ln_1", "ln_2")
+    assert model.h[0].__dict__[_STATE].pointwise.popitem()[1] == Pointwise(("ln_1", "ln_2"))
     assert all(torch.equal(got[n], ref[n]) for n in ref)
 
 
@@ -115,11 +119,15 @@ def test_pointwise_holds_what_selective_holds_on_vit_and_its_peak():
             peaks[choice] = meter.tracker.peak - start
         held[choice] = meter.total
     # Every tensor op-level selection drops in a ViT layer is the output or an intermediate of a norm or
-    # the GELU: recomputed as modules, the same bytes, and the same peak in backward.
-    assert held["pointwise"] == held["selective"] < held["keep"]
-    assert held == {"keep": 367392, "selective": 259680, "pointwise": 259680}
-    assert peaks["pointwise"] == peaks["selective"] < peaks["keep"]
-    names = model.vit.layers[0].__dict__[_STATE].pointwise.popitem()[1]
+    # the GELU. Recomputed as modules, the same bytes go but the norms' mean and rstd, which stay with
+    # their own backward (width 32: a sixteenth of the output): 3 layers x 2 norms x 2 x (4 images x 17
+    # tokens) fp32.
+    assert held["pointwise"] == held["selective"] + 3 * 2 * 2 * (4 * 17) * 4 < held["keep"]
+    assert held == {"keep": 367392, "selective": 259680, "pointwise": 262944}
+    # The step's peak is below selective's: each output is made again only when its reader's backward
+    # needs it, not the whole layer's at once.
+    assert peaks == {"keep": 402780, "selective": 330972, "pointwise": 328124}
+    names = model.vit.layers[0].__dict__[_STATE].pointwise.popitem()[1].names
     assert names == ("layernorm_before", "layernorm_after", "mlp.activation_fn")
 
 
@@ -183,4 +191,61 @@ def test_pointwise_refuses_an_input_changed_in_place_after_the_forward():
     apply_checkpointing(block, {"": "pointwise"})
     out = block(torch.randn(4, 8, requires_grad=True))
     with pytest.raises(RuntimeError, match="an input of LayerNorm was modified in place after its forward"):
+        out.sum().backward()
+
+
+class _SwiGLU(nn.Module):
+    """torchtitan's feed-forward: ``w2(silu(w1(x)) * w3(x))``, the activation called as a function."""
+
+    def __init__(self, h: int = 16, hidden: int = 48) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.w1, self.w2, self.w3 = nn.Linear(h, hidden), nn.Linear(hidden, h), nn.Linear(h, hidden)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(y)) * self.w3(y))
+
+
+def _held(block, x) -> int:
+    with ActivationMeter(block, [("", block)]) as meter:
+        block(x).sum()
+    return meter.total
+
+
+def test_pointwise_recomputes_functional_activations_from_the_input_their_backward_keeps():
+    torch.manual_seed(0)
+    B, T, h, hidden = 2, 8, 16, 48
+    block, x = _SwiGLU(h, hidden).double(), torch.randn(B, T, h, dtype=torch.float64, requires_grad=True)
+    plain = copy.deepcopy(block)
+    apply_checkpointing(block, {"": "pointwise"})
+    # The LayerNorm's output (B,T,h float64, saved by w1 and w3: once) and silu's output (B,T,hidden,
+    # saved by the product) go; silu's input stays, its own backward saves it.
+    assert _held(plain, x) - _held(block, x) == B * T * h * 8 + B * T * hidden * 8
+    loss, ref_loss = block(x).square().sum(), plain(x).square().sum()
+    got = torch.autograd.grad(loss, [x, *block.parameters()], create_graph=True)
+    ref = torch.autograd.grad(ref_loss, [x, *plain.parameters()], create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    # Second order (a gradient penalty): recomputed with grad under create_graph, differentiated through.
+    second = torch.autograd.grad(got[0].square().sum(), list(block.parameters()))
+    ref_second = torch.autograd.grad(ref[0].square().sum(), list(plain.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(second, ref_second))
+
+
+def test_pointwise_refuses_a_functional_activations_input_changed_in_place():
+    class Mutating(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            y = self.out(torch.nn.functional.gelu(h))
+            h.mul_(2)  # under keep, gelu's saved input fails autograd's version check in backward
+            return y
+
+    block = Mutating()
+    apply_checkpointing(block, {"": "pointwise"})
+    out = block(torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(RuntimeError, match="an input of gelu was modified in place after its forward"):
         out.sum().backward()
