@@ -43,7 +43,8 @@ on the same values):
   tensors' version counters do not move), and its graph serves the module's own backward.
 
 An input changed in place after the forward (which keep's version check would refuse in backward) is
-refused by both, naming the module. The treatment holds what ``selective`` holds where the block's dropped
+refused by both, naming the module; an output changed in place before an op saves it is saved as it is
+(it is no longer what the module made). The treatment holds what ``selective`` holds where the block's dropped
 tensors are all such outputs, plus the small tensors the output-only modules' own backward keeps, and
 more where ``selective`` also drops other functional pointwise results (a residual sum, a reshaped copy):
 the profile measures both, and the planner pays ``selective``'s dispatch only where it buys memory.
@@ -359,7 +360,7 @@ class _Recipe:
         self.inputs = tensors((args, kwargs))
         self.versions = [t._version for t in self.inputs]
         self.output: torch.Tensor | None = output  # until the forward ends (settle)
-        self.offset = output.storage_offset()
+        self.offset, self.version = output.storage_offset(), output._version
         self.pending = 0  # packs not unpacked yet
         self.made: torch.Tensor | None = None
 
@@ -426,7 +427,7 @@ def _activation_recipe(t: torch.Tensor) -> _Recipe | None:
     """A recipe for ``t`` where it is (a view of) the output of a functional activation, else None."""
     base = view_base(t)
     known = _ACTIVATIONS.get(type(base.grad_fn).__name__)
-    if known is None:
+    if known is None or base._version != 0:  # changed in place since the op made it (under no_grad)
         return None
     label, make = known
     source = saved_by(base.grad_fn, "self")
@@ -454,7 +455,9 @@ class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
                 recipe = _activation_recipe(t)
                 if recipe is not None:
                     recipes[key] = recipe
-            return below_pack(t) if recipe is None else _Packed(recipe, t)
+            if recipe is None or t._version != recipe.version:  # changed in place since: not the recipe's
+                return below_pack(t)
+            return _Packed(recipe, t)
 
         def unpack(packed):
             if type(packed) is _Packed:
