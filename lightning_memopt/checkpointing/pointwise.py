@@ -330,7 +330,11 @@ def pointwise_forward(block: nn.Module, fn: Callable, args: tuple, kwargs: dict,
     nodes = list(dict.fromkeys(t.grad_fn for t in tensors(out) if t.grad_fn is not None))
     if not nodes:
         return out
-    freed = [c for c in calls if c.output is not None and storage_key(c.output) not in kept]
+    freed = [  # not one changed in place since its module made it: the rerun would not remake that
+        c
+        for c in calls
+        if c.output is not None and c.output._version == 0 and storage_key(c.output) not in kept
+    ]
     for c in freed:
         c.release()
     if freed:
