@@ -1,0 +1,108 @@
+"""Is the ``pointwise`` treatment exact on transformers architectures this project did not write? A sweep.
+
+Run from the repository root (a few minutes on 2 CPU cores; never run by the test suite)::
+
+    PYTHONPATH=. python benchmarks/pointwise_zoo.py                  # every architecture of the zoo
+    PYTHONPATH=. python benchmarks/pointwise_zoo.py --only gpt2 llama
+
+The rows are the architectures of :mod:`benchmarks.micro_batching_zoo` (Hugging Face classes built from
+tiny configs in code, float64, dropout off), each run one forward and backward on its task's batch of 8
+(``model(**batch).loss``): once as built, once with ``pointwise`` on every block ``find_blocks`` finds.
+Each row is one of:
+
+- ``exact``: every parameter's gradient equals the plain run's within 1e-12 of the largest gradient (the
+  same ops on the same values; what is left is the order autograd sums a parameter's gradients in), and
+  the blocks hold no more activation bytes than under keep (``ActivationMeter``);
+- ``DIFFERENT``: a gradient differs beyond that, or the blocks hold more (never allowed);
+- ``crash``: the run under ``pointwise`` raised (the plain run trained);
+- ``skipped``: the model cannot be built or run as built, or has no blocks.
+
+The ``dropped`` column is the blocks' activation bytes under ``pointwise`` over keep's; ``recomputed``
+(in the detail) names the sub-modules the dry runs chose in any block (``rerun``: run again with grad);
+the functional ``gelu``/``silu`` outputs dropped besides are not listed. It prints a Markdown table and the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+import torch
+
+from benchmarks.micro_batching_zoo import ARCHS, TASKS, Arch
+from lightning_memopt.checkpointing import ActivationMeter, apply_checkpointing, find_blocks
+from lightning_memopt.checkpointing.apply import _STATE
+
+BATCH = 8
+BAR = 1e-12
+
+
+def _step(model: torch.nn.Module, batch: dict, blocks: list) -> tuple[dict, int]:
+    """Gradients by parameter name, and the blocks' activation bytes, of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    with ActivationMeter(model, blocks) as meter:
+        loss = model(**batch).loss
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, meter.total
+
+
+def _recomputed(blocks: list) -> str:
+    """The sub-modules the dry runs chose, over all blocks (block prefixes left out)."""
+    names: dict[str, bool] = {}
+    for _, block in blocks:
+        for found in block.__dict__[_STATE].pointwise.values():
+            names.update((n, n in found.rerun) for n in found.names)
+    return ", ".join(f"{n} (rerun)" if rerun else n for n, rerun in names.items()) or "no sub-module"
+
+
+def sweep_one(arch: Arch) -> tuple[str, str, str]:
+    """(outcome, dropped, detail) for one architecture."""
+    batch = TASKS[arch.task][1](BATCH) if arch.batch is None else arch.batch(BATCH)
+    try:
+        model = arch.build().train()
+        blocks = find_blocks(model)
+        if not blocks:
+            return "skipped", "", "no blocks found"
+        reference, kept = _step(model, batch, blocks)
+    except Exception as error:  # noqa: BLE001 - the row says why
+        return "skipped", "", f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"
+    try:
+        apply_checkpointing(model, {name: "pointwise" for name, _ in blocks})
+        grads, held = _step(model, batch, blocks)
+    except Exception as error:  # noqa: BLE001
+        return "crash", "", f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"
+    dropped = f"{1 - held / kept:.0%}" if kept else "-"
+    if grads.keys() != reference.keys():
+        return (
+            "DIFFERENT",
+            dropped,
+            f"gradients of other parameters: {sorted(grads.keys() ^ reference.keys())[:3]}",
+        )
+    largest = max(float(g.abs().max()) for g in reference.values()) or 1.0
+    gap = max(float((grads[n] - g).abs().max()) for n, g in reference.items()) / largest
+    if gap > BAR or held > kept:
+        return "DIFFERENT", dropped, f"gradient gap {gap:.2g}, held {held} of keep's {kept} bytes"
+    return "exact", dropped, f"{gap:.1e}; {_recomputed(blocks)}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, int]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="architecture names (the zoo's rows)")
+    args = parser.parse_args(argv)
+    archs = [a for a in ARCHS if not args.only or a.name in args.only]
+    totals: dict[str, int] = {}
+    print("| architecture | task | outcome | dropped | detail |\n|---|---|---|---|---|")
+    for arch in archs:
+        print(arch.name, file=sys.stderr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outcome, dropped, detail = sweep_one(arch)
+        totals[outcome] = totals.get(outcome, 0) + 1
+        print(f"| {arch.name} | {arch.task} | {outcome} | {dropped} | {detail} |", flush=True)
+    print("\n" + ", ".join(f"{k}: {v}" for k, v in sorted(totals.items())))
+    return totals
+
+
+if __name__ == "__main__":
+    main()
