@@ -48,6 +48,14 @@ BENCHMARKS = [
         ["--sizes", "2"],
         900,
     ),
+    # pointwise_zoo.py: the same architectures, pointwise on every block against the plain run (~5 minutes).
+    (
+        "pointwise_zoo.py",
+        "The pointwise treatment's exactness on transformers architectures (tiny configs, float64)",
+        [],
+        ["--only", "gpt2", "llama", "t5", "vit"],
+        900,
+    ),
     ("memory_monitor.py", "MemoryMonitor: what it reports and what measuring costs", [], [], 90),
     ("batchnorm_swap.py", "BatchNorm -> GroupNorm swap", [], [], 60),
     ("distributed_oom.py", "Out of memory on one of two ranks (DDP, FSDP2)", [], [], 300),
