@@ -17,7 +17,8 @@ Which sub-modules (found once per input signature, by one dry run on fake tensor
 - are called once, and return one floating-point tensor of their own (not a view of an input) that
   their own ops do not save (a softmax's output is; a norm's or GELU's is not);
 - whose output a later op outside them saves for backward (else there is nothing to drop), and whose
-  inputs autograd holds anyway (else keeping them to recompute from would cost what is saved).
+  inputs autograd holds anyway, or cost fewer bytes to keep than what goes (a bf16 input that an RMSNorm
+  casts to float32 first: the float32 copy, the normalized tensor and the output go).
 
 And, without a dry run, every output of ``gelu`` or ``silu`` that an op of the block saves: their own
 backward keeps their input (read from the autograd node, ``_compat.saved_by``).
@@ -188,13 +189,21 @@ def pointwise_modules(
     return Pointwise(names, tuple(n for n in names if not _holds_little(seen[n], own)))
 
 
-def _holds_little(s: _Seen, own: set) -> bool:
-    """Whether the module's own ops save, beyond its inputs and parameters, at most an eighth of its
-    output's bytes (a LayerNorm's mean and rstd; nothing for a GELU): then dropping its output alone
-    frees nearly what running it again with grad would."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _inside(s: _Seen, own: set) -> int:
+    """Bytes the module's own ops save beyond its inputs and the block's parameters."""
     inputs = {storage_key(t) for t in s.inputs} | own
-    inside = sum(b for k, b in s.saved_inside.items() if k not in inputs)
-    return 8 * inside <= s.output.numel() * s.output.element_size()
+    return sum(b for k, b in s.saved_inside.items() if k not in inputs)
+
+
+def _holds_little(s: _Seen, own: set) -> bool:
+    """Whether the module's own ops save at most an eighth of its output's bytes (a LayerNorm's mean and
+    rstd; nothing for a GELU): then dropping its output alone frees nearly what running it again with grad
+    would."""
+    return 8 * _inside(s, own) <= _nbytes(s.output)
 
 
 def _qualifies(s: _Seen, saved: set, own: set) -> bool:
@@ -202,14 +211,19 @@ def _qualifies(s: _Seen, saved: set, own: set) -> bool:
     if s.calls != 1 or not s.pure or not isinstance(out, torch.Tensor) or not out.is_floating_point():
         return False
     key = storage_key(out)
-    inputs = {storage_key(t) for t in s.inputs}
+    inputs = {storage_key(t): _nbytes(t) for t in s.inputs}
+    # Recomputing keeps the inputs: where autograd would not hold one anyway (a bf16 input that an RMSNorm
+    # casts to float32 first), it must cost less than what goes: the output, and the module's own
+    # intermediates where it runs again with grad.
+    newly_held = sum(b for k, b in inputs.items() if k not in saved and k not in own)
+    dropped = _nbytes(out) + (0 if _holds_little(s, own) else _inside(s, own))
     return (
         s.output_saved
         and key in s.created
         and key not in s.saved_inside  # its recomputed output is only copied back, then dropped
         and key not in inputs
         and key not in own
-        and all(k in saved for k in inputs if k not in own)
+        and dropped > newly_held
     )
 
 

@@ -275,3 +275,40 @@ def test_pointwise_keeps_an_output_changed_in_place_after_its_module():
     assert got.keys() == ref.keys()
     for n in ref:  # float64: equal but for the order autograd sums fc's two gradients in (2e-16)
         torch.testing.assert_close(got[n], ref[n], rtol=0, atol=1e-15)
+
+
+class _CastingRMSNorm(nn.Module):
+    """Llama's RMSNorm as transformers writes it for bf16 weights: normalized in float32, then cast back."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+def test_pointwise_takes_a_norm_whose_input_only_it_would_hold_where_that_costs_less_than_what_goes():
+    class Block(nn.Module):
+        def __init__(self, h: int = 32) -> None:
+            super().__init__()
+            self.fc, self.norm, self.out = nn.Linear(h, h), _CastingRMSNorm(h), nn.Linear(h, h)
+
+        def forward(self, x):
+            return x + self.out(self.norm(self.fc(x)))
+
+    torch.manual_seed(0)
+    B, T, h = 4, 8, 32
+    block = Block(h).to(torch.bfloat16)
+    x = torch.randn(B, T, h, dtype=torch.bfloat16, requires_grad=True)
+    plain = copy.deepcopy(block)
+    # Nothing else holds fc's bf16 output (the norm saves only its float32 copy), so keeping it costs
+    # B*T*h*2 bytes; what goes: the float32 copy (saved by pow and the product), the bf16 normalized
+    # tensor (saved by the product with the weight), the output (saved by `out`), and rsqrt's B*T float32.
+    assert _found(block, x) == Pointwise(("norm",), rerun=("norm",))
+    apply_checkpointing(block, {"": "pointwise"})
+    assert _held(plain, x) - _held(block, x) == B * T * h * (4 + 2 + 2) + B * T * 4 - B * T * h * 2
+    ref, got = _grads(plain, x), _grads(block, x)
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
