@@ -17,14 +17,15 @@ __all__ = [
     "BatchNormBase",
     "fsdp_module_type",
     "in_backward",
+    "is_dtensor",
     "queue_backward_callback",
-    "saved_tensors_hooks_below",
     "reset_fsdp_iteration",
+    "saved_by",
+    "saved_tensors_hooks_below",
     "tree_flatten",
     "tree_unflatten",
     "untracked",
     "view_base",
-    "saved_by",
 ]
 
 #: The base of BatchNorm1d/2d/3d, SyncBatchNorm and the lazy BatchNorm classes (private, stable since 1.0).
