@@ -185,6 +185,13 @@ def pointwise_modules(
             h.remove()
     own = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
     chosen = [n for n, s in seen.items() if _qualifies(s, saved, own)]
+    # A module whose input only it would hold gives way to its own parts that qualify: they recompute
+    # from what autograd holds anyway (FNet's output block: its LayerNorm alone, not the sum before it).
+    chosen = [
+        n
+        for n in chosen
+        if not (_newly_held(seen[n], saved, own) and any(c.startswith(n + ".") for c in chosen))
+    ]
     names = tuple(n for n in chosen if not any(n.startswith(c + ".") for c in chosen))
     return Pointwise(names, tuple(n for n in names if not _holds_little(seen[n], own)))
 
@@ -211,20 +218,24 @@ def _qualifies(s: _Seen, saved: set, own: set) -> bool:
     if s.calls != 1 or not s.pure or not isinstance(out, torch.Tensor) or not out.is_floating_point():
         return False
     key = storage_key(out)
-    inputs = {storage_key(t): _nbytes(t) for t in s.inputs}
     # Recomputing keeps the inputs: where autograd would not hold one anyway (a bf16 input that an RMSNorm
     # casts to float32 first), it must cost less than what goes: the output, and the module's own
     # intermediates where it runs again with grad.
-    newly_held = sum(b for k, b in inputs.items() if k not in saved and k not in own)
     dropped = _nbytes(out) + (0 if _holds_little(s, own) else _inside(s, own))
     return (
         s.output_saved
         and key in s.created
         and key not in s.saved_inside  # its recomputed output is only copied back, then dropped
-        and key not in inputs
+        and key not in {storage_key(t) for t in s.inputs}
         and key not in own
-        and dropped > newly_held
+        and dropped > _newly_held(s, saved, own)
     )
+
+
+def _newly_held(s: _Seen, saved: set, own: set) -> int:
+    """Bytes of the module's inputs that autograd would not hold but recomputing it keeps."""
+    inputs = {storage_key(t): _nbytes(t) for t in s.inputs}
+    return sum(b for k, b in inputs.items() if k not in saved and k not in own)
 
 
 class _Call:

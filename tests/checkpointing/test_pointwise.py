@@ -312,3 +312,30 @@ def test_pointwise_takes_a_norm_whose_input_only_it_would_hold_where_that_costs_
     assert _held(plain, x) - _held(block, x) == B * T * h * (4 + 2 + 2) + B * T * 4 - B * T * h * 2
     ref, got = _grads(plain, x), _grads(block, x)
     assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_pointwise_prefers_the_parts_of_a_module_whose_input_only_it_would_hold():
+    class AddNorm(nn.Module):  # FNet's output block: LayerNorm(input + sublayer output)
+        def __init__(self, h: int) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(h)
+
+        def forward(self, x, h):
+            return self.ln(x + h)
+
+    class Block(nn.Module):
+        def __init__(self, h: int = 32) -> None:
+            super().__init__()
+            self.fc, self.add_norm, self.out = nn.Linear(h, h), AddNorm(h), nn.Linear(h, h)
+
+        def forward(self, x):
+            return self.out(self.add_norm(x, self.fc(x)))
+
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 8, 32, requires_grad=True)
+    # add_norm would qualify too (its output and the sum its LayerNorm saves go, fc's output stays), but
+    # its LayerNorm recomputes from the sum autograd holds anyway: the part is taken, keeping nothing new.
+    assert _found(block, x) == Pointwise(("add_norm.ln",))
+    ref = _grads(block, x)
+    apply_checkpointing(block, {"": "pointwise"})
+    assert all(torch.equal(g, ref[n]) for n, g in _grads(block, x).items())
