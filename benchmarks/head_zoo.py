@@ -27,13 +27,11 @@ table and the totals.
 from __future__ import annotations
 
 import argparse
-import sys
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.micro_batching_zoo import ARCHS, Arch
+from benchmarks.micro_batching_zoo import ARCHS, Arch, sweep_table
 from lightning_memopt.head.causal_lm import output_head, take_over_heads
 from tests.zoo.models import causal_lm_batch
 
@@ -117,17 +115,12 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     parser.add_argument("--only", nargs="*", help="architecture names (the zoo's rows)")
     args = parser.parse_args(argv)
     archs = [a for a in ARCHS if a.task == "causal_lm" and (not args.only or a.name in args.only)]
-    totals: dict[str, int] = {}
-    print("| architecture | class | outcome | detail |\n|---|---|---|---|")
-    for arch in archs:
-        print(arch.name, file=sys.stderr)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            outcome, detail = sweep_one(arch)
-        totals[outcome] = totals.get(outcome, 0) + 1
-        print(f"| {arch.name} | {arch.model_class().__name__} | {outcome} | {detail} |", flush=True)
-    print("\n" + ", ".join(f"{k}: {v}" for k, v in sorted(totals.items())))
-    return totals
+
+    def row(arch: Arch) -> tuple[str, list[str]]:
+        outcome, detail = sweep_one(arch)
+        return outcome, [arch.model_class().__name__, outcome, detail]
+
+    return sweep_table(archs, row, ["class", "outcome", "detail"])
 
 
 if __name__ == "__main__":

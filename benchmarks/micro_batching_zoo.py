@@ -863,6 +863,24 @@ def totals(results: list[Result], sizes: list[int]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(archs: list[Arch], one: Callable[[Arch], tuple[str, list[str]]], columns: list[str]) -> dict:
+    """Print a Markdown table, a row per architecture (``one(arch)``: its outcome, and the row's cells
+    after the name, under ``columns``), then the totals by outcome; progress goes to stderr. The sweeps
+    of single treatments over these architectures (head_zoo.py, pointwise_zoo.py) print with it.
+    Returns the totals."""
+    totals: dict[str, int] = {}
+    print(f"| architecture | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
+    for arch in archs:
+        print(arch.name, file=sys.stderr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outcome, cells = one(arch)
+        totals[outcome] = totals.get(outcome, 0) + 1
+        print(f"| {arch.name} | {' | '.join(cells)} |", flush=True)
+    print("\n" + ", ".join(f"{k}: {v}" for k, v in sorted(totals.items())))
+    return totals
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--limit", type=int, help="only the first N architectures")

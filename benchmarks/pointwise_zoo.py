@@ -26,12 +26,10 @@ the functional ``gelu``/``silu`` outputs dropped besides are not listed. It prin
 from __future__ import annotations
 
 import argparse
-import sys
-import warnings
 
 import torch
 
-from benchmarks.micro_batching_zoo import ARCHS, TASKS, Arch
+from benchmarks.micro_batching_zoo import ARCHS, TASKS, Arch, sweep_table
 from lightning_memopt.checkpointing import ActivationMeter, apply_checkpointing, find_blocks
 from lightning_memopt.checkpointing.apply import _STATE
 
@@ -95,17 +93,12 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     parser.add_argument("--only", nargs="*", help="architecture names (the zoo's rows)")
     args = parser.parse_args(argv)
     archs = [a for a in ARCHS if not args.only or a.name in args.only]
-    totals: dict[str, int] = {}
-    print("| architecture | task | outcome | dropped | detail |\n|---|---|---|---|---|")
-    for arch in archs:
-        print(arch.name, file=sys.stderr)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            outcome, dropped, detail = sweep_one(arch)
-        totals[outcome] = totals.get(outcome, 0) + 1
-        print(f"| {arch.name} | {arch.task} | {outcome} | {dropped} | {detail} |", flush=True)
-    print("\n" + ", ".join(f"{k}: {v}" for k, v in sorted(totals.items())))
-    return totals
+
+    def row(arch: Arch) -> tuple[str, list[str]]:
+        outcome, dropped, detail = sweep_one(arch)
+        return outcome, [arch.task, outcome, dropped, detail]
+
+    return sweep_table(archs, row, ["task", "outcome", "dropped", "detail"])
 
 
 if __name__ == "__main__":
