@@ -468,14 +468,34 @@ def _activation_recipe(t: torch.Tensor) -> _Recipe | None:
     )
 
 
+class _Held:
+    """A tensor saved as it is, where no hooks are below: autograd checks no version of a tensor that
+    saved-tensor hooks packed, so this does, as autograd would without them (a tensor changed in place
+    after an op saved it fails backward, as under keep, instead of giving another gradient)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t.detach(), t._version  # detached: no cycle through an op's own output
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{self.tensor.dtype} {list(self.tensor.shape)}] is at version "
+                f"{self.tensor._version}; expected version {self.version} instead (a tensor saved in a "
+                "block under the pointwise treatment)"
+            )
+        return self.tensor
+
+
 class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
     """While the block's forward runs: an op that saves a dropped output (or a view of it) saves its
     :class:`_Packed` instead; every other tensor goes to the hooks in effect below (a tracker's), so
     that they see what they would under keep. Raises where saved-tensor hooks are disabled."""
 
     def __init__(self, recipes: dict, held: set) -> None:
-        below = saved_tensors_hooks_below()
-        below_pack, below_unpack = below or (torch.Tensor.detach, None)
+        below_pack, below_unpack = saved_tensors_hooks_below() or (_Held, None)
 
         def pack(t: torch.Tensor):
             key = storage_key(t)
@@ -491,7 +511,7 @@ class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
         def unpack(packed):
             if type(packed) is _Packed:
                 return packed.unpack()
-            return packed if below_unpack is None else below_unpack(packed)
+            return packed.unpack() if below_unpack is None else below_unpack(packed)
 
         super().__init__(pack, unpack)
 

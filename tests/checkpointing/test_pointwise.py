@@ -339,3 +339,25 @@ def test_pointwise_prefers_the_parts_of_a_module_whose_input_only_it_would_hold(
     ref = _grads(block, x)
     apply_checkpointing(block, {"": "pointwise"})
     assert all(torch.equal(g, ref[n]) for n, g in _grads(block, x).items())
+
+
+def test_pointwise_fails_backward_where_keep_does_on_a_saved_tensor_changed_in_place():
+    class Changing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = self.fc(self.ln(x)).sigmoid()  # sigmoid saves its output
+            out = y * 2
+            with torch.no_grad():
+                y.add_(1)  # under keep, sigmoid's saved output fails autograd's version check
+            return out
+
+    block, x = Changing(), torch.randn(4, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        block(x).sum().backward()
+    apply_checkpointing(block, {"": "pointwise"})
+    assert _found(block, x) == Pointwise(("ln",))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: .* expected version 0"):
+        block(x).sum().backward()
