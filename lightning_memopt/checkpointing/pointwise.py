@@ -161,7 +161,7 @@ def pointwise_modules(
         saved.add(key)
         kept.append(t)
         for s in stack:
-            s.saved_inside[key] = t.numel() * t.element_size()
+            s.saved_inside[key] = _nbytes(t)
         for s in seen.values():
             if s not in stack and isinstance(s.output, torch.Tensor) and storage_key(s.output) == key:
                 s.output_saved = True
@@ -238,6 +238,21 @@ def _newly_held(s: _Seen, saved: set, own: set) -> int:
     return sum(b for k, b in inputs.items() if k not in saved and k not in own)
 
 
+def _autocast_state(device: str) -> tuple[str, torch.dtype, bool]:
+    """The autocast state a module ran under on ``device``, to run it again under the same."""
+    return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
+
+
+def _check_unchanged(label: str, inputs: list[torch.Tensor], versions: list[int]) -> None:
+    """Refuse to recompute from inputs changed in place since the forward (keep's version check would
+    refuse them in backward too)."""
+    if [t._version for t in inputs] != versions:
+        raise RuntimeError(
+            f"an input of {label} was modified in place after its forward; the pointwise treatment "
+            "cannot recompute it. Use 'selective' or 'full' for this block."
+        )
+
+
 class _Call:
     """One call of a pointwise sub-module: how to run it again, and its output while the storage is freed.
 
@@ -253,8 +268,7 @@ class _Call:
         self.leaves = [None if i in self.slots else v for i, v in enumerate(leaves)]  # the other arguments
         self.versions = [t._version for t in self.inputs]
         self.params = [p for p in module.parameters() if p.requires_grad]
-        device = self.inputs[0].device.type if self.inputs else "cpu"
-        self.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        self.autocast = _autocast_state(self.inputs[0].device.type if self.inputs else "cpu")
         self.output: torch.Tensor | None = None
         self.nbytes = 0
         self.again: tuple | None = None  # the rerun (inputs, output, parameters), for backward
@@ -289,11 +303,7 @@ class _Call:
         """Run the module again and write its output back into the freed storage (before its readers)."""
         if self.nbytes == 0:
             return
-        if [t._version for t in self.inputs] != self.versions:
-            raise RuntimeError(
-                f"an input of {type(self.module).__name__} was modified in place after its forward; the "
-                "pointwise treatment cannot recompute it. Use 'selective' or 'full' for this block."
-            )
+        _check_unchanged(type(self.module).__name__, self.inputs, self.versions)
         self.again = self.rerun(self.inputs)
         again, out, storage = self.again[1], self.output, self.output.untyped_storage()
         storage.resize_(self.nbytes)
@@ -404,11 +414,7 @@ class _Recipe:
             return self.output
         made = self.made
         if made is None:
-            if [t._version for t in self.inputs] != self.versions:
-                raise RuntimeError(
-                    f"an input of {self.label} was modified in place after its forward; the "
-                    "pointwise treatment cannot recompute it. Use 'selective' or 'full' for this block."
-                )
+            _check_unchanged(self.label, self.inputs, self.versions)
             device, dtype, enabled = self.autocast
             with torch.autocast(device, dtype=dtype, enabled=enabled):  # grad only under create_graph
                 made = self.run(*self.args, **self.kwargs)
@@ -435,8 +441,7 @@ class _Packed:
 def _record(recipes: dict, run: Callable, module: nn.Module, args: tuple, kwargs: dict, out) -> None:
     """Forward hook of a sub-module whose output alone is dropped: its recipe, found by the saving op."""
     if isinstance(out, torch.Tensor) and torch.is_grad_enabled():
-        device = out.device.type
-        autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        autocast = _autocast_state(out.device.type)
         recipes[storage_key(out)] = _Recipe(type(module).__name__, run, args, kwargs, out, autocast)
 
 
