@@ -1,4 +1,5 @@
-"""The private torch APIs the package relies on, each behind one guard (verified on torch 2.13).
+"""The private torch APIs the package relies on, each behind one guard (verified on torch 2.13; the CUDA
+benchmarks ran on torch 2.11).
 
 Every use of a torch name that starts with an underscore goes through this module, so a torch upgrade
 that moves one breaks here, in one place, with a clear error, instead of in the middle of a step.
@@ -22,6 +23,7 @@ __all__ = [
     "reset_fsdp_iteration",
     "saved_by",
     "saved_tensors_hooks_below",
+    "selective_checkpoint_contexts",
     "tree_flatten",
     "tree_unflatten",
     "untracked",
@@ -100,3 +102,60 @@ def view_base(t: torch.Tensor) -> torch.Tensor:
 def saved_by(node: Any, name: str) -> Any:
     """What the autograd ``node`` saved for backward as ``name`` (``self``, ``approximate``, ...)."""
     return getattr(node, f"_saved_{name}")  # private; present on torch 2.x
+
+
+def _policy_sees_output() -> bool:
+    import inspect
+
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+SAC_POLICY_SEES_OUTPUT = _policy_sees_output()
+"""Whether torch hands selective checkpointing's policy the op's output (``ctx.op_output``, torch >= 2.12);
+before, the policy runs before the op."""
+
+
+def selective_checkpoint_contexts(policy: Callable, on_cached: Callable[[torch.Tensor], None]) -> tuple:
+    """torch's selective-checkpoint contexts for ``policy``, calling ``on_cached(t)`` once for every tensor
+    the forward caches (the outputs ``policy`` saves).
+
+    Where the policy sees each op's output (:data:`SAC_POLICY_SEES_OUTPUT`) it is called there, at the op;
+    elsewhere when the forward's context exits, from the tensors it stored (private: its ``storage``, one
+    entry per op of ``_VersionWrapper`` holding ``val``; present on torch 2.4 to 2.13).
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    if not SAC_POLICY_SEES_OUTPUT:
+        forward, recompute = create_selective_checkpoint_contexts(policy)
+        return _NotifyCachedOnExit(forward, on_cached), recompute
+
+    def seeing(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        if not ctx.is_recompute and decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            for t in tree_flatten(ctx.op_output)[0]:
+                if isinstance(t, torch.Tensor):
+                    on_cached(t)
+        return decision
+
+    return create_selective_checkpoint_contexts(seeing)
+
+
+class _NotifyCachedOnExit:
+    """A selective checkpoint's forward context that reports the tensors it cached as it exits."""
+
+    def __init__(self, mode: Any, on_cached: Callable[[torch.Tensor], None]) -> None:
+        self.mode, self.on_cached = mode, on_cached
+
+    def __enter__(self) -> Any:
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        suppressed = self.mode.__exit__(*exc)
+        for entries in self.mode.storage.values():  # private, see selective_checkpoint_contexts
+            for entry in entries.values() if isinstance(entries, dict) else entries:
+                for leaf in tree_flatten(entry)[0]:
+                    if isinstance(getattr(leaf, "val", None), torch.Tensor):
+                        self.on_cached(leaf.val)
+        return suppressed

@@ -42,9 +42,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
+from lightning_memopt._compat import selective_checkpoint_contexts
 from lightning_memopt.checkpointing._inputs import storage_key as _storage_key
 from lightning_memopt.checkpointing._inputs import tensors as _tensors
 from lightning_memopt.checkpointing.dry_run import fake_call
@@ -131,12 +132,9 @@ def _selective_contexts(cache: _CachePolicy):
         seen[ctx.is_recompute] += 1
         if (cache.limit is not None and index >= cache.limit) or index in cache.mutated:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if not ctx.is_recompute:
-            for t in _tensors(ctx.op_output):
-                _notify("cached", t)
         return CheckpointPolicy.MUST_SAVE
 
-    return create_selective_checkpoint_contexts(policy)
+    return selective_checkpoint_contexts(policy, functools.partial(_notify, "cached"))
 
 
 class _CountOps(TorchDispatchMode):
