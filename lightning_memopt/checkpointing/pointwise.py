@@ -16,7 +16,9 @@ Which sub-modules (found once per input signature, by one dry run on fake tensor
   cheap and gives the same values;
 - are called once, and return one floating-point tensor of their own (not a view of an input) that
   their own ops do not save (a softmax's output is; a norm's or GELU's is not);
-- whose output a later op outside them saves for backward (else there is nothing to drop), and whose
+- whose output a later op outside them saves for backward, as it is or cast (under autocast a float32
+  LayerNorm output reaches the next linear layer as a bf16 copy, which the linear saves: the copy goes,
+  made again in backward by the module and the same cast); else there is nothing to drop; and whose
   inputs autograd holds anyway, or cost fewer bytes to keep than what goes (a bf16 input that an RMSNorm
   casts to float32 first: the float32 copy, the normalized tensor and the output go).
 
@@ -80,8 +82,9 @@ class _Seen:
     created: set = field(default_factory=set)
     inputs: list = field(default_factory=list)
     output: object = None
-    output_saved: bool = False
-    """Whether an op outside the module saved its output for backward."""
+    saved_copies: dict = field(default_factory=dict)
+    """Storages, with their bytes, that ops outside the module saved for backward and that are its output
+    or a cast of it (autocast's bf16 copy of a LayerNorm's float32 output for the next linear layer)."""
     saved_inside: dict = field(default_factory=dict)
     """Storages the module's own ops saved for backward, with their bytes."""
 
@@ -93,6 +96,7 @@ class _Watch(TorchDispatchMode):
         super().__init__()
         self.stack, self.is_compute = stack, is_compute
         self.keep: list = []  # every op's output stays referenced: a freed storage's key could be reused
+        self.casts: dict = {}  # storage of a dtype cast's result -> storage of what it cast
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -107,6 +111,8 @@ class _Watch(TorchDispatchMode):
             ]
         out = func(*args, **kwargs)
         self.keep.append(out)
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
+            self.casts[storage_key(out)] = storage_key(args[0])
         impure = self.is_compute(func) or torch.Tag.nondeterministic_seeded in func.tags
         for seen in self.stack:
             seen.pure = seen.pure and not impure and all(k in seen.created for k in written)
@@ -162,10 +168,12 @@ def pointwise_modules(
         kept.append(t)
         for s in stack:
             s.saved_inside[key] = _nbytes(t)
+        made_from = {key, watch.casts.get(key)}
         for s in seen.values():
-            if s not in stack and isinstance(s.output, torch.Tensor) and storage_key(s.output) == key:
-                s.output_saved = True
+            if s not in stack and isinstance(s.output, torch.Tensor) and storage_key(s.output) in made_from:
+                s.saved_copies[key] = _nbytes(t)
 
+    watch = _Watch(stack, is_compute)
     for name, module in block.named_modules():
         if module is not block:
             handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
@@ -175,7 +183,7 @@ def pointwise_modules(
             fake_call(block, args, kwargs) as (fargs, fkwargs),
             torch.enable_grad(),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
-            _Watch(stack, is_compute),
+            watch,
         ):
             fn(*fargs, **fkwargs)
     except Exception:  # a data-dependent op, an op fake tensors do not support: no sub-module
@@ -221,9 +229,9 @@ def _qualifies(s: _Seen, saved: set, own: set) -> bool:
     # Recomputing keeps the inputs: where autograd would not hold one anyway (a bf16 input that an RMSNorm
     # casts to float32 first), it must cost less than what goes: the output, and the module's own
     # intermediates where it runs again with grad.
-    dropped = _nbytes(out) + (0 if _holds_little(s, own) else _inside(s, own))
+    dropped = sum(s.saved_copies.values()) + (0 if _holds_little(s, own) else _inside(s, own))
     return (
-        s.output_saved
+        bool(s.saved_copies)
         and key in s.created
         and key not in s.saved_inside  # its recomputed output is only copied back, then dropped
         and key not in {storage_key(t) for t in s.inputs}
@@ -400,6 +408,7 @@ class _Recipe:
         self.versions = [t._version for t in self.inputs]
         self.output: torch.Tensor | None = output  # until the forward ends (settle)
         self.offset, self.version = output.storage_offset(), output._version
+        self.node = output.grad_fn  # what a cast of the output (autocast's) points back to
         self.pending = 0  # packs not unpacked yet
         self.made: torch.Tensor | None = None
 
@@ -424,18 +433,49 @@ class _Recipe:
 
 
 class _Packed:
-    """What an op saved instead of a dropped output: the recipe and where its tensor lies in the output."""
+    """What an op saved instead of a dropped output: the recipe and where its tensor lies in the output,
+    or, for a cast of the whole output (``cast``: the dtype; autocast's copy for a matmul), the cast."""
 
-    __slots__ = ("recipe", "size", "stride", "offset")
+    __slots__ = ("recipe", "size", "stride", "offset", "cast")
 
-    def __init__(self, recipe: _Recipe, t: torch.Tensor) -> None:
+    def __init__(self, recipe: _Recipe, t: torch.Tensor, cast: torch.Tensor | None = None) -> None:
         recipe.pending += 1
         self.recipe, self.size, self.stride = recipe, t.size(), t.stride()
-        self.offset = t.storage_offset() - recipe.offset
+        self.cast = None if cast is None else (cast.dtype, cast.shape)
+        self.offset = t.storage_offset() - (recipe.offset if cast is None else cast.storage_offset())
 
     def unpack(self) -> torch.Tensor:
         made = self.recipe.value()
+        if self.cast is not None:  # the same ops, on the same values, as in the forward
+            dtype, shape = self.cast
+            made = made.view(shape).to(dtype)
         return made.as_strided(self.size, self.stride, made.storage_offset() + self.offset)
+
+
+def _cast_of(t: torch.Tensor, recipes: dict) -> tuple[_Recipe, torch.Tensor] | None:
+    """``(recipe, cast)`` where ``t`` is (a view of) ``cast``, a dtype cast of the recipe's whole output
+    (or of a reshaping ``view`` of all of it, as GPT-2's ``Conv1D`` takes) made just now (autocast casts
+    right before the op that saves the copy); a cast of part of the output, or of an output changed in
+    place since, is not one. Else None."""
+    cast = view_base(t)
+    node = cast.grad_fn
+    if type(node).__name__ != "ToCopyBackward0" or cast._version != 0:
+        return None
+    source = node.next_functions[0][0]
+    if type(source).__name__ == "ViewBackward0" and cast.is_contiguous():
+        source = source.next_functions[0][0]  # a contiguous view of all of a contiguous output: a reshape
+    for recipe in recipes.values():
+        out = recipe.output
+        if (
+            recipe.node is source
+            and out is not None
+            and out._version == recipe.version
+            and out.is_contiguous()
+            and cast.is_contiguous()
+            and (out.numel(), out.device, out.layout) == (cast.numel(), cast.device, cast.layout)
+        ):
+            return recipe, cast
+    return None
 
 
 def _record(recipes: dict, run: Callable, module: nn.Module, args: tuple, kwargs: dict, out) -> None:
@@ -509,6 +549,10 @@ class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
                 recipe = _activation_recipe(t)
                 if recipe is not None:
                     recipes[key] = recipe
+            if recipe is None and key not in held:
+                found = _cast_of(t, recipes)
+                if found is not None:
+                    return _Packed(found[0], t, found[1])
             if recipe is None or t._version != recipe.version:  # changed in place since: not the recipe's
                 return below_pack(t)
             return _Packed(recipe, t)
