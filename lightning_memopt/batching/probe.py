@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_memopt._compat import tree_flatten
+from lightning_memopt._compat import is_dtensor, tree_flatten
 from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.batching.outputs import LogRecorder, loss_of
 from lightning_memopt.batching.regime import no_sync
@@ -31,10 +31,19 @@ def measure_peak(
     state: StepState,
     tracker: Any = None,
     evaluation: bool = False,
+    later: bool = False,
 ) -> int | None:
     """Run ``step`` (one training micro-step and its backward, or an evaluation step under ``no_grad``) and
     return its peak bytes, or None if it ran out of memory; then put gradients, buffers, torchmetrics
     states, RNGs and the module's train/eval mode back as they were.
+
+    ``later``: the training probe runs as a micro-batch after the first of an accumulated step does, with
+    a gradient held for every parameter that trains (zeros where there was none), which its backward adds
+    to. The first micro-batch of a step creates the gradients as its backward goes; every later one holds
+    them all from its start, so its peak is the larger (by up to the gradients' bytes: 4 GiB for a
+    1B-parameter model in float32), and it is the one that must fit where a batch runs split.
+    :class:`BatchProbes` measures every training probe so, the whole batch's too: one curve of peaks
+    (a whole batch that fits only while no gradient is held runs split, the safe side).
 
     Args:
         strategy: The Trainer's strategy (its model's gradients are set aside; ``no_sync`` under DDP).
@@ -43,6 +52,7 @@ def measure_peak(
         state: The start state, captured before.
         tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure inside (None: the allocator).
         evaluation: ``step`` is an evaluation step: no backward.
+        later: Measure a micro-batch after the first of a step (the gradients held from its start).
     """
     module = strategy.lightning_module
     grads = [(p, p.grad) for p in strategy.model.parameters()]
@@ -53,9 +63,13 @@ def measure_peak(
     with contextlib.ExitStack() as stack:
         if tracker is not None:
             stack.enter_context(tracker)
-        memory.reset_peak()
         failed = False
         try:
+            if later and not evaluation:
+                for p, _ in grads:
+                    if p.requires_grad and not is_dtensor(p):  # FSDP2's sharded gradients: as they come
+                        p.grad = torch.zeros_like(p)
+            memory.reset_peak()
             with LogRecorder(module), no_sync(strategy):
                 if evaluation:
                     module.eval()
@@ -107,7 +121,13 @@ class BatchProbes:
                 tracker.mark(tensor, "other")
         memory, state = memory_of(self.device, tracker), engine.capture(module)
         return measure_peak(
-            strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
+            strategy,
+            step,
+            memory=memory,
+            state=state,
+            tracker=tracker,
+            evaluation=evaluation,
+            later=True,
         )
 
     def held(self) -> int:

@@ -146,14 +146,15 @@ def run(lengths, callbacks=(), *, capacity=2**40, steps=None, ckpt_path=None, **
 
 
 def micro_step_peak(samples: int, length: int) -> int:
-    """Peak bytes of one forward and backward of ``samples`` samples, the optimizer's state alive."""
+    """Peak bytes of one forward and backward of ``samples`` samples, the optimizer's state and the
+    gradients alive."""
     model = AttentionLM()
     optimizer = model.configure_optimizers()
     model.training_step(lm_batch(8, 0), 0).backward()
     optimizer.step()
-    optimizer.zero_grad()
     part = {k: v[:samples] for k, v in lm_batch(length, 1).items()}
     with MemoryTracker(model, optimizer) as tracker:
+        optimizer.zero_grad(set_to_none=False)  # held from the start, as in a split step's later micro-batch
         model.training_step(part, 0).backward()
     return tracker.peak
 

@@ -6,6 +6,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_memopt import AutoAccumulation, MicroBatchOOMError, OOMBackoff
 from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.testing import MemoryCap
 from tests.batching.helpers import Net, assert_params_close, dataset, fit, quiet_trainer
 
 
@@ -47,9 +48,12 @@ def test_fixed_micro_batches_equal_unsplit_sgd(tmp_path):
 
 
 def peak_bytes(model: torch.nn.Module, batch, size: int) -> int:
-    """Peak live bytes of one forward+backward of ``size`` samples, measured outside Lightning."""
+    """Peak live bytes of one forward+backward of ``size`` samples as a micro-batch after the first of an
+    accumulated step runs it (the gradients held from its start), measured outside Lightning."""
     x, y = batch
     with MemoryTracker(model) as tracker:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
         torch.nn.functional.mse_loss(model(x[:size]), y[:size]).backward()
     for p in model.parameters():
         p.grad = None
@@ -74,6 +78,45 @@ def test_probing_finds_the_largest_size_that_fits_and_changes_nothing(tmp_path):
     fit(reference, [AutoAccumulation(micro_batch_size=13)], steps=2, batch=32, tmp_path=tmp_path)
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+class BroadNet(Net):
+    """One wide hidden layer: its gradients (147 KiB) weigh as much as three samples' activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1))
+
+
+def test_the_size_fits_the_micro_batches_that_hold_the_gradients(tmp_path):
+    # A step's first micro-batch creates the gradients as its backward goes; every later one holds them
+    # from its start. Sized on the first, a split step ran out of memory on its second micro-batch (an
+    # H100 and a 1B Llama: benchmarks/gpu.py's sizing table); probes of part of a batch now hold them.
+    batch = tuple(t.clone() for t in dataset(64)[:32])
+
+    def first_peak(size: int) -> int:  # what every probe measured before
+        model = BroadNet()
+        x, y = batch
+        with MemoryTracker(model) as tracker:
+            torch.nn.functional.mse_loss(model(x[:size]), y[:size]).backward()
+        return tracker.peak
+
+    later = {s: peak_bytes(BroadNet(), batch, s) for s in range(1, 33)}
+    capacity = (later[10] + later[11]) // 2  # 10 samples fit in a later micro-batch, 11 do not
+    # sized on the first micro-batch, 13 would fit: 32 samples as 11, 11, 10, the second over capacity
+    assert first_peak(32) > capacity and max(s for s in later if first_peak(s) <= capacity) == 13
+    # exactness="off": the check's host copies of the gradients would count against this CPU's cap
+    callback = AutoAccumulation(max_memory=capacity, headroom=0.0, exactness="off")
+    model = BroadNet()
+    with MemoryCap(capacity, modules=model) as cap:
+        fit(model, [callback], steps=2, batch=32, tmp_path=tmp_path)
+    # every out-of-memory error the cap raised was a probe's (the evaluation's search starts whole): no
+    # micro-batch of a step ran out of memory
+    failed = [s for s, p in [*callback.probes, *callback.eval_probes] if p is None]
+    assert cap.raised == len(failed) == 1 and callback.eval_probes[0] == (32, None)
+    assert max(s for s, p in callback.probes if p is not None and p <= capacity) == 10
+    assert model.seen_sizes[-4:] == [8, 8, 8, 8]  # 32 samples in micro-batches of at most 10
 
 
 def test_resume_does_not_probe_again(tmp_path):
