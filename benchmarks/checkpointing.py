@@ -28,11 +28,18 @@ Run from the repository root (about 10 minutes on 2 cores; ``--quick``: three sm
 
     PYTHONPATH=. python benchmarks/checkpointing.py
     PYTHONPATH=. python benchmarks/checkpointing.py --quick
+
+On a CUDA device (``--device cuda``) the models are sized as GPUs train them (GPT 12 layers width 1024
+sequence 1024, GPT-2 small, ViT-Base, ConvNeXt-Tiny, ResNet-50 at 224 px), run under bf16 autocast,
+offload is weighed too, and the clock is CUDA events (a few minutes on an H100)::
+
+    PYTHONPATH=. python benchmarks/checkpointing.py --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -53,7 +60,7 @@ from lightning_memopt.checkpointing import (
     profile_blocks,
 )
 from lightning_memopt.checkpointing.profile import _OpCounter
-from lightning_memopt.data.clock import HostClock
+from lightning_memopt.data.clock import HostClock, step_clock
 
 TREATMENTS = ["keep", "selective", "full", "pointwise"]  # offload copies to the same memory on a CPU
 BUDGETS = (0.25, 0.50, 0.75)
@@ -91,7 +98,7 @@ class GPT(nn.Module):
         self.ln_f, self.lm_head = nn.LayerNorm(h), nn.Linear(h, vocab, bias=False)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.h:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
@@ -124,15 +131,15 @@ def hf_gpt2(layers: int = 8, h: int = 256, seq: int = 256, b: int = 4):
     return HFLoss(transformers.GPT2LMHeadModel(cfg)), {"input_ids": ids, "labels": ids}
 
 
-def hf_vit(layers: int = 6, dim: int = 192, image: int = 64, b: int = 8):
+def hf_vit(layers: int = 6, dim: int = 192, image: int = 64, b: int = 8, patch: int = 4, heads: int = 3):
     import transformers
 
     cfg = transformers.ViTConfig(
         image_size=image,
-        patch_size=4,
+        patch_size=patch,
         hidden_size=dim,
         num_hidden_layers=layers,
-        num_attention_heads=3,
+        num_attention_heads=heads,
         intermediate_size=4 * dim,
         num_labels=10,
     )
@@ -143,10 +150,10 @@ def hf_vit(layers: int = 6, dim: int = 192, image: int = 64, b: int = 8):
     return HFLoss(transformers.ViTForImageClassification(cfg)), batch
 
 
-def hf_convnext(image: int = 64, b: int = 8):
+def hf_convnext(image: int = 64, b: int = 8, hidden=(48, 96, 192, 384), depths=(2, 2, 4, 2)):
     import transformers
 
-    cfg = transformers.ConvNextConfig(hidden_sizes=[48, 96, 192, 384], depths=[2, 2, 4, 2], num_labels=10)
+    cfg = transformers.ConvNextConfig(hidden_sizes=list(hidden), depths=list(depths), num_labels=10)
     batch = {
         "pixel_values": torch.randn(b, 3, image, image, generator=_gen()),
         "labels": torch.arange(b) % 10,
@@ -154,13 +161,13 @@ def hf_convnext(image: int = 64, b: int = 8):
     return HFLoss(transformers.ConvNextForImageClassification(cfg)), batch
 
 
-def hf_resnet(image: int = 64, b: int = 8):
+def hf_resnet(image: int = 64, b: int = 8, stem: int = 32, hidden=(64, 128, 256, 512), depths=(2, 2, 2, 2)):
     import transformers
 
     cfg = transformers.ResNetConfig(
-        embedding_size=32,
-        hidden_sizes=[64, 128, 256, 512],
-        depths=[2, 2, 2, 2],
+        embedding_size=stem,
+        hidden_sizes=list(hidden),
+        depths=list(depths),
         layer_type="bottleneck",
         num_labels=10,
     )
@@ -177,8 +184,22 @@ class Bench:
     build: Callable[[], tuple[nn.Module, object]]
 
 
-def benches(quick: bool) -> list[Bench]:
-    ids = lambda seq: torch.randint(0, 256, (4, seq), generator=_gen())  # noqa: E731
+def benches(quick: bool, device: str = "cpu") -> list[Bench]:
+    ids = lambda seq, b=4: torch.randint(0, 256, (b, seq), generator=_gen())  # noqa: E731
+    if device == "cuda":  # sizes a GPU is used at (bf16-mixed): the CPU's models are launch-bound there
+        return [
+            Bench("gpt 12L h1024 s1024 b8", lambda: (GPT(12, 1024, 16, 1024), ids(1024, 8))),
+            Bench("hf-gpt2 12L h768 s1024 b8", lambda: hf_gpt2(12, 768, 1024, 8)),
+            Bench("hf-vit-base 12L d768 224px/16 b64", lambda: hf_vit(12, 768, 224, 64, patch=16, heads=12)),
+            Bench(
+                "hf-convnext-tiny 224px b64",
+                lambda: hf_convnext(224, 64, (96, 192, 384, 768), (3, 3, 9, 3)),
+            ),
+            Bench(
+                "hf-resnet50 224px b64",
+                lambda: hf_resnet(224, 64, 64, (256, 512, 1024, 2048), (3, 4, 6, 3)),
+            ),
+        ][: 2 if quick else None]
     small = [
         Bench("gpt-small 6L h128 s256 b4", lambda: (GPT(6, 128, 4, 256), ids(256))),
         Bench("hf-vit 6L d192 64px b8", lambda: hf_vit()),
@@ -209,8 +230,29 @@ class ProcessClock:
         return end - start
 
 
+@dataclass
+class Device:
+    """Where the benchmark runs: the treatments weighed there and the precision context (bf16-mixed on
+    CUDA, as Lightning's ``precision="bf16-mixed"``; full precision on CPU)."""
+
+    type: str = "cpu"
+
+    @property
+    def treatments(self) -> list[str]:
+        return TREATMENTS + ["offload"] if self.type == "cuda" else TREATMENTS
+
+    def context(self):
+        if self.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+DEVICE = Device()
+
+
 def loss_of(model: nn.Module, batch) -> torch.Tensor:
-    return model(**batch) if isinstance(batch, dict) else model(batch)
+    with DEVICE.context():
+        return model(**batch) if isinstance(batch, dict) else model(batch)
 
 
 def measure(model, batch, blocks) -> tuple[int, int, int]:
@@ -231,7 +273,9 @@ def step_time(model, batch, clock) -> float:
     model.zero_grad(set_to_none=True)
     start = clock.mark()
     loss_of(model, batch).backward()
-    return clock.seconds(start, clock.mark())
+    end = clock.mark()
+    clock.settle(end)
+    return clock.seconds(start, end)
 
 
 @dataclass
@@ -270,7 +314,7 @@ class Row:
 def summary(choices) -> str:
     return " ".join(
         f"{c[0].upper()}{choices.count(c)}"
-        for c in ("keep", "selective", "full", "pointwise")
+        for c in ("keep", "selective", "full", "pointwise", "offload")
         if c in choices
     )
 
@@ -285,11 +329,13 @@ def configurations(names, profiles) -> list[Row]:
         rows.append(Row(label, list(initial_choices(names, "every_n", every).values()), simple=True))
     rows.append(Row("selective every block", ["selective"] * n, simple=True))
     rows.append(Row("pointwise every block", ["pointwise"] * n, simple=True))
+    if "offload" in DEVICE.treatments:
+        rows.append(Row("offload every block", ["offload"] * n, simple=True))
     baseline = evaluate_plan(profiles, ["keep"] * n).activation_bytes
     for frac in BUDGETS:
         budget = int(frac * baseline)
         try:
-            plan = plan_checkpointing(profiles, budget, allowed=TREATMENTS)
+            plan = plan_checkpointing(profiles, budget, allowed=DEVICE.treatments)
         except InfeasibleBudgetError as err:
             print(f"   auto {frac:.0%} budget: infeasible, the least peak is {err.minimum / 1e6:.1f} MB")
             continue
@@ -324,12 +370,17 @@ def timed(model, batch, names, rows, clock, reps) -> float:
 def run_model(bench: Bench, clock, reps: int) -> list[Row]:
     torch.manual_seed(0)
     model, batch = bench.build()
-    model.train()
+    model.to(DEVICE.type).train()
+    batch = (
+        {k: v.to(DEVICE.type) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(DEVICE.type)
+    )
     blocks = find_blocks(model)
     names = [n for n, _ in blocks]
     args, kwargs = ((), batch) if isinstance(batch, dict) else ((batch,), {})
     start = time.perf_counter()
-    profiles = profile_blocks(model, blocks, *args, choices=TREATMENTS, clock=clock, **kwargs)
+    profiles = profile_blocks(
+        model, blocks, *args, choices=DEVICE.treatments, clock=clock, context=DEVICE.context, **kwargs
+    )
     took = time.perf_counter() - start
     print(
         f"\n## {bench.name}: {len(blocks)} blocks ({names[0]} .. {names[-1]}), profiled and timed in {took:.1f}s"
@@ -433,14 +484,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="three small models")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per configuration (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--clock", choices=["process", "wall"], default="process")
+    parser.add_argument("--clock", choices=["process", "wall"], default="process", help="on CPU")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: models at GPU sizes, bf16-mixed, offload weighed too, timed with CUDA events",
+    )
     args = parser.parse_args()
     if args.reps < 2:
         parser.error(f"--reps must be at least 2 for a spread, got {args.reps}")
-    torch.set_num_threads(args.threads)
-    clock = ProcessClock() if args.clock == "process" else HostClock()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
+    DEVICE.type = args.device
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        clock, where = step_clock("cuda"), f"{torch.cuda.get_device_name()}, CUDA events, bf16-mixed"
+    else:
+        torch.set_num_threads(args.threads)
+        clock = ProcessClock() if args.clock == "process" else HostClock()
+        where = f"{args.threads} thread(s), {args.clock} clock"
     print(
-        f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} clock, {args.reps} rounds; "
+        f"torch {torch.__version__}, {where}, {args.reps} rounds; "
         "planner priced in seconds timed on the same clock"
     )
     lines = [
@@ -448,7 +513,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     results = {}
-    for bench in benches(args.quick):
+    for bench in benches(args.quick, args.device):
         results[bench.name] = rows = run_model(bench, clock, args.reps)
         report(bench.name, rows, lines)
     print("\n## Summary (markdown)\n")

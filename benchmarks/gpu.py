@@ -5,16 +5,18 @@ Prints six tables and writes them, with the device's name, to ``benchmarks/RESUL
 1. **plans**: for the GPT example (its YAML's size) and a Llama-style model of about 1B parameters
    (dim 2048, 16 layers, SwiGLU 5632, vocabulary 32000, sequence 4096, batch 1; rotary embeddings left
    out), at bf16-mixed (autocast bf16, fp32 parameters, as Lightning's ``bf16-mixed``): keep, full,
-   selective, offload (every block), and the planner's plans under 50% and 25% of the blocks' activations
-   with the offload price timed on this device (``measured_cost_model``). ``pred peak`` is the measured
+   selective, pointwise, offload (every block), and the planner's plans under 50% and 25% of the blocks'
+   activations, every treatment timed on this device while profiling (CUDA events), so that plans are
+   priced in measured seconds. ``pred peak`` is the measured
    peak of ``keep`` minus the keep plan's predicted block peak plus this plan's (the rest of the step —
    parameters, gradients, embeddings, logits — does not depend on the plan); ``meas peak`` is
    ``torch.cuda.max_memory_allocated`` over one step; ``err`` their difference over the measured.
-   ``time`` is the median step time over keep's (table 6 of the issue: the checkpointing table's
-   step-time ratios at bf16).
+   ``pred time`` is the planner's predicted step time over keep's (keep's measured step plus the plan's
+   timed seconds beyond keep), ``time`` the measured median step time over keep's.
 2. **AutoAccumulation**: its micro-batch size in a real fit (batch 32, AdamW) with ``headroom=0`` and the
    default, against the largest micro-batch that fits, found by bisection with real out-of-memory errors
-   (the same step: forward, backward, AdamW step, in a fresh process state after ``empty_cache``); and the
+   (a step of two micro-batches of that size, the second holding the gradients as a split step's later
+   micro-batches do, and the AdamW step, in a fresh process state after ``empty_cache``); and the
    out-of-memory errors after sizing (the fit has no OOMBackoff: one would end it).
 3. **OOMBackoff**: a fit whose batch is made to overflow the card (4x the largest that fits); the OOMs it
    recovered and ``torch.cuda.memory_allocated`` at every batch start, which must equal the first one's.
@@ -61,8 +63,10 @@ from lightning_memopt.checkpointing import (
 )
 from lightning_memopt.checkpointing import offload as offload_module
 from lightning_memopt.checkpointing import planner as planner_module
+from lightning_memopt.data.clock import step_clock
 from lightning_memopt.memory import format_bytes
 
+TREATMENTS = ("keep", "full", "selective", "pointwise", "offload")  # K F S P O in the plans' choices
 SECTIONS = ("plans", "sizing", "backoff", "offload", "monitor")
 RESULTS = Path(__file__).with_name("RESULTS-gpu.md")
 NO_CUDA = "benchmarks/gpu.py measures on a CUDA device and none is available here (torch.cuda.is_available() is False)."
@@ -185,13 +189,12 @@ def fresh_memory() -> None:
 def plans_table(name: str, model: nn.Module, idx: torch.Tensor, reps: int) -> list[tuple]:
     blocks = find_blocks(model)
     inputs = capture_block_inputs(model, blocks, idx, context=bf16)
-    profiles = profile_blocks(model, blocks, inputs=inputs, context=bf16)
+    # every treatment timed on the device (CUDA events): the planner prices plans in these seconds
+    profiles = profile_blocks(model, blocks, inputs=inputs, context=bf16, clock=step_clock(idx.device))
     cost_model = planner_module.measured_cost_model(idx.device)
     n = len(blocks)
     keep_plan = evaluate_plan(profiles, ["keep"] * n, cost_model)
-    plans = {
-        c: evaluate_plan(profiles, [c] * n, cost_model) for c in ("keep", "full", "selective", "offload")
-    }
+    plans = {c: evaluate_plan(profiles, [c] * n, cost_model) for c in TREATMENTS}
     for share in (0.5, 0.25):
         try:
             plans[f"planned {share:.0%}"] = plan_checkpointing(
@@ -201,7 +204,7 @@ def plans_table(name: str, model: nn.Module, idx: torch.Tensor, reps: int) -> li
             plans[f"planned {share:.0%}: min"] = plan_checkpointing(
                 profiles, e.minimum, cost_model=cost_model
             )
-    rows = [("model", "plan", "choices", "pred peak", "meas peak", "err", "time")]
+    rows = [("model", "plan", "choices", "pred peak", "meas peak", "err", "pred time", "time")]
     keep_peak = keep_time = None
     for label, plan in plans.items():
         apply_checkpointing(model, plan)
@@ -211,7 +214,7 @@ def plans_table(name: str, model: nn.Module, idx: torch.Tensor, reps: int) -> li
         if label == "keep":
             keep_peak, keep_time = peak, seconds
         predicted = keep_peak - keep_plan.peak_bytes + plan.peak_bytes
-        counts = {c: list(plan.choices.values()).count(c) for c in ("keep", "selective", "full", "offload")}
+        counts = {c: list(plan.choices.values()).count(c) for c in TREATMENTS}
         rows.append(
             (
                 name,
@@ -220,10 +223,10 @@ def plans_table(name: str, model: nn.Module, idx: torch.Tensor, reps: int) -> li
                 format_bytes(predicted),
                 format_bytes(peak),
                 f"{(predicted - peak) / peak:+.1%}",
+                f"{1 + (plan.seconds or 0.0) / keep_time:.2f}x",
                 f"{seconds / keep_time:.2f}x",
             )
         )
-    rows.append((name, f"offload price {cost_model.offload_flops_per_byte:.0f} FLOP/B", "", "", "", "", ""))
     return rows
 
 
@@ -264,15 +267,17 @@ def lightning_module(config: dict, seq: int):
 
 
 def fits(config: dict, seq: int, n: int) -> bool:
-    """Whether one AdamW training step of ``n`` samples fits, tried for real (after one step of 1 sample
-    has created the optimizer state)."""
+    """Whether an AdamW training step of two micro-batches of ``n`` samples fits, tried for real (after
+    one step of 1 sample has created the optimizer state): a micro-batch of a split step, the second of
+    which holds the gradients from its start."""
     fresh_memory()
     model = Llama(**config).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     try:
-        for size in (1, n):
-            idx = torch.randint(0, config["vocab"], (size, seq), device="cuda")
-            loss_of(model, idx).backward()
+        for sizes in ((1,), (n, n)):
+            for size in sizes:
+                idx = torch.randint(0, config["vocab"], (size, seq), device="cuda")
+                loss_of(model, idx).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

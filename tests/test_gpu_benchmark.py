@@ -1,6 +1,7 @@
 """benchmarks/gpu.py: imports and explains itself anywhere, refuses clearly without CUDA, runs with it."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,19 @@ def test_quick_offload_table_on_the_device(gpu, tmp_path):
     text = out.read_text()
     assert text.startswith(f"# GPU results: {torch.cuda.get_device_name()}")
     assert "| offload, overlapped" in text and "| full + offload inputs" in text
+
+
+def test_checkpointing_benchmark_on_cuda_refuses_clearly_without_it(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_checkpointing", SCRIPT.with_name("checkpointing.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["checkpointing.py", "--device", "cuda"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err
+    assert module.DEVICE.type == "cpu" and module.DEVICE.treatments == module.TREATMENTS
