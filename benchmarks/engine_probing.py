@@ -1,7 +1,8 @@
 """How AutoAccumulation's probing does against the true largest micro-batch, on CPU.
 
 For a BatchNorm+dropout MLP and batches of 32, the peak live bytes of one forward+backward are
-measured at every size (MemoryTracker, outside Lightning); a capacity halfway between the peaks of
+measured at every size (MemoryTracker, outside Lightning), as a split step's later micro-batches run it
+(the gradients held from the start); a capacity halfway between the peaks of
 ``true_max`` and ``true_max + 1`` makes ``true_max`` the right answer. Prints, per capacity, the size
 AutoAccumulation found, the probe steps it spent, and the evaluation size it probed.
 Run: python benchmarks/engine_probing.py
@@ -50,6 +51,8 @@ def main(batch: int = 32) -> None:
     for size in range(2, batch + 1):
         model = Net()
         with MemoryTracker(model) as tracker:
+            for p in model.parameters():  # held from the start, as in a split step's later micro-batches
+                p.grad = torch.zeros_like(p)
             # slices of the whole batch, as in a training step (the collated batch is alive anyway)
             torch.nn.functional.mse_loss(model.net(x[:size]), y[:size]).backward()
         peaks[size] = tracker.peak
