@@ -414,7 +414,9 @@ class _Recipe:
 
     def settle(self, keep: bool) -> None:
         """At the end of the block's forward: an output the block passes on (or was given) stays held and
-        is never recomputed; any other goes (the packs alone held it)."""
+        is never recomputed; any other goes (the packs alone held it). No cast of it comes any more: the
+        recipe lets its autograd node go."""
+        self.node = None
         if not keep:
             self.output = None
 
@@ -434,7 +436,8 @@ class _Recipe:
 
 class _Packed:
     """What an op saved instead of a dropped output: the recipe and where its tensor lies in the output,
-    or, for a cast of the whole output (``cast``: the dtype; autocast's copy for a matmul), the cast."""
+    or, for a cast of the whole output (autocast's copy for a matmul; ``cast``: its dtype and shape), the
+    cast."""
 
     __slots__ = ("recipe", "size", "stride", "offset", "cast")
 
