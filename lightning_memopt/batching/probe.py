@@ -31,19 +31,18 @@ def measure_peak(
     state: StepState,
     tracker: Any = None,
     evaluation: bool = False,
-    later: bool = False,
 ) -> int | None:
     """Run ``step`` (one training micro-step and its backward, or an evaluation step under ``no_grad``) and
     return its peak bytes, or None if it ran out of memory; then put gradients, buffers, torchmetrics
     states, RNGs and the module's train/eval mode back as they were.
 
-    ``later``: the training probe runs as a micro-batch after the first of an accumulated step does, with
-    a gradient held for every parameter that trains (zeros where there was none), which its backward adds
-    to. The first micro-batch of a step creates the gradients as its backward goes; every later one holds
-    them all from its start, so its peak is the larger (by up to the gradients' bytes: 4 GiB for a
-    1B-parameter model in float32), and it is the one that must fit where a batch runs split.
-    :class:`BatchProbes` measures every training probe so, the whole batch's too: one curve of peaks
-    (a whole batch that fits only while no gradient is held runs split, the safe side).
+    A training probe runs as a micro-batch after the first of an accumulated step does, with a gradient
+    held for every parameter that trains (zeros where there was none), which its backward adds to. The
+    first micro-batch of a step creates the gradients as its backward goes; every later one holds them
+    all from its start, so its peak is the larger (by up to the gradients' bytes: 4 GiB for a
+    1B-parameter model in float32), and it is the one that must fit where a batch runs split. The whole
+    batch's probe is measured so too: one curve of peaks (a whole batch that fits only while no gradient
+    is held runs split, the safe side).
 
     Args:
         strategy: The Trainer's strategy (its model's gradients are set aside; ``no_sync`` under DDP).
@@ -52,7 +51,6 @@ def measure_peak(
         state: The start state, captured before.
         tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure inside (None: the allocator).
         evaluation: ``step`` is an evaluation step: no backward.
-        later: Measure a micro-batch after the first of a step (the gradients held from its start).
     """
     module = strategy.lightning_module
     grads = [(p, p.grad) for p in strategy.model.parameters()]
@@ -65,7 +63,7 @@ def measure_peak(
             stack.enter_context(tracker)
         failed = False
         try:
-            if later and not evaluation:
+            if not evaluation:
                 for p, _ in grads:
                     if p.requires_grad and not is_dtensor(p):  # FSDP2's sharded gradients: as they come
                         p.grad = torch.zeros_like(p)
@@ -121,13 +119,7 @@ class BatchProbes:
                 tracker.mark(tensor, "other")
         memory, state = memory_of(self.device, tracker), engine.capture(module)
         return measure_peak(
-            strategy,
-            step,
-            memory=memory,
-            state=state,
-            tracker=tracker,
-            evaluation=evaluation,
-            later=True,
+            strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
         )
 
     def held(self) -> int:
