@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_memopt.checkpointing.auto as ac_module
 from lightning_memopt import AutoCheckpoint
-from lightning_memopt.checkpointing import checkpointed_blocks, find_blocks
+from lightning_memopt.checkpointing import checkpointed_blocks, evaluate_plan, find_blocks, profile_blocks
 from tests.checkpointing.models import TinyGPT
 
 
@@ -485,3 +485,31 @@ def test_plans_are_priced_by_the_time_each_treatment_takes(tmp_path, monkeypatch
     choices = set(cb.plan.choices.values())
     assert chosen in choices and not choices & never
     assert cb.plan.seconds == pytest.approx(0.1 * list(cb.plan.choices.values()).count(chosen))
+
+
+def test_pointwise_under_bf16_mixed_trains_as_plain_and_drops_autocast_copies(tmp_path):
+    # Lightning's bf16-mixed on CPU: the LayerNorms' float32 outputs reach the linear layers as bf16
+    # copies; pointwise drops them (and the GELU's output) and the parameters after 3 steps are the plain
+    # run's, bit for bit. The plan's bytes are MemoryTracker's measurement of the same step.
+    params, metrics = [], []
+    for callbacks in ([], [AutoCheckpoint(mode="pointwise")]):
+        torch.manual_seed(0)
+        module = GPTModule(build_in_configure=False)
+        trainer = _trainer(tmp_path, callbacks, steps=3, precision="bf16-mixed")
+        trainer.fit(module)
+        params.append(torch.cat([p.detach().flatten() for p in module.parameters()]))
+        metrics.append(trainer.callback_metrics)
+    assert torch.equal(params[1], params[0])
+    predicted = metrics[1]["checkpoint/activation_bytes_predicted"].item()
+    assert predicted == metrics[1]["checkpoint/activation_bytes_measured"].item()
+    model = TinyGPT(3)
+    profiles = profile_blocks(
+        model,
+        find_blocks(model),
+        torch.randint(0, 32, (4, 8)),
+        choices=["keep"],
+        context=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    )
+    keep = evaluate_plan(profiles, ["keep"] * 3).activation_bytes
+    B, T, h = 4, 8, 16  # per block: two bf16 copies of (B,T,h) and the bf16 GELU output (B,T,4h)
+    assert keep - predicted == 3 * (2 * B * T * h * 2 + B * T * 4 * h * 2)
