@@ -1,6 +1,6 @@
 """A block's call as values: the tensors in it and their storages.
 
-Shared by ``apply.py`` (which runs a block under a treatment), ``pointwise.py`` (which frees and refills
+Shared by ``apply.py`` (which runs a block under a treatment), ``pointwise.py`` (which drops and remakes
 the outputs of a block's sub-modules) and ``dry_run.py`` (which runs a block on fake tensors): all must
 agree on what a call's tensors are and when two tensors are one storage.
 """

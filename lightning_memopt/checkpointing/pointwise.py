@@ -37,13 +37,16 @@ on the same values):
   more on its inputs, without grad (with grad under ``create_graph``, so second-order gradients flow
   through it), and the last lets it go. The module's own backward is the one its forward recorded.
 - *Run again with grad* (modules whose own intermediates are large: a hand-written RMSNorm's normalized
-  input). Each runs as an autograd Function that keeps only its inputs (it runs without grad, so its
-  intermediates are not saved) and returns its output. When the block's forward returns, the storages of
-  those outputs are freed (``resize_(0)``): the ops that saved them keep pointing at the storage. When
-  backward reaches the block (a pre-hook on the autograd nodes of its outputs, which runs after FSDP's own
-  pre-backward hooks gather the parameters), each module runs once more, with grad, on its inputs: its
-  output refills the storage for the ops that saved it (written through a fresh alias, so the saved
-  tensors' version counters do not move), and its graph serves the module's own backward.
+  input). The module runs in the forward as it is, its autograd nodes recorded in the block's graph; the
+  same hooks give each of its ops, for every tensor it saves but the module's inputs, parameters and
+  buffers, a recipe naming the tensor by the order it was saved in, and the ops after it one for its
+  output. The inputs are held through the hooks below (a tracker counts them). In backward, the first
+  unpack runs the module once more, with grad, on those inputs (after FSDP's pre-backward hooks have
+  gathered its parameters: that is when the block's backward unpacks anything), under hooks that collect
+  what its ops save: one run makes the output and every saved tensor, and the last unpack lets them go.
+  The forward's own nodes do the backward, so the module's input gradient sums with the block's other
+  gradients in the plain graph's order (bit-equal under bf16 autocast too, where a gradient summed in
+  another order can round to the neighbouring bf16 value).
 
 An input changed in place after the forward (which keep's version check would refuse in backward) is
 refused by both, naming the module; an output changed in place before an op saves it is saved as it is
@@ -261,129 +264,32 @@ def _check_unchanged(label: str, inputs: list[torch.Tensor], versions: list[int]
         )
 
 
-class _Call:
-    """One call of a pointwise sub-module: how to run it again, and its output while the storage is freed.
-
-    It holds the call's inputs (autograd holds them anyway: the Function saves them) and output only until
-    the module's backward has run, so that each is freed when keep would free it.
-    """
-
-    def __init__(self, module: nn.Module, run: Callable, args: tuple, kwargs: dict) -> None:
-        self.module, self.run = module, run
-        leaves, self.spec = tree_flatten((args, kwargs))
-        self.slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        self.inputs = [leaves[i] for i in self.slots]
-        self.leaves = [None if i in self.slots else v for i, v in enumerate(leaves)]  # the other arguments
-        self.versions = [t._version for t in self.inputs]
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.autocast = _autocast_state(self.inputs[0].device.type if self.inputs else "cpu")
-        self.output: torch.Tensor | None = None
-        self.nbytes = 0
-        self.again: tuple | None = None  # the rerun (inputs, output, parameters), for backward
-
-    def call(self, inputs) -> torch.Tensor:
-        leaves = list(self.leaves)
-        for i, t in zip(self.slots, inputs):
-            leaves[i] = t
-        args, kwargs = tree_unflatten(leaves, self.spec)
-        return self.run(*args, **kwargs)
-
-    def rerun(self, inputs) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-        """The module's forward again, with grad, on detached ``inputs``: (those inputs, output, and the
-        parameters it ran with: read now, since FSDP2 may register other objects than in the forward)."""
-        xs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if len(params) != len(self.params):
-            raise RuntimeError(
-                f"{type(self.module).__name__} has {len(params)} trainable parameters in backward, "
-                f"{len(self.params)} in its forward; the pointwise treatment cannot differentiate it"
-            )
-        device, dtype, enabled = self.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            return xs, self.call(xs), params
-
-    def release(self) -> None:
-        storage = self.output.untyped_storage()
-        self.nbytes = storage.nbytes()
-        storage.resize_(0)
-
-    def refill(self) -> None:
-        """Run the module again and write its output back into the freed storage (before its readers)."""
-        if self.nbytes == 0:
-            return
-        _check_unchanged(type(self.module).__name__, self.inputs, self.versions)
-        self.again = self.rerun(self.inputs)
-        again, out, storage = self.again[1], self.output, self.output.untyped_storage()
-        storage.resize_(self.nbytes)
-        self.nbytes = 0
-        # A fresh tensor on the storage: writing through `out` would bump the version counter that the ops
-        # which saved it check in backward.
-        alias = torch.empty(0, dtype=out.dtype, device=out.device)
-        with torch.no_grad():
-            alias.set_(storage, out.storage_offset(), out.size(), out.stride()).copy_(again)
-        # The rerun's own output is only the root of its graph now (the module's ops did not save it): its
-        # bytes go, so that the block's backward holds what keep would, not the output twice.
-        again.untyped_storage().resize_(0)
-
-
-class _Recompute(torch.autograd.Function):
-    """A pointwise sub-module that keeps only its inputs; its backward differentiates the rerun made to
-    refill its output (or runs the module again) and lets go of the call's tensors."""
-
-    @staticmethod
-    def forward(ctx, call: _Call, *tensors_in):
-        ctx.call = call
-        ctx.save_for_backward(*call.inputs)  # through the saved-tensor hooks: trackers count them
-        return call.call(tensors_in[: len(call.inputs)])
-
-    @staticmethod
-    def backward(ctx, grad):
-        call: _Call = ctx.call
-        xs, out, params = call.again or call.rerun(ctx.saved_tensors)
-        call.again = call.output = None  # the readers of the output ran before us: free it as keep would
-        call.inputs = []
-        wrt = [x for x in xs if x.requires_grad] + params
-        grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
-        inputs = [next(grads) if x.requires_grad else None for x in xs]
-        return (None, *inputs, *grads)
-
-
 def pointwise_forward(block: nn.Module, fn: Callable, args: tuple, kwargs: dict, found: Pointwise) -> object:
     """``fn(*args, **kwargs)`` (``block``'s forward) with the sub-modules ``found`` recomputed in backward
     (:func:`pointwise_modules`), and the outputs of functional activations (how: this module's docstring)."""
-    calls: list[_Call] = []
-    recipes: dict = {}  # storage key of a dropped output -> its _Recipe
+    recipes: dict = {}  # storage key of a dropped output -> its _Recipe (or _Rerun)
+    running: list = []  # the _Rerun of each run-again module being called (None where grad is off)
     held = {storage_key(t) for t in tensors((args, kwargs))}
+    try:
+        below = saved_tensors_hooks_below() or (_Held, None)
+    except RuntimeError:  # saved-tensor hooks disabled here: nothing can be dropped
+        return fn(*args, **kwargs)
+    drops = _DroppedSaves(recipes, held, running, below)
     with contextlib.ExitStack() as stack:
         for name in found.names:
             module = block.get_submodule(name)
             if name in found.rerun:
-                stack.enter_context(_routed(module, calls))
+                hooks = _rerun_hooks(recipes, running, module, drops.hold)
+                stack.callback(module.register_forward_pre_hook(hooks[0], with_kwargs=True).remove)
+                stack.callback(module.register_forward_hook(hooks[1], with_kwargs=True).remove)
             else:
                 record = functools.partial(_record, recipes, _own_forward(module))
                 stack.callback(module.register_forward_hook(record, with_kwargs=True).remove)
-        try:
-            stack.enter_context(_DroppedSaves(recipes, held))
-        except RuntimeError:  # saved-tensor hooks disabled here: the rerun modules alone
-            pass
+        stack.enter_context(drops)
         out = fn(*args, **kwargs)
     kept = {storage_key(t) for t in tensors(out)} | held
     for key, recipe in recipes.items():
         recipe.settle(keep=key in kept)
-    nodes = list(dict.fromkeys(t.grad_fn for t in tensors(out) if t.grad_fn is not None))
-    if not nodes:
-        return out
-    freed = [  # not one changed in place since its module made it: the rerun would not remake that
-        c
-        for c in calls
-        if c.output is not None and c.output._version == 0 and storage_key(c.output) not in kept
-    ]
-    for c in freed:
-        c.release()
-    if freed:
-        refill = functools.partial(_refill, freed)
-        for node in nodes:  # the first node backward reaches refills all; after FSDP's pre-backward hooks
-            node.register_prehook(refill)
     return out
 
 
@@ -401,16 +307,23 @@ class _Recipe:
     """
 
     def __init__(
-        self, label: str, run: Callable, args: tuple, kwargs: dict, output: torch.Tensor, autocast
+        self, label: str, run: Callable, args: tuple, kwargs: dict, output: torch.Tensor | None, autocast
     ) -> None:
         self.label, self.run, self.args, self.kwargs, self.autocast = label, run, args, kwargs, autocast
         self.inputs = tensors((args, kwargs))
         self.versions = [t._version for t in self.inputs]
-        self.output: torch.Tensor | None = output  # until the forward ends (settle)
-        self.offset, self.version = output.storage_offset(), output._version
-        self.node = output.grad_fn  # what a cast of the output (autocast's) points back to
+        self.output: torch.Tensor | None = None  # until the forward ends (settle)
+        self.offset = self.version = 0
+        self.node = None  # what a cast of the output (autocast's) points back to
         self.pending = 0  # packs not unpacked yet
-        self.made: torch.Tensor | None = None
+        self.made: tuple | None = None  # (output, the tensors its own ops saved) while packs are pending
+        if output is not None:
+            self.produced(output)
+
+    def produced(self, output: torch.Tensor) -> None:
+        """The output the module returned in the forward."""
+        self.output, self.node = output, output.grad_fn
+        self.offset, self.version = output.storage_offset(), output._version
 
     def settle(self, keep: bool) -> None:
         """At the end of the block's forward: an output the block passes on (or was given) stays held and
@@ -420,34 +333,115 @@ class _Recipe:
         if not keep:
             self.output = None
 
-    def value(self) -> torch.Tensor:
-        if self.output is not None:
-            return self.output
+    def value(self, index: int | None = None) -> torch.Tensor:
+        """The output (``index`` None), or the ``index``-th tensor the module's own ops saved."""
+        kept = index is None and self.output is not None
         made = self.made
-        if made is None:
+        if made is None and not kept:
             _check_unchanged(self.label, self.inputs, self.versions)
-            device, dtype, enabled = self.autocast
-            with torch.autocast(device, dtype=dtype, enabled=enabled):  # grad only under create_graph
-                made = self.run(*self.args, **self.kwargs)
+            made = self._make()
         self.pending -= 1
         self.made = made if self.pending > 0 else None
-        return made
+        if kept:
+            return self.output
+        return made[0] if index is None else made[1][index]
+
+    def _make(self) -> tuple:
+        device, dtype, enabled = self.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):  # grad only under create_graph
+            return self.run(*self.args, **self.kwargs), ()
+
+
+class _Rerun(_Recipe):
+    """A module whose own saved tensors go too: in backward one run of it, with grad, makes its output and
+    every tensor its ops saved, matched to the forward's by the order they were saved in. The forward's
+    autograd nodes stay in the graph, so its gradients sum as in the plain graph. Its inputs are held as
+    the block's hooks hold what an op saves (``hold``: a dropped output as its recipe, any other tensor
+    through the hooks below, where a tracker counts it as it counts what keep saves)."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, hold: tuple) -> None:
+        leaves, self.spec = tree_flatten((args, kwargs))
+        inputs = [v for v in leaves if isinstance(v, torch.Tensor)]
+        device = inputs[0].device.type if inputs else "cpu"
+        super().__init__(type(module).__name__, _own_forward(module), (), {}, None, _autocast_state(device))
+        self.own = {storage_key(t) for t in (*inputs, *module.parameters(), *module.buffers())}
+        self.leaves = [None if isinstance(v, torch.Tensor) else v for v in leaves]  # the other arguments
+        self.held = [  # (argument, handle, version, requires_grad): hooks may hand back a detached tensor
+            (i, hold[0](v), v._version, v.requires_grad)
+            for i, v in enumerate(leaves)
+            if isinstance(v, torch.Tensor)
+        ]
+        self.unhold = hold[1]
+        self.saves = 0  # the forward's saves so far: the index of the next
+
+    def _make(self) -> tuple:
+        leaves = list(self.leaves)
+        graph = torch.is_grad_enabled()  # create_graph: the tensors made stay differentiable
+        for i, handle, version, grad in self.held:
+            t = (
+                handle.tensor if type(handle) is _Held else self.unhold(handle)
+            )  # _Held: checked here, by name
+            _check_unchanged(self.label, [t], [version])
+            # without create_graph, a graph of its own, dropped once its saved tensors are read
+            leaves[i] = t if graph and t.requires_grad == grad else t.detach().requires_grad_(grad)
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        saved: list = []
+        device, dtype, enabled = self.autocast
+        with (
+            torch.enable_grad(),
+            torch.autocast(device, dtype=dtype, enabled=enabled),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t, t._version)), lambda _: None),
+        ):
+            out = self.run(*args, **kwargs)
+        if len(saved) != self.saves:
+            raise RuntimeError(
+                f"{self.label} saved {len(saved)} tensors for backward when run again, {self.saves} in its "
+                "forward; the pointwise treatment cannot recompute it. Use 'selective' or 'full' for this block."
+            )
+        if any(t._version != version for t, version in saved):
+            raise RuntimeError(
+                f"{self.label} changes in place a tensor that one of its ops saved for backward; the "
+                "pointwise treatment cannot recompute it (as keep, it would fail in backward)."
+            )
+        if graph:
+            return out, [t for t, _ in saved]
+        return out.detach(), [t.detach() for t, _ in saved]
+
+
+def _rerun_hooks(recipes: dict, running: list, module: nn.Module, hold: tuple) -> tuple[Callable, Callable]:
+    """Forward pre-hook and hook of a run-again module: a :class:`_Rerun` for each call with grad, in
+    ``running`` while the call lasts, then under its output's storage in ``recipes``."""
+
+    def pre(module, args, kwargs):
+        running.append(_Rerun(module, args, kwargs, hold) if torch.is_grad_enabled() else None)
+
+    def post(module, args, kwargs, out):
+        rerun = running.pop()
+        if rerun is not None and isinstance(out, torch.Tensor):
+            rerun.produced(out)
+            recipes[storage_key(out)] = rerun
+
+    return pre, post
 
 
 class _Packed:
-    """What an op saved instead of a dropped output: the recipe and where its tensor lies in the output,
+    """What an op saved instead of a dropped tensor: the recipe, and where the tensor lies in the output,
     or, for a cast of the whole output (autocast's copy for a matmul; ``cast``: its dtype and shape), the
-    cast."""
+    cast; or, for a tensor the module's own ops saved (``index``), which of them."""
 
-    __slots__ = ("recipe", "size", "stride", "offset", "cast")
+    __slots__ = ("recipe", "size", "stride", "offset", "cast", "index")
 
-    def __init__(self, recipe: _Recipe, t: torch.Tensor, cast: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, recipe: _Recipe, t: torch.Tensor, cast: torch.Tensor | None = None, index: int | None = None
+    ) -> None:
         recipe.pending += 1
-        self.recipe, self.size, self.stride = recipe, t.size(), t.stride()
+        self.recipe, self.size, self.stride, self.index = recipe, t.size(), t.stride(), index
         self.cast = None if cast is None else (cast.dtype, cast.shape)
         self.offset = t.storage_offset() - (recipe.offset if cast is None else cast.storage_offset())
 
     def unpack(self) -> torch.Tensor:
+        if self.index is not None:
+            return self.recipe.value(self.index)
         made = self.recipe.value()
         if self.cast is not None:  # the same ops, on the same values, as in the forward
             dtype, shape = self.cast
@@ -538,64 +532,42 @@ class _Held:
 
 
 class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
-    """While the block's forward runs: an op that saves a dropped output (or a view of it) saves its
-    :class:`_Packed` instead; every other tensor goes to the hooks in effect below (a tracker's), so
-    that they see what they would under keep. Raises where saved-tensor hooks are disabled."""
+    """While the block's forward runs: an op that saves a dropped output (or a view or cast of it) saves
+    its :class:`_Packed` instead, and so does every op of a run-again module (``running``) for what it
+    creates; every other tensor goes to the hooks in effect below (``below``: a tracker's), so that they
+    see what they would under keep. ``hold``: how a run-again module holds its inputs (as an op outside it
+    saves them: a dropped output stays dropped), and gets them back."""
 
-    def __init__(self, recipes: dict, held: set) -> None:
-        below_pack, below_unpack = saved_tensors_hooks_below() or (_Held, None)
+    def __init__(self, recipes: dict, held: set, running: list, below: tuple) -> None:
+        below_pack, below_unpack = below
 
-        def pack(t: torch.Tensor):
+        def outside(t: torch.Tensor):
             key = storage_key(t)
             recipe = recipes.get(key)
             if recipe is None and key not in held:
                 recipe = _activation_recipe(t)
                 if recipe is not None:
                     recipes[key] = recipe
-            if recipe is None and key not in held:
-                found = _cast_of(t, recipes)
-                if found is not None:
-                    return _Packed(found[0], t, found[1])
+                else:
+                    found = _cast_of(t, recipes)
+                    if found is not None:
+                        return _Packed(found[0], t, found[1])
             if recipe is None or t._version != recipe.version:  # changed in place since: not the recipe's
                 return below_pack(t)
             return _Packed(recipe, t)
+
+        def pack(t: torch.Tensor):
+            rerun = running[-1] if running else None
+            if rerun is not None:
+                rerun.saves += 1
+                if storage_key(t) not in rerun.own:
+                    return _Packed(rerun, t, index=rerun.saves - 1)
+            return outside(t)
 
         def unpack(packed):
             if type(packed) is _Packed:
                 return packed.unpack()
             return packed.unpack() if below_unpack is None else below_unpack(packed)
 
+        self.hold = (outside, unpack)
         super().__init__(pack, unpack)
-
-
-def _refill(calls: list[_Call], grad_outputs) -> None:
-    for c in calls:
-        c.refill()
-
-
-@contextlib.contextmanager
-def _routed(module: nn.Module, calls: list[_Call]):
-    """While entered, ``module``'s calls go through :class:`_Recompute` (an instance ``forward``, restored
-    after: an instance ``forward`` the module had already is the one run)."""
-    own = module.__dict__.get("forward")
-    run = _own_forward(module)
-
-    def forward(*args, **kwargs):
-        call = _Call(module, run, args, kwargs)
-        if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*call.inputs, *call.params)):
-            return run(*args, **kwargs)
-        out = _Recompute.apply(call, *call.inputs, *call.params)
-        keys = {storage_key(t) for t in call.inputs}
-        if storage_key(out) not in keys:  # never free what the caller passed in
-            call.output = out
-            calls.append(call)
-        return out
-
-    module.__dict__["forward"] = forward
-    try:
-        yield
-    finally:
-        if own is None:
-            del module.__dict__["forward"]
-        else:
-            module.__dict__["forward"] = own

@@ -23,16 +23,15 @@ from tests.checkpointing.models import TinyGPT
 class Module(GPTModule):
     """test_auto_checkpoint's module, with dropout, built and optionally sharded in configure_model."""
 
-    def __init__(self, shard: bool, checkpoint_first: bool = False) -> None:
+    def __init__(self, shard: bool, checkpoint_first: bool = False, h: int = 16) -> None:
         super().__init__(n_samples=16)
-        self.shard = shard
-        self.checkpoint_first = checkpoint_first
+        self.shard, self.checkpoint_first, self.h = shard, checkpoint_first, h
 
     def configure_model(self):
         if self.model is not None:
             return
         torch.manual_seed(0)
-        self.model = TinyGPT(3, dropout=0.1)
+        self.model = TinyGPT(3, h=self.h, dropout=0.1)
         if self.checkpoint_first:  # torchtitan's order: AC, then FSDP
             apply_checkpointing(self.model, {"h.0": "selective", "h.1": "full", "h.2": "offload"})
         if self.shard:
@@ -44,13 +43,13 @@ class Module(GPTModule):
             fully_shard(self.model, mesh=mesh)
 
 
-def run(kind: str, callbacks, checkpoint_first: bool = False) -> tuple[torch.Tensor, list, dict]:
+def run(kind: str, callbacks, checkpoint_first: bool = False, h: int = 16) -> tuple[torch.Tensor, list, dict]:
     strategy = (
         DDPStrategy(process_group_backend="gloo")
         if kind == "ddp"
         else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
     )
-    module = Module(shard=kind == "fsdp2", checkpoint_first=checkpoint_first)
+    module = Module(shard=kind == "fsdp2", checkpoint_first=checkpoint_first, h=h)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -105,6 +104,10 @@ def main(out: str) -> None:
             # The pointwise treatment in blocks sharded in configure_model: norms recomputed as modules,
             # their parameters gathered again by FSDP before the block's backward reruns them.
             result["pointwise"], result["seen_pointwise"], _ = run(kind, [AutoCheckpoint(mode="pointwise")])
+            # At width 8 the LayerNorms run again with grad (their mean and rstd are a quarter of their
+            # output): the rerun reads the parameters FSDP gathers for the block's backward.
+            result["plain_h8"] = run(kind, [], h=8)[0]
+            result["pointwise_rerun"] = run(kind, [AutoCheckpoint(mode="pointwise")], h=8)[0]
             result["budgeted_bytes"] = (
                 budgeted.plan.activation_bytes,
                 metrics["checkpoint/activation_bytes_predicted"],

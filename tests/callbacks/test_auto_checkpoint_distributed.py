@@ -52,6 +52,7 @@ def test_two_process_training_matches_plain(results, kind):
             torch.testing.assert_close(result["budgeted"], result["plain"], rtol=1e-6, atol=1e-7)
             assert result["seen_pointwise"][0] == dict.fromkeys(sorted(names), "pointwise")
             torch.testing.assert_close(result["pointwise"], result["plain"], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(result["pointwise_rerun"], result["plain_h8"], rtol=1e-6, atol=1e-7)
         plan = json.loads((tmp_path / f"{kind}_plan{rank}.json").read_text())
         assert plan["choices"] == dict.fromkeys(names, "full")  # CPU, no budget: every block
         assert all(seen == plan["choices"] for seen in plan["seen"])
