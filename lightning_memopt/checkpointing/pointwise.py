@@ -40,7 +40,8 @@ on the same values):
   input). The module runs in the forward as it is, its autograd nodes recorded in the block's graph; the
   same hooks give each of its ops, for every tensor it saves but the module's inputs, parameters and
   buffers, a recipe naming the tensor by the order it was saved in, and the ops after it one for its
-  output. The inputs are held through the hooks below (a tracker counts them). In backward, the first
+  output. The inputs are held as an op outside it would save them (one that is itself a dropped output
+  stays dropped; any other goes to the hooks below, which a tracker counts). In backward, the first
   unpack runs the module once more, with grad, on those inputs (after FSDP's pre-backward hooks have
   gathered its parameters: that is when the block's backward unpacks anything), under hooks that collect
   what its ops save: one run makes the output and every saved tensor, and the last unpack lets them go.
