@@ -193,6 +193,10 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
             fn(*fargs, **fkwargs)
     except Exception:  # a data-dependent op, an op fake tensors do not support
         return _RECOMPUTE_ALL
+    finally:
+        # The dry run's nodes hold ``pack`` and through it ``count``: the fake outputs it keeps lead back
+        # to them (and to the block's parameters): a cycle through C++ no collector frees, emptied here.
+        count._keep.clear()
     early_stop = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
     return _CachePolicy(count.at_last_save if early_stop else None, frozenset(count.mutated))
 

@@ -190,22 +190,27 @@ def pointwise_modules(
             watch,
         ):
             fn(*fargs, **fkwargs)
+        del fargs, fkwargs
+        own = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
+        chosen = [n for n, s in seen.items() if _qualifies(s, saved, own)]
+        # A module whose input only it would hold gives way to its own parts that qualify: they recompute
+        # from what autograd holds anyway (FNet's output block: its LayerNorm alone, not the sum before it).
+        chosen = [
+            n
+            for n in chosen
+            if not (_newly_held(seen[n], saved, own) and any(c.startswith(n + ".") for c in chosen))
+        ]
+        names = tuple(n for n in chosen if not any(n.startswith(c + ".") for c in chosen))
+        return Pointwise(names, tuple(n for n in names if not _holds_little(seen[n], own)))
     except Exception:  # a data-dependent op, an op fake tensors do not support: no sub-module
         return Pointwise()
     finally:
         for h in handles:
             h.remove()
-    own = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
-    chosen = [n for n, s in seen.items() if _qualifies(s, saved, own)]
-    # A module whose input only it would hold gives way to its own parts that qualify: they recompute
-    # from what autograd holds anyway (FNet's output block: its LayerNorm alone, not the sum before it).
-    chosen = [
-        n
-        for n in chosen
-        if not (_newly_held(seen[n], saved, own) and any(c.startswith(n + ".") for c in chosen))
-    ]
-    names = tuple(n for n in chosen if not any(n.startswith(c + ".") for c in chosen))
-    return Pointwise(names, tuple(n for n in names if not _holds_little(seen[n], own)))
+        # The dry run's autograd nodes hold ``pack``, and through it what it reaches: the fake tensors,
+        # whose nodes lead back (and to the block's real parameters, by their AccumulateGrad nodes). A
+        # cycle through C++ no collector frees: emptied, the graph goes when the run's tensors do.
+        seen.clear(), kept.clear(), stack.clear(), watch.keep.clear(), watch.casts.clear()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -387,26 +392,36 @@ class _Rerun(_Recipe):
             leaves[i] = t if graph and t.requires_grad == grad else t.detach().requires_grad_(grad)
         args, kwargs = tree_unflatten(leaves, self.spec)
         saved: list = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            # The rerun's nodes hold this hook as long as they live: what it keeps must not lead back to
+            # them (a tensor with its grad_fn would: a cycle through C++ that no collector frees, every
+            # step's tensors leaked). So ``saved`` is emptied below, and the node keeps a detached alias
+            # (autograd attaches the graph again where a second-order gradient unpacks it).
+            saved.append((t, t._version))
+            return t.detach()
+
         device, dtype, enabled = self.autocast
         with (
             torch.enable_grad(),
             torch.autocast(device, dtype=dtype, enabled=enabled),
-            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t, t._version)), lambda _: None),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
             out = self.run(*args, **kwargs)
-        if len(saved) != self.saves:
+        made, saved[:] = list(saved), []
+        if len(made) != self.saves:
             raise RuntimeError(
-                f"{self.label} saved {len(saved)} tensors for backward when run again, {self.saves} in its "
+                f"{self.label} saved {len(made)} tensors for backward when run again, {self.saves} in its "
                 "forward; the pointwise treatment cannot recompute it. Use 'selective' or 'full' for this block."
             )
-        if any(t._version != version for t, version in saved):
+        if any(t._version != version for t, version in made):
             raise RuntimeError(
                 f"{self.label} changes in place a tensor that one of its ops saved for backward; the "
                 "pointwise treatment cannot recompute it (as keep, it would fail in backward)."
             )
         if graph:
-            return out, [t for t, _ in saved]
-        return out.detach(), [t.detach() for t, _ in saved]
+            return out, [t for t, _ in made]
+        return out.detach(), [t.detach() for t, _ in made]
 
 
 def _rerun_hooks(recipes: dict, running: list, module: nn.Module, hold: tuple) -> tuple[Callable, Callable]:
