@@ -13,7 +13,12 @@ configuration reports the median ratio and its interquartile range [q25-q75]. Tw
 *measurably* only where their ranges do not overlap; otherwise it is a tie. The clock is the process's
 CPU time with one thread by default (``--clock wall`` for wall time): other processes on the machine then
 slow the measurement down much less than they slow the wall clock, and a single thread has no idle
-spinning to count.
+spinning to count. On Linux the C allocator is told to keep the memory the process frees (``mallopt``: no
+trimming of the heap, no ``mmap`` below 32 MiB), as CUDA's caching allocator keeps it: a training run on
+one plan reaches that steady state by itself (no page faults after its third step), but configurations
+taking turns do not: glibc gives back what a plan holding less left free, and no checkpointing then
+pays 5,000-27,000 page faults a step (HF GPT-2 8L, the baseline every ratio is taken over) to take it
+again, a cost of the benchmark's alternation alone (``--malloc default`` leaves the allocator as it is).
 
 Columns: ``peak x``: MemoryTracker peak of live bytes in the step (forward + backward) over no
 checkpointing's; ``FLOPs x``: forward + backward FLOPs of compute ops (FlopCounterMode's formulas, CPU
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -228,6 +234,19 @@ class ProcessClock:
 
     def seconds(self, start: float, end: float) -> float:
         return end - start
+
+
+def keep_freed_memory() -> bool:
+    """glibc keeps what the process frees (the benchmark's docstring says why); False where the C library
+    is not glibc's or refuses."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(
+        libc.mallopt(m_trim_threshold, (1 << 31) - 1)
+    )
 
 
 @dataclass
@@ -486,6 +505,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--clock", choices=["process", "wall"], default="process", help="on CPU")
     parser.add_argument(
+        "--malloc",
+        choices=["keep", "default"],
+        default="keep",
+        help="on CPU: keep: the C allocator keeps freed memory (as CUDA's caching allocator); default: as it is",
+    )
+    parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
@@ -503,7 +528,8 @@ def main() -> None:
     else:
         torch.set_num_threads(args.threads)
         clock = ProcessClock() if args.clock == "process" else HostClock()
-        where = f"{args.threads} thread(s), {args.clock} clock"
+        kept = args.malloc == "keep" and keep_freed_memory()
+        where = f"{args.threads} thread(s), {args.clock} clock, allocator {'keeps freed memory' if kept else 'as it is'}"
     print(
         f"torch {torch.__version__}, {where}, {args.reps} rounds; "
         "planner priced in seconds timed on the same clock"
