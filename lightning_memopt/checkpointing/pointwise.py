@@ -210,7 +210,8 @@ def pointwise_modules(
         # The dry run's autograd nodes hold ``pack``, and through it what it reaches: the fake tensors,
         # whose nodes lead back (and to the block's real parameters, by their AccumulateGrad nodes). A
         # cycle through C++ no collector frees: emptied, the graph goes when the run's tensors do.
-        seen.clear(), kept.clear(), stack.clear(), watch.keep.clear(), watch.casts.clear()
+        for reached in (seen, kept, stack, watch.keep, watch.casts):
+            reached.clear()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -408,7 +409,8 @@ class _Rerun(_Recipe):
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
             out = self.run(*args, **kwargs)
-        made, saved[:] = list(saved), []
+        made = list(saved)
+        saved.clear()
         if len(made) != self.saves:
             raise RuntimeError(
                 f"{self.label} saved {len(made)} tensors for backward when run again, {self.saves} in its "
