@@ -27,6 +27,7 @@ from lightning_memopt.checkpointing import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing.profile import _OpCounter
+from tests.checkpointing.helpers import live_tensors
 from tests.checkpointing.models import Block, TinyGPT
 
 
@@ -334,11 +335,6 @@ class _RMSNormed(nn.Module):
         return x + self.out(self.norm(self.act(self.fc(x))))
 
 
-def _live_tensors() -> int:
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
-
-
 @pytest.mark.parametrize("choice", CHOICES)
 def test_steps_leave_no_tensor_behind_and_nothing_holds_the_parameters(choice):
     # A saved-tensor hook that keeps what leads back to the autograd nodes holding it makes a cycle
@@ -350,7 +346,7 @@ def test_steps_leave_no_tensor_behind_and_nothing_holds_the_parameters(choice):
     counts = []
     for _ in range(3):
         model(x).square().sum().backward()
-        counts.append(_live_tensors())
+        counts.append(live_tensors())
     assert counts == [counts[0]] * 3
     remove_checkpointing(model)
     alive = [weakref.ref(p) for p in model.parameters()]
