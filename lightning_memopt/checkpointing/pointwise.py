@@ -293,10 +293,20 @@ def pointwise_forward(block: nn.Module, fn: Callable, args: tuple, kwargs: dict,
                 record = functools.partial(_record, recipes, _own_forward(module))
                 stack.callback(module.register_forward_hook(record, with_kwargs=True).remove)
         stack.enter_context(drops)
-        out = fn(*args, **kwargs)
-    kept = {storage_key(t) for t in tensors(out)} | held
-    for key, recipe in recipes.items():
-        recipe.settle(keep=key in kept)
+        out = None
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            # Every node that saved a tensor in the block holds the hooks, and through them ``recipes``,
+            # whose recipes hold tensors leading back to those nodes: a cycle through C++ that no collector
+            # frees. A backward breaks it (it lets each saved tensor go); a graph that never runs one (an
+            # attempt that ran out of memory, which OOMBackoff retries; a forward only) would stay. So the
+            # forward's end, raised or not, settles each recipe and lets ``recipes`` go; the packs keep
+            # their own recipe.
+            kept = {storage_key(t) for t in tensors(out)} | held
+            for key, recipe in recipes.items():
+                recipe.settle(keep=key in kept)
+            recipes.clear()
     return out
 
 
@@ -339,6 +349,8 @@ class _Recipe:
         self.node = None
         if not keep:
             self.output = None
+        elif self.output is not None:  # its graph would lead back to the nodes holding this recipe
+            self.output = self.output.detach()
 
     def value(self, index: int | None = None) -> torch.Tensor:
         """The output (``index`` None), or the ``index``-th tensor the module's own ops saved."""
