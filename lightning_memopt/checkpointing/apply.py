@@ -34,14 +34,14 @@ import contextlib
 import functools
 import sys
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
@@ -235,24 +235,32 @@ class _BlockState:
         self.choice = choice
         self.own_forward = own_forward  # an instance-level ``forward`` the block had before, or None
         # selective: per input signature, which compute ops' outputs to cache
-        self.cache_policies: dict[str, _CachePolicy] = {}
+        self.cache_policies: dict[Hashable, _CachePolicy] = {}
         # pointwise: per input signature, which sub-modules to recompute
-        self.pointwise: dict[str, Pointwise] = {}
+        self.pointwise: dict[Hashable, Pointwise] = {}
         self.calls = 0  # forwards run through the instance ``forward`` (also ``block.forward(...)``)
         self.verified = False  # a recomputing forward ran and wrote no state (written.py)
         self.unrepeatable: str | None = None  # why a recomputation cannot reproduce the forward
         self.recompute: Snapshot | None = None  # the state a recomputation starts from, where written
 
 
-def _signature(value) -> str:
-    """What the op sequence of a forward may depend on: the inputs' shapes, dtypes and devices."""
-
-    def meta(v):
-        if isinstance(v, torch.Tensor):
-            return ("T", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
-        return repr(v)
-
-    return str(tree_map(meta, value))
+def _signature(value) -> Hashable:
+    """What the op sequence of a forward may depend on: the inputs' shapes, dtypes and devices, and the
+    other arguments as ``repr`` shows them. It runs on every forward of a block under ``selective`` or
+    ``pointwise``, so plain tuples, lists and dicts are walked here; other containers through pytree."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.dtype, value.device.type, value.requires_grad)
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return (kind.__name__, *map(_signature, value))
+    if kind is dict:
+        return ("dict", *((k, _signature(v)) for k, v in value.items()))
+    if value is None or kind in (bool, int, float, str):
+        return repr(value)
+    leaves, spec = tree_flatten(value)
+    if len(leaves) == 1 and leaves[0] is value:  # a leaf
+        return repr(value)
+    return (str(spec), *map(_signature, leaves))
 
 
 def _checkpointed_forward(block: nn.Module, *args, **kwargs):

@@ -261,6 +261,17 @@ def _autocast_state(device: str) -> tuple[str, torch.dtype, bool]:
     return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
 
 
+def _autocast_as(state: tuple[str, torch.dtype, bool]):
+    """A context that runs under the autocast ``state`` (:func:`_autocast_state`); none where that is the
+    state now (recomputing in backward, off in both: entering autocast costs more than a norm's op)."""
+    device, dtype, enabled = state
+    if torch.is_autocast_enabled(device) == enabled and (
+        not enabled or torch.get_autocast_dtype(device) == dtype
+    ):
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=dtype, enabled=enabled)
+
+
 def _check_unchanged(label: str, inputs: list[torch.Tensor], versions: list[int]) -> None:
     """Refuse to recompute from inputs changed in place since the forward (keep's version check would
     refuse them in backward too)."""
@@ -366,8 +377,7 @@ class _Recipe:
         return made[0] if index is None else made[1][index]
 
     def _make(self) -> tuple:
-        device, dtype, enabled = self.autocast
-        with torch.autocast(device, dtype=dtype, enabled=enabled):  # grad only under create_graph
+        with _autocast_as(self.autocast):  # grad only under create_graph
             return self.run(*self.args, **self.kwargs), ()
 
 
@@ -414,10 +424,9 @@ class _Rerun(_Recipe):
             saved.append((t, t._version))
             return t.detach()
 
-        device, dtype, enabled = self.autocast
         with (
             torch.enable_grad(),
-            torch.autocast(device, dtype=dtype, enabled=enabled),
+            _autocast_as(self.autocast),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
             out = self.run(*args, **kwargs)
@@ -479,17 +488,15 @@ class _Packed:
         return made.as_strided(self.size, self.stride, made.storage_offset() + self.offset)
 
 
-def _cast_of(t: torch.Tensor, recipes: dict) -> tuple[_Recipe, torch.Tensor] | None:
-    """``(recipe, cast)`` where ``t`` is (a view of) ``cast``, a dtype cast of the recipe's whole output
-    (or of a reshaping ``view`` of all of it, as GPT-2's ``Conv1D`` takes) made just now (autocast casts
+def _cast_of(cast: torch.Tensor, node, recipes: dict) -> _Recipe | None:
+    """The recipe whose whole output (or a reshaping ``view`` of all of it, as GPT-2's ``Conv1D`` takes)
+    ``cast`` is a dtype cast of, made just now (``node``: the cast's ``ToCopyBackward0``; autocast casts
     right before the op that saves the copy); a cast of part of the output, or of an output changed in
     place since, is not one. Else None."""
-    cast = view_base(t)
-    node = cast.grad_fn
-    if type(node).__name__ != "ToCopyBackward0" or cast._version != 0:
+    if cast._version != 0 or not cast.is_contiguous():
         return None
     source = node.next_functions[0][0]
-    if type(source).__name__ == "ViewBackward0" and cast.is_contiguous():
+    if type(source).__name__ == "ViewBackward0":
         source = source.next_functions[0][0]  # a contiguous view of all of a contiguous output: a reshape
     for recipe in recipes.values():
         out = recipe.output
@@ -498,10 +505,9 @@ def _cast_of(t: torch.Tensor, recipes: dict) -> tuple[_Recipe, torch.Tensor] | N
             and out is not None
             and out._version == recipe.version
             and out.is_contiguous()
-            and cast.is_contiguous()
             and (out.numel(), out.device, out.layout) == (cast.numel(), cast.device, cast.layout)
         ):
-            return recipe, cast
+            return recipe
     return None
 
 
@@ -524,20 +530,17 @@ _ACTIVATIONS: dict[str, tuple[str, Callable]] = {
 }
 
 
-def _activation_recipe(t: torch.Tensor) -> _Recipe | None:
-    """A recipe for ``t`` where it is (a view of) the output of a functional activation, else None."""
-    base = view_base(t)
-    known = _ACTIVATIONS.get(type(base.grad_fn).__name__)
-    if known is None or base._version != 0:  # changed in place since the op made it (under no_grad)
+def _activation_recipe(base: torch.Tensor, node, make: Callable) -> _Recipe | None:
+    """A recipe for ``base``, the output of a functional activation (``node``: its autograd node; ``make``:
+    how to run it again from the node, from ``_ACTIVATIONS``), or None where it cannot be made again."""
+    if base._version != 0:  # changed in place since the op made it (under no_grad)
         return None
-    label, make = known
-    source = saved_by(base.grad_fn, "self")
+    source = saved_by(node, "self")
     if storage_key(source) == storage_key(base):  # computed in place
         return None
+    label, run = make
     device = base.device.type  # the op ran on ``source`` as it is: no autocast around it again
-    return _Recipe(
-        label, make(base.grad_fn), (source,), {}, base, (device, torch.get_autocast_dtype(device), False)
-    )
+    return _Recipe(label, run(node), (source,), {}, base, (device, torch.get_autocast_dtype(device), False))
 
 
 class _Held:
@@ -572,17 +575,27 @@ class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
         below_pack, below_unpack = below
 
         def outside(t: torch.Tensor):
+            # Runs for every tensor an op of the block saves: one look at its storage, and at the node
+            # that made it only where no recipe has it.
             key = storage_key(t)
             recipe = recipes.get(key)
-            if recipe is None and key not in held:
-                recipe = _activation_recipe(t)
-                if recipe is not None:
+            if recipe is None:
+                if key in held:
+                    return below_pack(t)
+                base = view_base(t)
+                node = base.grad_fn
+                kind = type(node).__name__
+                if kind in _ACTIVATIONS:
+                    recipe = _activation_recipe(base, node, _ACTIVATIONS[kind])
+                    if recipe is None:
+                        return below_pack(t)
                     recipes[key] = recipe
+                elif kind == "ToCopyBackward0" and recipes:
+                    recipe = _cast_of(base, node, recipes)
+                    return below_pack(t) if recipe is None else _Packed(recipe, t, base)
                 else:
-                    found = _cast_of(t, recipes)
-                    if found is not None:
-                        return _Packed(found[0], t, found[1])
-            if recipe is None or t._version != recipe.version:  # changed in place since: not the recipe's
+                    return below_pack(t)
+            if t._version != recipe.version:  # changed in place since: not the recipe's
                 return below_pack(t)
             return _Packed(recipe, t)
 

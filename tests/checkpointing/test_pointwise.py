@@ -469,3 +469,51 @@ def test_pointwise_forward_that_raises_leaves_nothing_behind():
             model(x)
         counts.append(live_tensors())
     assert counts == [counts[0]] * 3
+
+
+def test_pointwise_finds_its_modules_once_per_input_signature(monkeypatch):
+    """The dry run runs again exactly where the forward's inputs differ in what the op sequence may depend
+    on: a shape, a dtype, grad, a non-tensor argument (True is not 1), a tensor inside a namedtuple."""
+    from collections import namedtuple
+
+    from lightning_memopt.checkpointing import apply as apply_module
+
+    Pair = namedtuple("Pair", "x scale")
+    runs = []
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return pointwise_modules(*args, **kwargs)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x, flag=False, pair=None):
+            return self.fc(self.ln(x)) + (0 if pair is None else pair.x.sum())
+
+    monkeypatch.setattr(apply_module, "pointwise_modules", counted)
+    block = Block()
+    apply_checkpointing(nn.Sequential(block), {"0": "pointwise"})
+    x = torch.randn(2, 8, requires_grad=True)
+    calls = [
+        ((x,), {}),
+        ((x,), {}),  # the same: no new run
+        ((torch.randn(3, 8, requires_grad=True),), {}),  # a shape
+        ((x.double(),), {}),  # a dtype
+        ((x.detach(),), {}),  # grad
+        ((x,), {"flag": True}),
+        ((x,), {"flag": 1}),
+        ((x,), {"pair": Pair(torch.ones(2), 1.0)}),
+        ((x,), {"pair": Pair(torch.ones(2), 1.0)}),  # the same: no new run
+        ((x,), {"pair": Pair(torch.ones(3), 1.0)}),
+    ]
+    counts = []
+    for args, kwargs in calls:
+        if args[0].dtype == torch.double:
+            block.double()
+        block(*args, **kwargs).sum().backward()
+        block.float()
+        counts.append(len(runs))
+    assert counts == [1, 1, 2, 3, 4, 5, 6, 7, 7, 8]
