@@ -288,11 +288,17 @@ def measure(model, batch, blocks) -> tuple[int, int, int]:
     return meter.total, peak, counter.flops
 
 
-def step_time(model, batch, clock) -> float:
+def step_time(model, batch, clock, launched: list[float] | None = None) -> float:
+    """Seconds of one step on ``clock``; where ``launched`` is given, the host's seconds from the step's
+    start to the last op launched are appended to it (on CUDA: how long Python takes to launch the step;
+    close to the device's seconds, the step is launch-bound)."""
     model.zero_grad(set_to_none=True)
+    host = time.perf_counter()
     start = clock.mark()
     loss_of(model, batch).backward()
     end = clock.mark()
+    if launched is not None:
+        launched.append(time.perf_counter() - host)
     clock.settle(end)
     return clock.seconds(start, end)
 
@@ -363,27 +369,28 @@ def configurations(names, profiles) -> list[Row]:
     return rows
 
 
-def timed(model, batch, names, rows, clock, reps) -> float:
+def timed(model, batch, names, rows, clock, reps) -> tuple[float, float]:
     """Set every row's median and IQR of its step time over no checkpointing's in the same round; return
-    the median seconds of the no-checkpointing step (rows[0])."""
+    the median seconds of the no-checkpointing step (rows[0]) and the median host seconds of launching it."""
     for row in rows:  # warm-up: allocator, selective's and pointwise's dry runs
         apply_checkpointing(model, dict(zip(names, row.choices)))
         step_time(model, batch, clock)
     ratios: list[list[float]] = [[] for _ in rows]
     keep: list[float] = []
+    launched: list[float] = []
     for r in range(reps):
         order = list(range(len(rows)))
         order = order[r % len(rows) :] + order[: r % len(rows)]  # rotated: no row always follows another
         seconds = [0.0] * len(rows)
         for i in order:
             apply_checkpointing(model, dict(zip(names, rows[i].choices)))
-            seconds[i] = step_time(model, batch, clock)
+            seconds[i] = step_time(model, batch, clock, launched if i == 0 else None)
         for i, s in enumerate(seconds):
             ratios[i].append(s / seconds[0])
         keep.append(seconds[0])
     for row, rs in zip(rows, ratios):
         row.times = Spread.of(rs)
-    return statistics.median(keep)
+    return statistics.median(keep), statistics.median(launched)
 
 
 def run_model(bench: Bench, clock, reps: int) -> list[Row]:
@@ -408,7 +415,12 @@ def run_model(bench: Bench, clock, reps: int) -> list[Row]:
     for row in rows:
         apply_checkpointing(model, dict(zip(names, row.choices)))
         row.acts, row.peak, row.flops = measure(model, batch, blocks)
-    base = timed(model, batch, names, rows, clock, reps)  # seconds of a step without checkpointing
+    base, launch = timed(model, batch, names, rows, clock, reps)  # seconds of a step without checkpointing
+    if DEVICE.type == "cuda":
+        print(
+            f"   no checkpointing: a step takes {base * 1e3:.1f} ms on the device, {launch * 1e3:.1f} ms to launch "
+            "from Python (launch-bound where the two are close: then every Python call a treatment adds is paid)"
+        )
     wrong = []
     for row in rows:
         plan = evaluate_plan(profiles, row.choices)
