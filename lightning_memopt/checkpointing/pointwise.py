@@ -289,10 +289,10 @@ def pointwise_forward(block: nn.Module, fn: Callable, args: tuple, kwargs: dict,
     running: list = []  # the _Rerun of each run-again module being called (None where grad is off)
     held = {storage_key(t) for t in tensors((args, kwargs))}
     try:
-        below = saved_tensors_hooks_below() or (_Held, None)
+        below = saved_tensors_hooks_below() or (_hold, _unhold)
     except RuntimeError:  # saved-tensor hooks disabled here: nothing can be dropped
         return fn(*args, **kwargs)
-    drops = _DroppedSaves(recipes, held, running, below)
+    drops = _DroppedSaves(recipes, held, running, below, bool(found.rerun))
     with contextlib.ExitStack() as stack:
         for name in found.names:
             module = block.get_submodule(name)
@@ -400,16 +400,15 @@ class _Rerun(_Recipe):
             for i, v in enumerate(leaves)
             if isinstance(v, torch.Tensor)
         ]
-        self.unhold = hold[1]
+        self.unhold, self.ours = hold[1], hold[2]
         self.saves = 0  # the forward's saves so far: the index of the next
 
     def _make(self) -> tuple:
         leaves = list(self.leaves)
         graph = torch.is_grad_enabled()  # create_graph: the tensors made stay differentiable
         for i, handle, version, grad in self.held:
-            t = (
-                handle.tensor if type(handle) is _Held else self.unhold(handle)
-            )  # _Held: checked here, by name
+            # held by _hold (no hooks below): its version is checked here, naming the module
+            t = handle[0] if self.ours and type(handle) is tuple else self.unhold(handle)
             _check_unchanged(self.label, [t], [version])
             # without create_graph, a graph of its own, dropped once its saved tensors are read
             leaves[i] = t if graph and t.requires_grad == grad else t.detach().requires_grad_(grad)
@@ -543,40 +542,41 @@ def _activation_recipe(base: torch.Tensor, node, make: Callable) -> _Recipe | No
     return _Recipe(label, run(node), (source,), {}, base, (device, torch.get_autocast_dtype(device), False))
 
 
-class _Held:
-    """A tensor saved as it is, where no hooks are below: autograd checks no version of a tensor that
-    saved-tensor hooks packed, so this does, as autograd would without them (a tensor changed in place
-    after an op saved it fails backward, as under keep, instead of giving another gradient)."""
+def _hold(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A tensor saved as it is, where no hooks are below, with its version: autograd checks no version of
+    a tensor that saved-tensor hooks packed, so :func:`_unhold` does, as autograd would without them (a
+    tensor changed in place after an op saved it fails backward, as under keep, instead of giving another
+    gradient). A tensor some op made is held detached (an op's own output would lead back to the node
+    holding it: a cycle); a leaf (a parameter, an input) as it is. A tuple, not an object: this runs for
+    every tensor the block saves."""
+    return (t if t.grad_fn is None else t.detach()), t._version
 
-    __slots__ = ("tensor", "version")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor, self.version = t.detach(), t._version  # detached: no cycle through an op's own output
-
-    def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{self.tensor.dtype} {list(self.tensor.shape)}] is at version "
-                f"{self.tensor._version}; expected version {self.version} instead (a tensor saved in a "
-                "block under the pointwise treatment)"
-            )
-        return self.tensor
+def _unhold(held: tuple[torch.Tensor, int]) -> torch.Tensor:
+    t, version = held
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.dtype} {list(t.shape)}] is at version {t._version}; expected version "
+            f"{version} instead (a tensor saved in a block under the pointwise treatment)"
+        )
+    return t
 
 
 class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
     """While the block's forward runs: an op that saves a dropped output (or a view or cast of it) saves
-    its :class:`_Packed` instead, and so does every op of a run-again module (``running``) for what it
-    creates; every other tensor goes to the hooks in effect below (``below``: a tracker's), so that they
-    see what they would under keep. ``hold``: how a run-again module holds its inputs (as an op outside it
-    saves them: a dropped output stays dropped), and gets them back."""
+    its :class:`_Packed` instead, and so does every op of a run-again module (``running``; ``reruns``:
+    whether the block has any) for what it creates; every other tensor goes to the hooks in effect below
+    (``below``: a tracker's, else :func:`_hold`), so that they see what they would under keep. ``hold``:
+    how a run-again module holds its inputs (as an op outside it saves them: a dropped output stays
+    dropped), and gets them back."""
 
-    def __init__(self, recipes: dict, held: set, running: list, below: tuple) -> None:
+    def __init__(self, recipes: dict, held: set, running: list, below: tuple, reruns: bool) -> None:
         below_pack, below_unpack = below
 
         def outside(t: torch.Tensor):
             # Runs for every tensor an op of the block saves: one look at its storage, and at the node
-            # that made it only where no recipe has it.
+            # that made it only where no recipe has it (a leaf, such as a weight, has none).
             key = storage_key(t)
             recipe = recipes.get(key)
             if recipe is None:
@@ -584,6 +584,8 @@ class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
                     return below_pack(t)
                 base = view_base(t)
                 node = base.grad_fn
+                if node is None:
+                    return below_pack(t)
                 kind = type(node).__name__
                 if kind in _ACTIVATIONS:
                     recipe = _activation_recipe(base, node, _ACTIVATIONS[kind])
@@ -608,9 +610,7 @@ class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
             return outside(t)
 
         def unpack(packed):
-            if type(packed) is _Packed:
-                return packed.unpack()
-            return packed.unpack() if below_unpack is None else below_unpack(packed)
+            return packed.unpack() if type(packed) is _Packed else below_unpack(packed)
 
-        self.hold = (outside, unpack)
-        super().__init__(pack, unpack)
+        self.hold = (outside, unpack, below_unpack is _unhold)
+        super().__init__(pack if reruns else outside, unpack)

@@ -393,6 +393,29 @@ def test_pointwise_fails_backward_where_keep_does_on_a_saved_tensor_changed_in_p
         block(x).sum().backward()
 
 
+def test_pointwise_fails_backward_where_keep_does_on_a_weight_changed_in_place():
+    """A leaf an op saved as it is (``h @ w`` saves ``w`` itself; held as it is, not detached) changed
+    between forward and backward fails backward under pointwise as under keep."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.w = nn.LayerNorm(16), nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            return self.ln(x) @ self.w
+
+    block, x = Block(), torch.randn(4, 16, requires_grad=True)
+    assert _found(block, x) == Pointwise(("ln",))
+    for choice in ("keep", "pointwise"):
+        apply_checkpointing(block, {"": choice})
+        loss = block(x).sum()
+        with torch.no_grad():
+            block.w.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 @pytest.mark.parametrize("name", [None, "gpt2"], ids=["tests-gpt", "hf-gpt2-conv1d"])
 def test_pointwise_drops_the_copies_autocast_makes_of_an_output(name):
     # Under bf16 autocast a LayerNorm runs in float32 and the next linear layer saves autocast's bf16
