@@ -290,8 +290,8 @@ def measure(model, batch, blocks) -> tuple[int, int, int]:
 
 def step_time(model, batch, clock, launched: list[float] | None = None) -> float:
     """Seconds of one step on ``clock``; where ``launched`` is given, the host's seconds from the step's
-    start to the last op launched are appended to it (on CUDA: how long Python takes to launch the step;
-    close to the device's seconds, the step is launch-bound)."""
+    start to the last op launched are appended to it (on CUDA: how long Python takes to launch the step,
+    waits included where the step synchronizes; close to the device's seconds, the step is launch-bound)."""
     model.zero_grad(set_to_none=True)
     host = time.perf_counter()
     start = clock.mark()

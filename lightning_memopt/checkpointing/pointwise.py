@@ -546,9 +546,9 @@ def _hold(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A tensor saved as it is, where no hooks are below, with its version: autograd checks no version of
     a tensor that saved-tensor hooks packed, so :func:`_unhold` does, as autograd would without them (a
     tensor changed in place after an op saved it fails backward, as under keep, instead of giving another
-    gradient). A tensor some op made is held detached (an op's own output would lead back to the node
-    holding it: a cycle); a leaf (a parameter, an input) as it is. A tuple, not an object: this runs for
-    every tensor the block saves."""
+    gradient). A tensor a recorded op made is held detached (an op's own output would lead back to the
+    node holding it: a cycle); one without a ``grad_fn`` (a parameter, a dropout mask) as it is, as nothing
+    leads back from it. A tuple, not an object: this runs for every tensor the block saves."""
     return (t if t.grad_fn is None else t.detach()), t._version
 
 
