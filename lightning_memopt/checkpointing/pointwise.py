@@ -529,13 +529,14 @@ _ACTIVATIONS: dict[str, tuple[str, Callable]] = {
 }
 
 
-def _activation_recipe(base: torch.Tensor, node, make: Callable) -> _Recipe | None:
-    """A recipe for ``base``, the output of a functional activation (``node``: its autograd node; ``make``:
-    how to run it again from the node, from ``_ACTIVATIONS``), or None where it cannot be made again."""
+def _activation_recipe(base: torch.Tensor, key, node, make: tuple[str, Callable]) -> _Recipe | None:
+    """A recipe for ``base``, the output of a functional activation (``key``: its storage; ``node``: its
+    autograd node; ``make``: its label and how to run it again from the node, from ``_ACTIVATIONS``), or
+    None where it cannot be made again."""
     if base._version != 0:  # changed in place since the op made it (under no_grad)
         return None
     source = saved_by(node, "self")
-    if storage_key(source) == storage_key(base):  # computed in place
+    if storage_key(source) == key:  # computed in place
         return None
     label, run = make
     device = base.device.type  # the op ran on ``source`` as it is: no autocast around it again
@@ -588,7 +589,7 @@ class _DroppedSaves(torch.autograd.graph.saved_tensors_hooks):
                     return below_pack(t)
                 kind = type(node).__name__
                 if kind in _ACTIVATIONS:
-                    recipe = _activation_recipe(base, node, _ACTIVATIONS[kind])
+                    recipe = _activation_recipe(base, key, node, _ACTIVATIONS[kind])
                     if recipe is None:
                         return below_pack(t)
                     recipes[key] = recipe
