@@ -155,20 +155,58 @@ class StepMetrics:
 
 
 def loss_of(output: Any) -> torch.Tensor | None:
-    """The scalar loss of a ``training_step`` output (the tensor, or a dict's ``"loss"``); None if it has none.
+    """The scalar loss of a ``training_step`` output (the tensor, or a dict's ``"loss"``); None for None.
 
     Raises:
-        MisconfigurationException: For a loss that is not a scalar.
+        MisconfigurationException: For a loss that is not a scalar, or an output that is neither None nor
+            carries a loss tensor (a dict without ``"loss"``, a Python number): the message says what it
+            returned and what to return.
     """
     loss = output.get("loss") if isinstance(output, Mapping) else output
-    if not isinstance(loss, torch.Tensor):
+    if output is None:
         return None
+    if not isinstance(loss, torch.Tensor):
+        raise MisconfigurationException(not_a_loss(output))
     if loss.numel() != 1:
         raise MisconfigurationException(
             f"training_step must return a scalar loss, got a tensor of shape {tuple(loss.shape)}; reduce it "
             "to one number, e.g. loss.mean() (a mean over samples) or loss.sum() / n, before returning it"
         )
     return loss
+
+
+_RETURN = (
+    "return the loss tensor as computed (not .item() or float(...): a number has no gradient), a dict with "
+    "'loss': that tensor (and anything else on_train_batch_end should get), or None to skip the batch"
+)
+
+
+def not_a_loss(output: Any) -> str:
+    """What ``training_step`` returned instead of a loss, and what to return (one line).
+
+    Example::
+
+        >>> not_a_loss({"acc": 0.5}).split(";")[0]
+        "training_step returned a dict without a 'loss' key (its keys: 'acc')"
+        >>> not_a_loss(0.25).split(";")[0]
+        'training_step returned a float (0.25), not a loss tensor'
+    """
+    if isinstance(output, Mapping):
+        if "loss" not in output:
+            keys = ", ".join(repr(k) for k in output) or "none"
+            return f"training_step returned a dict without a 'loss' key (its keys: {keys}); {_RETURN}"
+        return f"training_step returned a dict whose 'loss' is {_described(output['loss'])}, not a tensor; {_RETURN}"
+    return f"training_step returned {_described(output)}, not a loss tensor; {_RETURN}"
+
+
+def _described(value: Any) -> str:
+    """``a float (0.25)``: the type and, for a short value, the value."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    text = repr(value)
+    return f"{article} {name} ({text})" if len(text) <= 40 else f"{article} {name}"
 
 
 def combine(

@@ -130,3 +130,53 @@ def test_return_none_when_split_is_refused_naming_none() -> None:
     with pytest.raises((MisconfigurationException, RuntimeError, ValueError), match=r"\bNone\b") as error:
         train(SkipsBatches, classification, "split")
     assert not isinstance(error.value, (TypeError, AttributeError))
+
+
+class ReturnsNoLoss(MLP):
+    """``training_step`` returns ``self.returned(loss)``: a form that carries no loss tensor."""
+
+    def __init__(self, returned) -> None:
+        super().__init__()
+        self.returned = returned
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.returned(F.cross_entropy(self.net(x), y))
+
+
+NOT_A_LOSS = {
+    "dict without 'loss'": (
+        lambda loss: {"ce": loss},
+        r"training_step returned a dict without a 'loss' key \(its keys: 'ce'\); return the loss tensor",
+    ),
+    "float": (
+        lambda loss: loss.item(),
+        r"training_step returned a float \(\d\.\d+\), not a loss tensor; return the loss tensor as computed "
+        r"\(not \.item\(\) or float\(\.\.\.\): a number has no gradient\), a dict with 'loss': that tensor "
+        r"\(and anything else on_train_batch_end should get\), or None to skip the batch$",
+    ),
+    "dict with a float 'loss'": (
+        lambda loss: {"loss": loss.item()},
+        r"training_step returned a dict whose 'loss' is a float \(\d\.\d+\), not a tensor; return the loss",
+    ),
+    "dict with 'loss': None": (
+        lambda loss: {"loss": None},
+        r"training_step returned a dict whose 'loss' is None, not a tensor; return the loss tensor",
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(NOT_A_LOSS))
+@pytest.mark.parametrize("mode", ["split", "unsplit"])
+def test_an_output_without_a_loss_tensor_is_named_with_the_fix(form: str, mode: str) -> None:
+    """Not taken for None ("skip this batch"): the message says what came back and what to return."""
+    returned, match = NOT_A_LOSS[form]
+    callbacks = [AutoAccumulation(micro_batch_size=BATCH, log=False)] if mode == "unsplit" else None
+    with pytest.raises(MisconfigurationException, match=match) as error:
+        train(
+            lambda: ReturnsNoLoss(returned),
+            classification,
+            "split" if mode == "split" else "plain",
+            callbacks=callbacks,
+        )
+    assert "None (skip this batch)" not in str(error.value)
