@@ -65,7 +65,7 @@ from lightning_memopt.checkpointing import (
     plan_checkpointing,
     profile_blocks,
 )
-from lightning_memopt.checkpointing.profile import _OpCounter
+from lightning_memopt.checkpointing.flops import OpCounter
 from lightning_memopt.data.clock import HostClock, step_clock
 
 TREATMENTS = ["keep", "selective", "full", "pointwise"]  # offload copies to the same memory on a CPU
@@ -283,7 +283,7 @@ def measure(model, batch, blocks) -> tuple[int, int, int]:
         loss_of(model, batch).backward()
         peak = meter.tracker.peak - before
     model.zero_grad(set_to_none=True)
-    with _OpCounter() as counter:
+    with OpCounter() as counter:
         loss_of(model, batch).backward()
     return meter.total, peak, counter.flops
 

@@ -9,7 +9,7 @@ left alone; RNG and buffers are restored afterwards):
 - activation bytes: a :class:`~lightning_memopt.memory.MemoryTracker` entered around the forward, with
   the tensors cached by selective checkpointing marked as activations (they bypass saved-tensor hooks);
   its ``activations`` bytes when the forward returns are what the block holds for backward.
-- recompute cost: the compute-heavy FLOPs (``FlopCounterMode``'s formulas) and the bytes moved by every
+- recompute cost: the compute-heavy FLOPs (:mod:`~lightning_memopt.checkpointing.flops`) and the bytes moved by every
   other op (pointwise ops are memory-bound: they cost bytes, not FLOPs) run during backward, minus the
   same numbers for ``keep``; that difference is exactly the recomputation.
 - transfer bytes: bytes copied to CPU by ``offload`` (they come back, so twice that crosses the bus).
@@ -31,9 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils._pytree import tree_map
 
 from lightning_memopt._compat import in_backward
 from lightning_memopt._replay import is_replaying
@@ -50,6 +48,7 @@ from lightning_memopt.checkpointing.apply import (
 from lightning_memopt.checkpointing.apply import (
     _signature as _signature_of,
 )
+from lightning_memopt.checkpointing.flops import OpCounter
 from lightning_memopt.checkpointing.timing import time_treatments
 from lightning_memopt.checkpointing.written import Snapshot, detach_state
 from lightning_memopt.data.clock import Clock
@@ -67,13 +66,6 @@ __all__ = [
     "ActivationMeter",
     "ForwardProbe",
 ]
-
-_aten = torch.ops.aten
-# Attention on CPU is missing from FlopCounterMode's registry; count it with torch's own formulas.
-_CPU_ATTENTION = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: "fwd",
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: "bwd",
-}
 
 
 @dataclass
@@ -151,38 +143,6 @@ class BlockInputs:
     same_shape: bool = True
     """Whether the block's primary output had the shape of its primary input (a layer of a stack maps the
     hidden state to the hidden state: ``find_blocks``' rule 6)."""
-
-
-class _OpCounter(TorchDispatchMode):
-    """Count compute-heavy FLOPs and the bytes moved by every other (non-view) op."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func.overloadpacket
-        if packet in flop_registry:
-            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
-        elif packet in _CPU_ATTENTION:
-            q, k, v = _qkv(packet, args)
-            if _CPU_ATTENTION[packet] == "fwd":
-                self.flops += sdpa_flop_count(q.shape, k.shape, v.shape)
-            else:
-                self.flops += sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape)
-        elif not func.is_view and func.namespace != "prim":  # prim: metadata queries (fake tensors)
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return out
-
-
-def _qkv(packet, args):
-    if _CPU_ATTENTION[packet] == "fwd":
-        return args[0], args[1], args[2]
-    return args[1], args[2], args[3]  # backward: (grad_out, query, key, value, ...)
 
 
 def _detach(value):
@@ -586,7 +546,7 @@ def _run(block, call, captured: BlockInputs, context):
         else:
             offloaded[0] += t.untyped_storage().nbytes()
 
-    counter = _OpCounter()
+    counter = OpCounter()
     with tracker, observe_saved(seen), counter, (context or contextlib.nullcontext)():
         out = call(*args, **kwargs)
     outs = [t for t in _tensors(out) if t.requires_grad]
@@ -611,7 +571,7 @@ def _run(block, call, captured: BlockInputs, context):
     )
     cost = OptionCost(internal, saves_in, saves_out, transfer_bytes=offloaded[0])
     params = [p for p in block.parameters() if p.requires_grad]
-    bwd_counter = _OpCounter()
+    bwd_counter = OpCounter()
     if outs:
         loss = sum(o.float().sum() for o in outs)
         # Not held through backward, as in the model's backward: the profile's peak stays below the step's.

@@ -8,7 +8,7 @@ that run (FlopCounterMode's FLOPs of compute-heavy ops, plus the bytes every oth
 
 from __future__ import annotations
 
-from lightning_memopt.checkpointing.profile import _OpCounter
+from lightning_memopt.checkpointing.flops import OpCounter
 
 
 class WorkClock:
@@ -20,12 +20,12 @@ class WorkClock:
 
     def __init__(self, flops_per_byte: float = 50.0) -> None:
         self.flops_per_byte = flops_per_byte
-        self._counter: _OpCounter | None = None
+        self._counter: OpCounter | None = None
         self.passes = 0  # how many passes were timed
 
     def mark(self) -> float:
         if self._counter is None:
-            self._counter = _OpCounter()
+            self._counter = OpCounter()
             self._counter.__enter__()
             return 0.0
         counter, self._counter = self._counter, None

@@ -26,7 +26,7 @@ from lightning_memopt.checkpointing import (
     profile_blocks,
     remove_checkpointing,
 )
-from lightning_memopt.checkpointing.profile import _OpCounter
+from lightning_memopt.checkpointing.flops import OpCounter
 from tests.checkpointing.helpers import live_tensors
 from tests.checkpointing.models import Block, TinyGPT
 
@@ -236,7 +236,7 @@ def _selective_cached_bytes(block, x):
     apply_checkpointing(block, {"": "selective"})
     with observe_saved(lambda kind, t: cached.append(t.nbytes)):
         out = block(x)
-    with _OpCounter() as backward:  # FlopCounterMode's module hooks break selective recomputation
+    with OpCounter() as backward:  # FlopCounterMode's module hooks break selective recomputation
         out.sum().backward()
     remove_checkpointing(block)
     return cached, backward.flops
@@ -245,12 +245,12 @@ def _selective_cached_bytes(block, x):
 def test_selective_skips_compute_after_the_last_saved_tensor():
     torch.manual_seed(0)
     block, x = _MLPBlock(), torch.randn(4, 8, requires_grad=True)
-    with _OpCounter() as plain:
+    with OpCounter() as plain:
         block(x).sum().backward()
     ref = [p.grad.clone() for p in block.parameters()]
     block.zero_grad()
     rng = torch.get_rng_state()
-    with _OpCounter() as outer:  # the fake-tensor analysis is invisible to modes the caller entered
+    with OpCounter() as outer:  # the fake-tensor analysis is invisible to modes the caller entered
         cached, backward = _selective_cached_bytes(block, x)
     assert torch.equal(torch.get_rng_state(), rng)
     # Only fc's output (4 x 32 fp32) is cached; proj runs after gelu's input and proj's input are saved,
