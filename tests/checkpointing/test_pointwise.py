@@ -3,6 +3,7 @@ holds (exact, MemoryTracker), and gradients equal to the plain run's, on the tes
 third-party models (tests/zoo)."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -24,6 +25,11 @@ from tests.checkpointing.models import TinyGPT
 def _found(block: nn.Module, *args) -> tuple:
     fn = lambda *a: type(block).forward(block, *a)  # noqa: E731
     return pointwise_modules(block, fn, args, {}, is_compute=is_compute_op)
+
+
+def _no_cache(model) -> dict:
+    """``use_cache=False`` where the model takes it: the plain run on the inputs a treated block gets."""
+    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
 
 def _grads(model, *args, **kwargs):
@@ -140,13 +146,23 @@ def test_pointwise_gradients_equal_the_plain_run_on_the_zoo(name):
     torch.manual_seed(0)
     model = zoo.no_dropout(zoo.ZOO[name].build(torch.float64))
     batch = {k: v.double() if v.is_floating_point() else v for k, v in zoo.ZOO[name].batch(4, 0).items()}
-    ref = _grads(model, **batch)
+    plain = _grads(model, **batch)
+    # A treated block runs without the key/value cache (checkpointing/apply.py drops it). T5's decoder
+    # computes its cross-attention another way without one: its logits differ by an ulp from the cached
+    # run's, in the forward, whatever the treatment (full too). Bit for bit therefore against the plain run
+    # on the blocks' own inputs, and against the default (cached) run at float64 rounding.
+    ref = _grads(model, **batch, **_no_cache(model))
     keys = list(model.state_dict())
     apply_checkpointing(model, {n: "pointwise" for n, _ in find_blocks(model)})
     got = _grads(model, **batch)
     assert list(model.state_dict()) == keys and got.keys() == ref.keys()
     for n in ref:  # bit for bit: the modules' own autograd nodes do their backward, in the plain order
         assert torch.equal(got[n], ref[n]), n
+        # T5 (transformers 5.17 to 5.24): up to 4.3 eps of the largest gradient, every parameter
+        eps = torch.finfo(plain[n].dtype).eps
+        torch.testing.assert_close(
+            got[n], plain[n], rtol=0, atol=64 * eps * plain[n].abs().max().item(), msg=n
+        )
     live = live_tensors()
     _grads(model, **batch)
     assert live_tensors() == live  # nothing a step made again stays behind (GPT-2's GELU, Llama's norms)
@@ -437,8 +453,8 @@ def test_pointwise_drops_the_copies_autocast_makes_of_an_output(name):
     if name is None:  # two bf16 copies of (B,T,h) and the bf16 GELU output (B,T,4h)
         assert dropped == 2 * B * T * h * 2 + B * T * 4 * h * 2
     apply_checkpointing(model, dict.fromkeys((n for n, _ in blocks), "pointwise"))
-    with autocast():
-        ref, got = _grads(plain, *args, **kwargs), _grads(model, *args, **kwargs)
+    with autocast():  # the plain run without a key/value cache, as the treated blocks run (see the zoo test)
+        ref, got = _grads(plain, *args, **kwargs, **_no_cache(plain)), _grads(model, *args, **kwargs)
     assert all(torch.equal(got[n], ref[n]) for n in ref)
     found = next(iter(model.get_submodule(blocks[-1][0]).__dict__[_STATE].pointwise.values()))
     assert {"ln_1", "ln_2"} <= set(found.names)
