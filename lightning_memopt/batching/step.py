@@ -26,6 +26,7 @@ from lightning_memopt.batching.regime import Regime, drop_attempt
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import micro_batch_sizes, split_batch
 from lightning_memopt.batching.state import OptimizerSnapshot
+from lightning_memopt.memory.phases import running
 
 __all__ = ["Attempt", "EvalStep", "OptimizerStep", "TrainingStep"]
 
@@ -168,7 +169,10 @@ class TrainingStep:
                     weighted = weights.weighted(i, loss, observer)
                     if scaler is not None:
                         weighted = scaler.scale(weighted)
-                    regime.wrap_loss(weighted).backward()
+                    # Lightning's hooks see this as forward (it runs inside training_step): MemoryMonitor
+                    # files it under backward, where it runs.
+                    with running("backward"):
+                        regime.wrap_loss(weighted).backward()
                 if i < len(sizes):
                     result.outputs.append(out)
                     result.losses.append(loss.detach())

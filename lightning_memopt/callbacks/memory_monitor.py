@@ -33,9 +33,10 @@ class MemoryMonitor(ReleasingCallback):
     r"""Record the peak memory of every training step by phase and category, log it, and write a report.
 
     Each training step is cut at public Lightning hooks into three phases: ``forward``
-    (``on_train_batch_start`` → ``on_before_backward``: ``training_step`` and ``zero_grad``; with
-    ``AutoAccumulation``, every micro-batch's forward *and backward*), ``backward`` (→
-    ``on_before_optimizer_step``, or the end of an accumulating batch) and ``optimizer`` (→
+    (``on_train_batch_start`` → ``on_before_backward``: ``training_step`` and ``zero_grad``), ``backward``
+    (→ ``on_before_optimizer_step``, or the end of an accumulating batch; with micro-batching by
+    ``AutoAccumulation`` or ``OOMBackoff``, also each micro-batch's backward, which runs inside
+    ``training_step``) and ``optimizer`` (→
     ``on_train_batch_end``: clipping and ``optimizer.step()``; 0 on accumulating batches). For each phase it
     keeps the peak bytes and, with a breakdown, the bytes of each category of
     :class:`~lightning_memopt.memory.MemoryTracker` at that peak; validation runs are measured apart.

@@ -17,11 +17,17 @@ Where the numbers come from is decided once, from the device and the ``breakdown
 :class:`StepPeaks` keeps a run's records, as training and validation steps open and close them;
 :func:`record_metrics` and :func:`merge_across_ranks` turn records into the
 logged values. Nothing here imports Lightning.
+
+Work that runs a phase where the loop's hooks cannot see it (micro-batching runs every micro-batch's
+backward inside ``training_step``) says so with :func:`running`: every :class:`StepPeaks` measuring a
+training step then files that work under its phase, and returns to the phase it was in after.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -47,6 +53,7 @@ __all__ = [
     "check_breakdown",
     "merge_across_ranks",
     "record_metrics",
+    "running",
 ]
 
 Breakdown = Literal["auto", "always", "never"]
@@ -54,6 +61,41 @@ Breakdown = Literal["auto", "always", "never"]
 too, by running the tracker there as well; ``"never"``: only peaks."""
 BREAKDOWN_MODES: tuple[str, ...] = get_args(Breakdown)
 _GIB = 2**30
+# The StepPeaks between begin() and end(), which running() tells; weak: a run that never called end()
+# (a failed fit) must not be kept alive by this registry.
+_MEASURING: weakref.WeakSet[StepPeaks] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def running(phase: str) -> Iterator[None]:
+    """File the work inside the ``with`` under ``phase`` in every training step being measured, then go
+    back to the phase each was in (also when the work raises).
+
+    For work that the hooks cutting a step into phases cannot see: micro-batching runs each micro-batch's
+    ``backward`` inside ``training_step``, which the hooks see as ``forward``. Outside a measured step
+    this does nothing.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 4)
+        >>> peaks = StepPeaks()
+        >>> peaks.begin("cpu", model, [])
+        >>> peaks.step_start()
+        >>> loss = model(torch.ones(2, 4)).sum()
+        >>> with running("backward"):
+        ...     loss.backward()
+        >>> peaks.step_end(); peaks.end()
+        True
+        >>> record = peaks.train[-1]
+        >>> record["forward"], record["backward"], record["backward_gradients"]
+        (164, 200, 80)
+    """
+    entered = [(peaks, peaks.enter(phase)) for peaks in list(_MEASURING) if peaks.in_step]
+    try:
+        yield
+    finally:
+        for peaks, previous in entered:
+            peaks.phase(previous)
 
 
 def check_breakdown(breakdown: object) -> None:
@@ -112,6 +154,11 @@ class PhaseRecorder:
         """Where the peaks come from."""
         self._inside = False  # whether the tracker is entered
         self._open: tuple[dict[str, int], str] | None = None  # (record, phase) of the open window
+
+    @property
+    def phase(self) -> str | None:
+        """The phase of the open window (None: none is open)."""
+        return None if self._open is None else self._open[1]
 
     @property
     def source(self) -> str:
@@ -220,9 +267,11 @@ class StepPeaks:
         :class:`PhaseRecorder`)."""
         self.end()
         self.recorder = PhaseRecorder(device, module, optimizers, breakdown=self.breakdown, heads=heads)
+        _MEASURING.add(self)
 
     def end(self) -> None:
         """Stop measuring and drop the recorder (the model); the records stay. Safe twice."""
+        _MEASURING.discard(self)
         if self.recorder is not None:
             self.recorder.discard()
         self.recorder = self._record = self._val_record = self._window = None
@@ -233,10 +282,27 @@ class StepPeaks:
             self._record = self.recorder.new_record(self.steps)
             self.recorder.start(self._record, PHASES[0])
 
+    @property
+    def in_step(self) -> bool:
+        """Whether a training step is being measured (between :meth:`step_start` and its end)."""
+        return self._record is not None and self.recorder.phase is not None
+
     def phase(self, name: str) -> None:
         """The open training step enters phase ``name``."""
         if self._record is not None:
             self.recorder.switch(name)
+
+    def enter(self, name: str) -> str:
+        """The open training step enters phase ``name``; returns the phase it was in (see :func:`running`).
+
+        Raises:
+            RuntimeError: If no training step is being measured.
+        """
+        if not self.in_step:
+            raise RuntimeError(f"enter({name!r}) needs a training step being measured; call step_start first")
+        previous = self.recorder.phase
+        self.recorder.switch(name)
+        return previous
 
     def step_end(self) -> bool:
         """Close the open training step into :attr:`train`; False if none was open."""
