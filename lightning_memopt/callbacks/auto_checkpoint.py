@@ -21,7 +21,7 @@ from lightning_memopt.callbacks._hooks import ReleasingCallback, wrap_instance_h
 from lightning_memopt.callbacks._micro_batching import engine_of
 from lightning_memopt.callbacks._output import info
 from lightning_memopt.checkpointing import CostModel, InfeasibleBudgetError
-from lightning_memopt.checkpointing.auto import AutoCheckpointer
+from lightning_memopt.checkpointing.auto import AutoCheckpointer, NoBlockError
 from lightning_memopt.checkpointing.ranks import gather_over_ranks, most_over_ranks
 from lightning_memopt.checkpointing.shapes import step_signature
 
@@ -71,7 +71,8 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
             ``every_n < 1``, a limit with a forced mode, a bad headroom, ``blocks``, ``cost_model``,
             ``allow_offload`` or ``log`` of the wrong kind.
         MisconfigurationException: In ``setup``, for a fraction of an unknown capacity; after the first
-            batch, for a limit too small for any plan (the message says what it must hold).
+            batch, for a limit too small for any plan (the message says what it must hold), or a forced
+            ``mode`` that no block can take (each block's reason).
 
     Logged keys (at the first batch that runs each plan made):
 
@@ -175,7 +176,7 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
                 gather=lambda mine: gather_over_ranks(trainer.strategy, mine),
                 signature=ran,
             )
-        except InfeasibleBudgetError as err:
+        except (InfeasibleBudgetError, NoBlockError) as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
         for note in outcome.notes:
             rank_zero_warn(f"AutoCheckpoint: {note}")

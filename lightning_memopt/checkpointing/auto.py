@@ -53,7 +53,7 @@ from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_ma
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.tracker import state_bytes
 
-__all__ = ["AutoCheckpointer", "StepOutcome", "auto_checkpoint"]
+__all__ = ["AutoCheckpointer", "NoBlockError", "StepOutcome", "auto_checkpoint"]
 
 Gather = Callable[[Any], list[Any]]
 """What every process measured, in rank order (``lambda value: [value]`` in one process)."""
@@ -67,6 +67,10 @@ def _alone(value: Any) -> list[Any]:
 
 def _same(values: list[int]) -> list[int]:
     return list(values)
+
+
+class NoBlockError(ValueError):
+    """A forced ``mode`` that no block of the model can take (every block keeps its activations)."""
 
 
 @dataclass
@@ -252,6 +256,7 @@ class AutoCheckpointer:
 
         Raises:
             InfeasibleBudgetError: Under a limit, if no plan fits.
+            NoBlockError: For a forced ``mode`` that no block takes (each block's reason in the message).
         """
         probe, self._probe = self._probe, None
         if probe is None:
@@ -286,10 +291,35 @@ class AutoCheckpointer:
         agreed = agree(gather(Measured(self._signature, profiles, states, probe.outside_bytes)))
         held = lambda: (agreed.states, agreed.outside)  # noqa: E731
         self.plan = policy.choose(agreed.profiles, self.plan.choices, held)
+        self._say_if_idle(self._model)
         if self._by_shape:
             first, *others = agreed.signatures
             self.shape_plans.add(first, self.plan, full_bytes=full_peak(agreed.profiles), also=others)
         return self.plan
+
+    def _say_if_idle(self, model: nn.Module) -> None:
+        """Never a silent no-op: where the plan treats no block, say why in one line (a forced mode that
+        applies to no block is an error; under a limit, keeping every block is the fastest plan that fits).
+
+        Raises:
+            NoBlockError: For a forced ``mode`` that no block can take.
+        """
+        if any(choice != "keep" for choice in self.plan.choices.values()):
+            return
+        what = type(model).__name__
+        found = len(self.plan.choices)
+        cause = "; ".join(self._notes) if self._notes else None
+        if self.mode != "auto":
+            raise NoBlockError(
+                f"{self.name}(mode={self.mode!r}) applies to no block of {what} ({found} profiled): "
+                f"{cause or 'no block can be recomputed'}. Pass blocks=[...] naming modules that can be "
+                "recomputed, or use mode='auto'"
+            )
+        if self._policy.limit.usable is not None and self.plan.predicted:
+            why = f"the step fits {self.plan_limit()} with every block keeping its activations (no recompute)"
+        else:
+            why = cause or "recomputing no block lowers the bytes held or the peak"
+        self.note(f"{self.name} checkpoints no block of {what}: {why}")
 
     def state(self) -> dict[str, Any]:
         """The plans as plain values, for a checkpoint (:meth:`load_state`)."""

@@ -213,3 +213,50 @@ def test_docstring_examples_run():
     import lightning_memopt.checkpointing.auto as auto
 
     assert doctest.testmod(auto, raise_on_error=True).attempted == 15
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class _CallsForward(nn.Module):
+    """Calls its layers as ``layer.forward(x)``: no block can be recomputed (its hooks never run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x.sum()
+
+
+def test_a_forced_mode_that_no_block_takes_raises_with_each_blocks_reason():
+    model = _CallsForward()
+    with pytest.raises(
+        ValueError, match=r"mode='full'\) applies to no block of _CallsForward .*called as \.forward\(\)"
+    ):
+        auto_checkpoint(model, torch.randn(2, 8), mode="full")
+    assert checkpointed_blocks(model) == {}  # left as it was
+
+
+def test_a_plan_that_treats_no_block_says_why_in_one_line():
+    model = _CallsForward()
+    with pytest.warns(
+        UserWarning, match=r"^auto_checkpoint checkpoints no block of _CallsForward: layers\.0, layers\.1"
+    ) as seen:
+        auto_checkpoint(model, torch.randn(2, 8))
+    assert sum("checkpoints no block" in str(w.message) for w in seen) == 1
+    # Under a limit the step fits with every block kept: that is said too (no recompute is the fastest plan).
+    model = nn.Sequential(*[_Layer() for _ in range(3)])
+    with pytest.warns(
+        UserWarning, match=r"checkpoints no block of Sequential: the step fits max_memory='1GiB'"
+    ):
+        handle = auto_checkpoint(model, torch.randn(2, 8), max_memory="1GiB", cost_model=FLOPS)
+    assert set(handle.plan.choices.values()) == {"keep"}
