@@ -7,7 +7,7 @@ The rules (``self.log`` by ``reduce_fx``, torchmetrics on step, the output dict'
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memopt._patch import patch
 
-__all__ = ["ChangedOrEvery", "LogRecorder", "StepMetrics", "combine", "loss_of"]
+__all__ = ["ChangedOrEvery", "LogRecorder", "StepMetrics", "combine", "loss_of", "reductions", "warn_inexact"]
 
 _REDUCTIONS: dict[Any, str] = {
     "mean": "mean", "avg": "mean", torch.mean: "mean",
@@ -209,10 +209,84 @@ def _described(value: Any) -> str:
     return f"{article} {name} ({text})" if len(text) <= 40 else f"{article} {name}"
 
 
+# A reduction's autograd node, by its class name: what it reduced, and how its micro-batch values combine.
+_REDUCING = {
+    "MaxBackward1": "max", "AmaxBackward0": "max", "MaxBackward0": "max",
+    "MinBackward1": "min", "AminBackward0": "min", "MinBackward0": "min",
+    "SumBackward0": "sum", "SumBackward1": "sum",
+    "MeanBackward0": "mean", "MeanBackward1": "mean",
+}  # fmt: skip
+# Nodes that change neither the value nor what it reduced (a cast, a copy), looked through.
+_PASSING = ("ToCopyBackward0", "CloneBackward0", "AliasBackward0")
+
+
+def reductions(output: Any, size: int, key: str = "") -> dict[str, tuple[str, float]]:
+    """How each floating tensor in a micro-batch's ``output`` that is not one value per sample was reduced
+    over the micro-batch's ``size`` samples, read from its autograd node before backward frees it: by
+    :func:`combine`'s key, ``(kind, weight)``, kind ``"max"``, ``"min"``, ``"sum"`` or ``"mean"``, weight
+    the elements a mean averaged (1 for the others). Only reductions that cover the sample dimension (dim 0 of their input)
+    are listed: those combine exactly over the micro-batches.
+
+    Example::
+
+        >>> x = torch.ones(4, 3, requires_grad=True)
+        >>> reductions({"loss": x.sum(), "top": x.max(), "avg": x.mean(0), "n": x.detach().sum()}, 4)
+        {"['loss']": ('sum', 1.0), "['top']": ('max', 1.0), "['avg']": ('mean', 4.0)}
+    """
+    if isinstance(output, torch.Tensor):
+        how = _reduction(output, size)
+        return {} if how is None else {key: how}
+    if isinstance(output, Mapping):
+        return {
+            k: v
+            for name, value in output.items()
+            for k, v in reductions(value, size, f"{key}[{name!r}]").items()
+        }
+    if isinstance(output, (list, tuple)) and not hasattr(output, "_fields"):
+        return {
+            k: v for i, value in enumerate(output) for k, v in reductions(value, size, f"{key}[{i}]").items()
+        }
+    return {}
+
+
+def _reduction(tensor: torch.Tensor, size: int) -> tuple[str, float] | None:
+    node = tensor.grad_fn
+    if node is None or not tensor.is_floating_point() or (tensor.dim() > 0 and tensor.shape[0] == size):
+        return None  # no graph to read, or one value per sample (joined as such)
+    while type(node).__name__ in _PASSING and node.next_functions and node.next_functions[0][0] is not None:
+        node = node.next_functions[0][0]
+    kind = _REDUCING.get(type(node).__name__)
+    if kind is None:
+        return None
+    if hasattr(node, "_saved_self_sym_sizes"):
+        shape = tuple(int(n) for n in node._saved_self_sym_sizes)
+    else:
+        shape = tuple(node._saved_self.shape)  # max/min: before backward, which may free it
+    dims = getattr(node, "_saved_dim", ())
+    dims = {d % max(len(shape), 1) for d in ((dims,) if isinstance(dims, int) else dims)} or set(
+        range(len(shape))
+    )
+    if kind in ("max", "min"):
+        # The largest of the micro-batches' largest is the batch's, over the samples or over none of them
+        # (a value the samples do not change is the same in each micro-batch).
+        return (kind, 1.0) if 0 in dims or not shape else None
+    if not shape or shape[0] != size or 0 not in dims:
+        return None  # a sum or mean that is not over this micro-batch's samples: summing it would be wrong
+    return kind, float(torch.Size([shape[d] for d in dims]).numel()) if kind == "mean" else 1.0
+
+
 def combine(
-    outputs: list[Any], sizes: list[int], *, warn: Callable[[str], None] | None = None, key: str = ""
+    outputs: list[Any],
+    sizes: list[int],
+    *,
+    how: list[dict[str, tuple[str, float]]] | None = None,
+    inexact: list[str] | None = None,
+    key: str = "",
 ) -> Any:
-    """One step output from the micro-batches' outputs (the rules of the module docstring).
+    """One step output from the micro-batches' outputs: per-sample tensors joined, integer counts added, a
+    max, min, sum or mean over the samples (``how``: each micro-batch's :func:`reductions`) combined as
+    such; anything else is a guess (floats averaged by samples, other objects the last micro-batch's),
+    and its key is added to ``inexact``.
 
     Example::
 
@@ -220,6 +294,8 @@ def combine(
         tensor([1., 2., 3.])
         >>> combine([torch.tensor(2), torch.tensor(3)], [2, 1])
         tensor(5)
+        >>> combine([torch.tensor(0.5), torch.tensor(0.9)], [2, 1], how=[{"": ("max", 1.0)}] * 2)
+        tensor(0.9000)
     """
     first = outputs[-1]
     if isinstance(first, torch.Tensor):
@@ -228,32 +304,53 @@ def combine(
             return torch.cat(outputs)
         if not (first.is_floating_point() or first.is_complex()):
             return torch.stack(outputs).sum(0)
-        return _mean(outputs, sizes, warn, key)
+        kinds = [h.get(key) for h in how] if how is not None and len(how) == len(outputs) else [None]
+        same_shape = all(o.shape == first.shape for o in outputs)
+        if None not in kinds and len({k for k, _ in kinds}) == 1 and same_shape:
+            return _reduce(outputs, kinds)
+        return _mean(outputs, sizes, inexact, key)
     if isinstance(first, bool) or first is None:
         return first
     if isinstance(first, int):
         return sum(outputs)
     if isinstance(first, float):
-        return float(_mean([torch.tensor(o, dtype=torch.float64) for o in outputs], sizes, warn, key))
+        return float(_mean([torch.tensor(o, dtype=torch.float64) for o in outputs], sizes, inexact, key))
     if isinstance(first, Mapping):
         return type(first)(
-            {k: combine([o[k] for o in outputs], sizes, warn=warn, key=f"{key}[{k!r}]") for k in first}
+            {
+                k: combine([o[k] for o in outputs], sizes, how=how, inexact=inexact, key=f"{key}[{k!r}]")
+                for k in first
+            }
         )
     if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
         parts = [
-            combine(list(items), sizes, warn=warn, key=f"{key}[{i}]") for i, items in enumerate(zip(*outputs))
+            combine(list(items), sizes, how=how, inexact=inexact, key=f"{key}[{i}]")
+            for i, items in enumerate(zip(*outputs))
         ]
         return type(first)(parts)
-    if warn is not None:
-        warn(f"outputs{key} ({type(first).__name__}) is the last micro-batch's")
+    if inexact is not None:
+        inexact.append(key)
     return first
 
 
-def _mean(outputs: list[torch.Tensor], sizes: list[int], warn: Callable[[str], None] | None, key: str) -> Any:
-    if warn is not None:
-        warn(
-            f"outputs{key} is the micro-batches' values averaged by samples (if it is a sum, return it as an integer tensor)"
-        )
+def _reduce(outputs: list[torch.Tensor], kinds: list[tuple[str, float]]) -> torch.Tensor:
+    """The micro-batches' maxes, mins, sums or means (each weighted by the elements it averaged) as one."""
+    kind = kinds[0][0]
+    stacked = torch.stack(outputs)
+    if kind == "max":
+        return stacked.amax(0)
+    if kind == "min":
+        return stacked.amin(0)
+    if kind == "sum":
+        return stacked.sum(0)
+    weights = torch.tensor([w for _, w in kinds], dtype=torch.float64, device=stacked.device)
+    weights = weights.view(-1, *[1] * (stacked.dim() - 1))
+    return ((stacked.double() * weights).sum(0) / weights.sum()).to(stacked.dtype)
+
+
+def _mean(outputs: list[torch.Tensor], sizes: list[int], inexact: list[str] | None, key: str) -> Any:
+    if inexact is not None:
+        inexact.append(key)
     total = sum(sizes)
     return sum(o * (s / total) for o, s in zip(outputs, sizes))
 
@@ -276,12 +373,19 @@ class ChangedOrEvery:
                 log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
 
-def warn_once(seen: set[str]) -> Callable[[str], None]:
-    """A warning function that names each message once (``seen`` keeps what was said)."""
-
-    def warn(message: str) -> None:
-        if message not in seen:
-            seen.add(message)
-            rank_zero_warn(f"micro-batching combined training_step's output: {message}")
-
-    return warn
+def warn_inexact(keys: list[str], seen: set[str]) -> None:
+    """Say once (per set of keys; ``seen`` keeps what was said) which keys of ``training_step``'s output
+    :func:`combine` could not combine exactly, and what to return instead."""
+    if not keys:
+        return
+    names = ", ".join(f"outputs{key}" for key in keys)
+    message = (
+        f"micro-batching cannot combine training_step's {names} exactly from its micro-batches' values (a "
+        "float is averaged by samples, any other object is the last micro-batch's), so on_train_batch_end "
+        "may see other values than without micro-batching; return one value per sample (joined), an integer "
+        "count (added), or a max, min, sum or mean over the samples as a tensor still attached to the graph "
+        "(no .detach() or .item(): its reduction is read from it)"
+    )
+    if message not in seen:
+        seen.add(message)
+        rank_zero_warn(message)

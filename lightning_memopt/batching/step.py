@@ -15,13 +15,21 @@ from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.memory import recursive_detach
 
 from lightning_memopt._replay import replaying
 from lightning_memopt.batching import exactness
 from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.distributed import any_rank, max_over_ranks_each
 from lightning_memopt.batching.loss import batch_key
-from lightning_memopt.batching.outputs import LogRecorder, StepMetrics, combine, loss_of, warn_once
+from lightning_memopt.batching.outputs import (
+    LogRecorder,
+    StepMetrics,
+    combine,
+    loss_of,
+    reductions,
+    warn_inexact,
+)
 from lightning_memopt.batching.regime import Regime, drop_attempt
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import micro_batch_sizes, split_batch
@@ -44,10 +52,12 @@ class Attempt(Protocol):
 @dataclass
 class Pass:
     """What one pass over a batch's micro-batches left: the step's loss (None: ``training_step`` returned
-    None for an unsplit batch), each micro-batch's output and loss, the held-back logs."""
+    None for an unsplit batch), each micro-batch's output (detached) and loss, how each output's values
+    were reduced over its samples (:func:`~.outputs.reductions`), the held-back logs."""
 
     loss: torch.Tensor | None
     outputs: list[Any] = field(default_factory=list)
+    how: list[dict[str, tuple[str, float]]] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     recorder: LogRecorder | None = None
     relearned: bool = False
@@ -69,6 +79,7 @@ class TrainingStep:
         self.sizes: list[int] = [self.total]
         self.pad = 0  # FSDP2: repeats of the last micro-batch, weighted 0, to run the count the ranks agreed
         self.result = Pass(None)
+        self._combined: tuple[Pass, Any] | None = None  # (the pass, its output), combined once
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -76,14 +87,19 @@ class TrainingStep:
 
     @property
     def output(self) -> Any:
-        """The step's output besides the loss (None: the loss alone)."""
+        """The step's output besides the loss (None: the loss alone); the keys that cannot be combined
+        exactly from the micro-batches' are named in a warning, once."""
         outs = self.result.outputs
         if not outs or not isinstance(outs[0], dict):
             return None if self.loss is not None or not outs else outs[0]
         extras = [{k: v for k, v in o.items() if k != "loss"} for o in outs]
-        return (
-            extras[0] if len(extras) == 1 else combine(extras, self.sizes, warn=warn_once(self.engine.warned))
-        )
+        if len(extras) == 1:
+            return extras[0]
+        if self._combined is None or self._combined[0] is not self.result:
+            inexact: list[str] = []
+            self._combined = self.result, combine(extras, self.sizes, how=self.result.how, inexact=inexact)
+            warn_inexact(inexact, self.engine.warned)
+        return self._combined[1]
 
     # ------------------------------------------------------------------ the attempt
     def choose(self) -> Regime:
@@ -166,6 +182,8 @@ class TrainingStep:
                         if len(parts) > 1:
                             raise MisconfigurationException(_NONE)
                         return Pass(None, [out], recorder=result.recorder)
+                    # Read before backward frees the graph: how each output value reduced its samples.
+                    how = reductions(out, sizes[i]) if isinstance(out, dict) else {}
                     weighted = weights.weighted(i, loss, observer)
                     if scaler is not None:
                         weighted = scaler.scale(weighted)
@@ -174,7 +192,10 @@ class TrainingStep:
                     with running("backward"):
                         regime.wrap_loss(weighted).backward()
                 if i < len(sizes):
-                    result.outputs.append(out)
+                    # Detached, as Lightning keeps a step's output: a value's graph would hold its
+                    # micro-batch's activations (logits.max() saves the logits) until the step ends.
+                    result.outputs.append(recursive_detach(out))
+                    result.how.append(how)
                     result.losses.append(loss.detach())
                 del out, loss, weighted
         result.loss, result.relearned = weights.loss, weights.relearned

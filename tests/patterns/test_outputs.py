@@ -180,3 +180,74 @@ def test_an_output_without_a_loss_tensor_is_named_with_the_fix(form: str, mode: 
             callbacks=callbacks,
         )
     assert "None (skip this batch)" not in str(error.value)
+
+
+class Reductions(MLP):
+    """Returns the loss beside reductions of the logits over the batch's samples, and keeps what
+    ``on_train_batch_end`` sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[dict] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)  # (B, CLASSES)
+        return {
+            "loss": F.cross_entropy(logits, y),
+            "max_logit": logits.max(),
+            "min_logit": logits.min().float(),  # a cast does not hide the reduction
+            "class_max": logits.amax(dim=0),  # (CLASSES,)
+            "logit_sum": logits.sum(),
+            "mean_prob": logits.softmax(-1).mean(),
+            "class_mean": logits.mean(dim=0),  # (CLASSES,)
+            "top_logit": logits.max().detach(),  # no graph: how it was reduced cannot be read
+            "scale": 2.5,  # a Python float: nothing says what it is
+        }
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in outputs.items()})
+
+
+EXACT_KEYS = ("max_logit", "min_logit", "class_max", "logit_sum", "mean_prob", "class_mean")
+INEXACT = (
+    "micro-batching cannot combine training_step's outputs['top_logit'], outputs['scale'] exactly from its "
+    "micro-batches' values (a float is averaged by samples, any other object is the last micro-batch's), so "
+    "on_train_batch_end may see other values than without micro-batching; return one value per sample "
+    "(joined), an integer count (added), or a max, min, sum or mean over the samples as a tensor still "
+    "attached to the graph (no .detach() or .item(): its reduction is read from it)"
+)
+
+
+@pytest.fixture(scope="module")
+def reduced() -> dict:
+    """Per mode: what ``on_train_batch_end`` saw from :class:`Reductions`, and the warnings the run gave."""
+    result = {}
+    for mode in ("plain", *MODES):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = train(Reductions, classification, mode)
+        result[mode] = (run.module.seen, [str(w.message) for w in caught])
+    return result
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reductions_over_the_samples_are_the_batchs(mode: str, reduced: dict) -> None:
+    """A max, min, sum or mean over the samples, attached to the graph, is combined as what it is: the
+    unsplit run's value (a sample-weighted mean of maxes gave 0.40 for a max of 0.64)."""
+    (got, _), (expected, _) = reduced[mode], reduced["plain"]
+    assert len(got) == len(expected) == 3
+    for g, e in zip(got, expected):
+        for key in EXACT_KEYS:
+            assert g[key].dtype == e[key].dtype and g[key].shape == e[key].shape, key
+            torch.testing.assert_close(g[key], e[key], rtol=1e-12, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keys_that_cannot_be_combined_exactly_are_named_once(mode: str, reduced: dict) -> None:
+    (got, messages), (expected, plain_messages) = reduced[mode], reduced["plain"]
+    assert [m for m in messages if "micro-batching cannot combine" in m] == [INEXACT]
+    assert not [m for m in plain_messages if "micro-batching" in m]
+    # what the warning says happened: the detached max is averaged by samples, which is not the max
+    assert [float(g["top_logit"]) for g in got] != [float(e["top_logit"]) for e in expected]
+    assert [g["scale"] for g in got] == [2.5] * 3
