@@ -369,27 +369,3 @@ class MicroBatchSizes:
                 setattr(self, name, state[name])
         if state.get("model") is not None:
             self.model = ShapeModel.from_state(state["model"])
-
-    def load_legacy(self, old: dict[str, Any], *, kind: str) -> None:
-        """Restore a state that ``AutoAccumulation`` (``kind="auto"``) or ``OOMBackoff`` (``"backoff"``) saved
-        before they shared one owner: sizes in samples of a batch of ``tokens_per_sample`` tokens. A
-        restored back-off wins over the probed size, as it did then."""
-        width = old.get("tokens_per_sample")
-        if width is not None and self.width is None:
-            self.see(width)
-        if kind == "backoff" or self.failed_tokens is None:
-            names = {"micro_batch_size": "tokens", "max_micro_batch_size": "max_tokens"}
-            names["smallest_failed_size"] = "failed_tokens"
-            for key, name in names.items():
-                if key in old:
-                    setattr(self, name, None if old[key] is None else old[key] * (width or 1))
-            if kind == "auto":
-                self.max_tokens = self.tokens
-        for key in ("oom_retries", "near_misses", "clean_steps", "stable_steps", "probed"):
-            if key in old:
-                setattr(self, key, old[key])
-        if "eval_micro_batch_size" in old:
-            self.eval_size = old["eval_micro_batch_size"]
-        if old.get("shape_model") is not None:
-            self.model = ShapeModel.from_state(old["shape_model"])
-            self.probed_width = width
