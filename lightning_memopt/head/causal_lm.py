@@ -23,12 +23,15 @@ Which models are taken. Only what reproduces the model's own loss; every other c
    its gradient w.r.t. them are compared with the chunked path's (same random state, so dropout draws the
    same masks; the random state is put back after), with the labels shifted by one position, or, where
    that differs, not shifted (:attr:`ChunkedHead.shift`: TrOCR's, BART's and XLNet's losses compare
-   position t with label t). A difference beyond rounding (relative 1e-4; 1e-2 in half precision) either
-   way declines the head, naming the difference. The check's own logits are those of 64 positions, not of
-   the batch.
+   position t with label t). A difference beyond rounding of the precision the step runs in
+   (:func:`check_tolerances`: 1e-4 relative; the gradient ``4 * eps`` of autocast's dtype under
+   ``bf16-mixed`` or ``16-mixed``) either way declines the head, naming the difference. The check's own
+   logits are those of 64 positions, not of the batch.
 
 The model's own loss upcasts logits to float32 (``logits.float()``), also a float64 model's; the chunked
-loss keeps float64 in float64 and computes half-precision chunks in float32.
+loss keeps float64 in float64, and under autocast (or with half-precision weights) computes each chunk's
+logits in half precision as the model's own head does, then its softmax and loss in float32: a float32
+loss equal to the model's own under the same precision.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ import torch
 from lightning_memopt._compat import fsdp_module_type, is_dtensor
 from lightning_memopt._patch import patch
 from lightning_memopt._rng import RngState
-from lightning_memopt.head.loss import linear_cross_entropy
+from lightning_memopt.batching.errors import is_out_of_memory
+from lightning_memopt.head.loss import compute_dtype, linear_cross_entropy
 
 __all__ = [
     "HeadMode",
@@ -221,6 +225,12 @@ class ChunkedHead:
         head = output_head(model)
         scale, cap = _logit_transform(model)
         labels = call.get("shift_labels")
+        given = call["labels"] if labels is None else labels
+        if given.shape != hidden.shape[:-1]:
+            raise _Mismatch(
+                f"its base model's output has {hidden.shape[-2]} positions where the labels have "
+                f"{given.shape[-1]} (the model adds positions of its own, such as image tokens)"
+            )
         if labels is None and self.shift:  # position t predicts token t + 1
             hidden, labels = hidden[..., :-1, :], call["labels"][..., 1:]
         elif labels is None:  # the labels are the next tokens already (TrOCR, BART's and XLNet's LM heads)
@@ -251,28 +261,52 @@ class ChunkedHead:
         base model's output on the chunked path), the loss and its gradient w.r.t. those hidden states
         (which decides every gradient before the head), on the first sample's first
         :data:`VERIFY_TOKENS` positions (a causal LM's loss on a prefix is its loss on that prefix alone):
-        the own path's logits there are small. The labels are shifted by one position, or, where that
-        differs and the model's own loss does not shift them, not (:attr:`shift`).
+        the own path's logits there are small; the whole first sample where the model's forward fails on
+        the prefix. The labels are shifted by one position, or, where that differs and the model's own loss
+        does not shift them, not (:attr:`shift`). Any failure of either path (but an out-of-memory error,
+        which :class:`~lightning_memopt.OOMBackoff` handles) is a reason to decline, never a crash of the
+        step: the step then runs the model's own forward on the whole batch.
         """
         if is_dtensor(output_head(self.model).weight):  # as it is while the model runs
             return "its output head's weight is a DTensor while the model runs (tensor parallelism)"
-        part = _prefix(call, VERIFY_TOKENS)
-        own_hidden, own, own_grad = self._run(lambda: original(**part), output_head(self.model), pre=True)
+        # A prefix of the first sample; the whole first sample where the model rejects the cut (XLM's and
+        # FlauBERT's per-sample ``lengths`` assert they fit the positions given).
+        failed: Exception | None = None
+        for part in (_prefix(call, VERIFY_TOKENS), _prefix(call, None)):
+            try:
+                own_hidden, own, own_grad = self._run(
+                    lambda part=part: original(**part), output_head(self.model), pre=True
+                )
+                break
+            except Exception as error:  # noqa: BLE001 - any failure of the slice: the step runs the batch
+                if is_out_of_memory(error):
+                    raise
+                failed = error
+        else:
+            return f"the model's own forward fails on the first sample alone ({_describe(failed)})"
         if not bool(torch.isfinite(own)):  # every label of the slice ignored: check the next call
             self.verified = False
             return None
-        tol = 1e-2 if own.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        loss_tol, grad_tol = check_tolerances(compute_dtype(own_hidden, output_head(self.model).weight))
         base, reasons = getattr(self.model, self.model.base_model_prefix), []
         for self.shift in (True, False):
-            hidden, loss, grad = self._run(lambda: self.chunked(part), base, pre=False)
-            if hidden.shape != own_hidden.shape or _gap(hidden, own_hidden) > tol:
+            try:
+                hidden, loss, grad = self._run(lambda: self.chunked(part), base, pre=False)
+            except Exception as error:  # noqa: BLE001 - declined with the cause, never a crash of the step
+                self.shift = True
+                if is_out_of_memory(error):
+                    raise
+                if isinstance(error, _Mismatch):
+                    return str(error)
+                return f"the chunked loss fails on the first batch ({_describe(error)})"
+            if hidden.shape != own_hidden.shape or _gap(hidden, own_hidden) > grad_tol:
                 self.shift = True
                 return "the hidden states entering its output head are not its base model's output"
-            if (gap := _gap(loss, own)) > tol:
+            if (gap := _gap(loss, own)) > loss_tol:
                 reasons.append(
                     f"its loss differs from the model's own by {gap:.2g} (relative) on the first batch"
                 )
-            elif (gap := _gap(grad, own_grad)) > tol:
+            elif (gap := _gap(grad, own_grad)) > grad_tol:
                 reasons.append(
                     f"its gradient differs from the model's own by {gap:.2g} (relative) on the first batch"
                 )
@@ -298,6 +332,21 @@ class ChunkedHead:
             state.restore()
 
 
+def check_tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """The first batch's relative tolerances (loss, gradient) when the head's matmuls run in ``dtype``.
+
+    float32 and float64: 1e-4 both (the model's own loss is float32 either way: ``logits.float()``). Half
+    precision (``bf16-mixed``, ``16-mixed``: autocast's dtype): both paths compute the same half-precision
+    logits and a float32 loss, so the loss agrees to float32 rounding of a sum (1e-4); the gradients w.r.t.
+    the hidden states are products rounded to half precision on both paths, each element within an
+    ulp or two of the other's: ``4 * eps`` (bf16: 0.031, fp16: 0.0039). A different shift or a transform of
+    the logits moves the loss by far more than 1e-4.
+    """
+    if dtype in (torch.float16, torch.bfloat16):
+        return 1e-4, 4 * torch.finfo(dtype).eps
+    return 1e-4, 1e-4
+
+
 def _logit_transform(model: torch.nn.Module) -> tuple[float, float | None]:
     """What the model does to its head's logits before the loss: a scale (Cohere multiplies by
     ``logit_scale``, Granite divides by ``config.logits_scaling``), then Gemma 2's and 3's soft-capping
@@ -308,18 +357,29 @@ def _logit_transform(model: torch.nn.Module) -> tuple[float, float | None]:
     return scale, getattr(config, "final_logit_softcapping", None) or None
 
 
+class _Mismatch(ValueError):
+    """The base model's output does not line up with the labels: the chunked head cannot compute this loss."""
+
+
+def _describe(error: BaseException) -> str:
+    """``error`` in one line: its type and the first line of its message."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def _prefix(call: dict[str, Any], tokens: int) -> dict[str, Any]:
-    """``call`` cut to the first sample and its first ``tokens`` positions (the labels' dims 0 and 1)."""
+def _prefix(call: dict[str, Any], tokens: int | None) -> dict[str, Any]:
+    """``call`` cut to the first sample and its first ``tokens`` positions (the labels' dims 0 and 1; None:
+    all of them)."""
     n, t = call["labels"].shape[:2]
 
     def cut(v: Any) -> Any:
         if not (torch.is_tensor(v) and v.dim() and v.shape[0] == n):
             return v
-        return v[:1, :tokens] if v.dim() > 1 and v.shape[1] == t else v[:1]
+        return v[:1, :tokens] if tokens is not None and v.dim() > 1 and v.shape[1] == t else v[:1]
 
     return {k: cut(v) for k, v in call.items()}
 

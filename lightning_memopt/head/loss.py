@@ -21,10 +21,16 @@ logits is ``softmax(z_i) - (1 - e) * onehot(y) - e / V``; tokens whose label is 
 zero and are not counted by the mean. With ``logit_scale`` ``s`` and ``softcap`` ``c`` the logits are
 ``c * tanh(s * z / c)`` first, and the gradient is multiplied by ``s * (1 - tanh(s * z / c)^2)`` on its way
 back to ``z``.
+
+Precision (:func:`compute_dtype`). Under autocast (``bf16-mixed``, ``16-mixed``) or with half-precision
+inputs the matmuls run in half precision, as an ``nn.Linear`` head's would; each chunk's logits are upcast
+to float32 before the softmax (a Hugging Face model's ``logits.float()``), the loss is float32, and the
+weight's gradient is summed over chunks in float32. float32 and float64 inputs compute in their own dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -34,9 +40,10 @@ from torch.overrides import handle_torch_function, has_torch_function
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.memory.tracker import open_head
 
-__all__ = ["linear_cross_entropy", "default_chunk_size"]
+__all__ = ["linear_cross_entropy", "default_chunk_size", "compute_dtype"]
 
 _REDUCTIONS = ("mean", "sum", "none")
+_HALF = (torch.float16, torch.bfloat16)
 CHUNKS = 16  # the default number of chunks: one chunk's logits are 1/16 of the whole logits
 
 
@@ -133,8 +140,37 @@ def linear_cross_entropy(
     chunk = chunk_size or default_chunk_size(h.shape[0])
     cap = None if softcap is None else float(softcap)
     opts = (ignore_index, float(label_smoothing), reduction, chunk, float(logit_scale), cap)
-    loss = _LinearCrossEntropy.apply(h, weight, bias, y, opts)
+    loss = _LinearCrossEntropy.apply(h, weight, bias, y, opts, compute_dtype(hidden, weight))
     return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's where autocast is on for ``hidden``'s device (it casts
+    every floating input but float64 to it, as it does an ``nn.Linear``'s), else the inputs' common dtype.
+
+    The softmax, the loss and the sums over tokens are float32 (float64 for float64 inputs) whatever this
+    is: :func:`linear_cross_entropy` under ``bf16-mixed`` or ``16-mixed`` computes what a Hugging Face model
+    does under the same precision (half-precision logits, ``logits.float()``, float32 cross-entropy).
+    """
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    device = hidden.device.type
+    if dtype != torch.float64 and _autocast_on(device):
+        return torch.get_autocast_dtype(device)
+    return dtype
+
+
+def _autocast_on(device: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
+def _autocast_off(h: torch.Tensor):
+    """A context without autocast on ``h``'s device: the chunks choose their precision themselves."""
+    if not _autocast_on(h.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(h.device.type, enabled=False)
 
 
 def _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, chunk_size) -> None:
@@ -212,25 +248,42 @@ def _chunk_grad(h, weight, bias, y, opts, scale):
     return loss.masked_fill(~counted, 0), z
 
 
-def _chunks(h, weight, bias, y, opts, scale, needs, losses=None):
+def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None):
     """The gradients w.r.t. ``h``, ``weight``, ``bias`` (None where not ``needs``) of ``sum_i scale_i *
-    loss_i``, one chunk of tokens at a time; each token's loss written into ``losses`` if given."""
-    chunk = opts[3]
-    low = h.dtype in (torch.float16, torch.bfloat16)  # accumulate the weight's gradient in float32
-    acc = torch.float32 if low else h.dtype
+    loss_i``, one chunk of tokens at a time; each token's loss written into ``losses`` if given.
+
+    ``dtype`` (default ``h``'s): what the matmuls run in (:func:`compute_dtype`). In half precision they
+    are autocast's: the logits in half precision, upcast to float32 for the softmax and the loss (as a
+    Hugging Face model's ``logits.float()``), the logits' gradient rounded back to half precision for the
+    two gradient products (as autograd's backward through that upcast); the weight's and the bias's
+    gradients are summed over chunks in float32.
+    """
+    chunk, dtype = opts[3], dtype or h.dtype
+    low = dtype in _HALF
+    acc = torch.float32 if low or h.dtype in _HALF else h.dtype
+    w = weight.to(dtype)  # once, not per chunk (autocast caches the same copy of a leaf weight)
+    b = None if bias is None else bias.to(dtype)
     dh = torch.empty_like(h) if needs[0] else None
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if needs[1] else None
     db = torch.zeros(weight.shape[:1], dtype=acc, device=h.device) if needs[2] else None
     for start in range(0, h.shape[0], chunk):
         part = slice(start, start + chunk)
-        hc = h[part]
-        loss, dz = _chunk_grad(hc, weight, bias, y[part], opts, scale[part])  # dz: (c, V)
+        hc = h[part].to(dtype)  # (c, H); no copy unless the precision changes
+        loss, dz = _chunk_grad(hc, w, b, y[part], opts, scale[part])  # dz: (c, V), float32 or float64
         if losses is not None:
             losses[part] = loss
-        if dh is not None:
-            torch.matmul(dz.to(h.dtype), weight, out=dh[part])
-        if dw is not None:
-            dw.addmm_(dz.t(), hc.to(acc))
+        if low:  # half-precision products, as autograd's through autocast's linear; sums in float32
+            dz_low = dz.to(dtype)
+            if dh is not None:
+                dh[part] = torch.mm(dz_low, w)
+            if dw is not None:
+                dw.add_(torch.mm(dz_low.t(), hc))
+            del dz_low
+        else:
+            if dh is not None:
+                torch.matmul(dz.to(h.dtype), weight, out=dh[part])
+            if dw is not None:
+                dw.addmm_(dz.t(), hc.to(acc))
         if db is not None:
             db.add_(dz.sum(0))
         del dz  # before the next chunk's logits: one chunk at a time
@@ -240,20 +293,26 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """``h (N, H)``, ``weight (V, H)``, ``bias (V,)``, ``y (N,)``; ``opts``: (ignore_index, smoothing,
-    reduction, chunk, logit_scale, softcap). See the module docstring for what is held between forward and backward."""
+    reduction, chunk, logit_scale, softcap); ``dtype``: the matmuls' (:func:`compute_dtype`). See the module
+    docstring for what is held between forward and backward."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, opts):
+    def forward(ctx, h, weight, bias, y, opts, dtype):
         needs = ctx.needs_input_grad[:3]
+        # float32 for half-precision inputs (the model's own loss is float32: logits.float()), else h's
         losses = torch.empty(h.shape[0], dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
-        ctx.opts, ctx.ahead = opts, opts[2] != "none"
+        ctx.opts, ctx.dtype, ctx.ahead = opts, dtype, opts[2] != "none"
         ones = torch.ones((), dtype=losses.dtype, device=h.device).expand(h.shape[0])
         # A scalar loss: every gradient now, while each chunk's logits exist. Per-token losses: in backward.
-        ctx.grads = _chunks(h, weight, bias, y, opts, ones, needs if ctx.ahead else (False,) * 3, losses)
+        with _autocast_off(h):  # the precision is dtype's, chosen once; autocast would re-cast every op
+            grads = _chunks(
+                h, weight, bias, y, opts, ones, needs if ctx.ahead else (False,) * 3, losses, dtype
+            )
+        ctx.grads = grads
         if not ctx.ahead:
             ctx.save_for_backward(h, weight, bias, y)
-            return losses.to(h.dtype)
-        total = losses.sum().to(h.dtype)
+            return losses
+        total = losses.sum()
         if opts[2] == "sum":
             return total
         count = (y != opts[0]).sum()
@@ -270,5 +329,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del grads
         else:
             h, weight, bias, y = ctx.saved_tensors
-            dh, dw, db = _chunks(h, weight, bias, y, ctx.opts, grad.reshape(-1), ctx.needs_input_grad[:3])
-        return dh, dw, db, None, None
+            with _autocast_off(h):
+                scale = grad.reshape(-1)
+                dh, dw, db = _chunks(
+                    h, weight, bias, y, ctx.opts, scale, ctx.needs_input_grad[:3], None, ctx.dtype
+                )
+        return dh, dw, db, None, None, None

@@ -3,11 +3,22 @@ it returns, the first batch's check, and that its undo leaves the model as it wa
 
 from __future__ import annotations
 
+import re
+import warnings
+
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_memopt.head.causal_lm import ChunkedHead, causal_lms, decline_reason, take_over_heads
+from lightning_memopt import AutoCheckpoint
+from lightning_memopt.head.causal_lm import (
+    ChunkedHead,
+    causal_lms,
+    check_tolerances,
+    decline_reason,
+    take_over_heads,
+)
 
 transformers = pytest.importorskip("transformers")
 V = 50
@@ -257,3 +268,233 @@ def test_keep_changes_nothing():
     model = _gpt2()
     take_over_heads(model, "keep", note=pytest.fail)
     assert "forward" not in vars(model)
+
+
+class ZLossGPT2LMHeadModel(transformers.GPT2LMHeadModel):
+    """A user's GPT-2 whose loss adds a z-loss (1e-2 * the mean squared log-sum-exp of the logits)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if out.loss is not None:
+            out.loss = out.loss + 1e-2 * out.logits.float().logsumexp(-1).pow(2).mean()
+        return out
+
+
+class SkipOneGPT2LMHeadModel(transformers.GPT2LMHeadModel):
+    """A user's GPT-2 whose position t predicts token t + 2 (a different shift)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if labels is not None:
+            logits = out.logits[:, :-2].float()
+            out.loss = F.cross_entropy(logits.reshape(-1, V), labels[:, 2:].reshape(-1))
+        return out
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_taken_under_autocast_with_the_model_own_float32_loss(half):
+    """Under autocast (bf16-mixed, 16-mixed) the chunked loss is the model's own under the same precision
+    (half-precision logits, logits.float(), float32 cross-entropy) to float32 rounding."""
+    model, (ids, labels) = _gpt2().float(), _batch(t=40)
+    with torch.autocast("cpu", dtype=half):
+        own = model(ids, labels=labels).loss
+        head = ChunkedHead(model, note=pytest.fail, strict=True)
+        out = model(ids, labels=labels)
+    head.undo()
+    assert head.verified and head.declined is None and "logits" not in out
+    assert out.loss.dtype == own.dtype == torch.float32
+    assert abs(float(out.loss.detach() - own.detach())) <= 1e-5 * abs(float(own.detach()))
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        (lambda: ZLossGPT2LMHeadModel(_gpt2().config), r"its loss differs from the model's own by 0.0\d"),
+        # An untrained model's loss is near log(V) whatever the shift: 0.0015 apart, 15 x the tolerance.
+        (lambda: SkipOneGPT2LMHeadModel(_gpt2().config), r"its loss differs from the model's own by 0.001"),
+        (roberta, "the hidden states entering its output head are not its base model's output"),
+    ],
+    ids=["z_loss", "shift_by_two", "transform_before_the_head"],
+)
+def test_a_real_difference_is_declined_under_autocast(half, build, reason):
+    """The half-precision tolerance (:func:`check_tolerances`) still declines a loss with an extra term, a
+    different shift and a transform before the projection, with the model's own loss computed."""
+    torch.manual_seed(0)
+    model, (ids, labels) = build().float().eval(), _batch(t=40)  # eval: no dropout, one own loss
+    notes = []
+    with torch.autocast("cpu", dtype=half):
+        own = model(input_ids=ids, labels=labels).loss
+        undo = take_over_heads(model, "auto", note=notes.append)
+        out = model(input_ids=ids, labels=labels)
+    undo()
+    assert len(notes) == 1 and re.search(reason, notes[0]), notes
+    assert float(out.loss.detach()) == float(own.detach()) and out.logits is not None
+
+
+def test_check_tolerances_follow_the_precision_run():
+    assert check_tolerances(torch.float64) == check_tolerances(torch.float32) == (1e-4, 1e-4)
+    assert check_tolerances(torch.bfloat16) == (1e-4, 4 * 2**-7)
+    assert check_tolerances(torch.float16) == (1e-4, 4 * 2**-10)
+
+
+class _LM(pl.LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.losses, self.logits_seen = model, [], []
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        out = self.model(input_ids=ids, labels=labels)
+        self.losses.append(out.loss.detach())
+        self.logits_seen.append("logits" in out)
+        return out.loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _llama():
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=80)
+    config = transformers.LlamaConfig(vocab_size=V, num_attention_heads=4, num_key_value_heads=2, **sizes)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_bf16_mixed_grouped_query_llama_takes_the_chunked_head_with_a_float32_loss():
+    """Issue 33: under Trainer(precision="bf16-mixed") a grouped-query Llama's head was declined ("its
+    gradient differs from the model's own by 0.005"). Now taken, its loss the model's own float32 loss
+    (over bf16 logits) to 1e-5."""
+    ids, labels = _batch(n=4, t=24)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=2)
+    runs = {}
+    for head in ("keep", "auto"):
+        module = _LM(_llama())
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            precision="bf16-mixed",
+            max_steps=2,
+            callbacks=[AutoCheckpoint(head=head)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, data)
+        notes = [str(w.message) for w in caught if "lightning_memopt.head" in str(w.message)]
+        runs[head] = module, notes
+    (own, _), (chunked, notes) = runs["keep"], runs["auto"]
+    assert notes == []
+    assert own.logits_seen == [True, True] and chunked.logits_seen == [False, False]
+    assert chunked.losses[0].dtype == torch.float32
+    assert abs(float(chunked.losses[0] - own.losses[0])) <= 1e-5 * abs(float(own.losses[0]))
+    # the second step after one update with half-precision gradients rounded apart
+    assert abs(float(chunked.losses[1] - own.losses[1])) <= 1e-3 * abs(float(own.losses[1]))
+
+
+def _xlm_like(name):
+    torch.manual_seed(0)
+    sizes = dict(emb_dim=16, n_layers=2, n_heads=2, max_position_embeddings=128, n_langs=2, use_lang_emb=True)
+    config = getattr(transformers, f"{name}Config")(vocab_size=V, bos_token_id=0, **sizes)
+    return getattr(transformers, f"{name}WithLMHeadModel")(config).double().eval()
+
+
+@pytest.mark.parametrize("name", ["XLM", "Flaubert"])
+def test_per_sample_lengths_are_checked_on_the_whole_first_sample(name):
+    """Issue 33: XLM's and FlauBERT's forward asserts ``lengths.max() <= slen``; a 64-position prefix broke
+    it (AssertionError out of the check). The check runs the whole first sample instead and takes the head:
+    the same loss and gradients as the model's own (its loss does not shift the labels)."""
+    model, (ids, labels) = _xlm_like(name), _batch(n=3, t=80)
+    call = dict(input_ids=ids, labels=labels, lengths=torch.full((3,), 80))
+    want_loss = model(**call).loss
+    want = torch.autograd.grad(want_loss, list(model.parameters()), allow_unused=True)
+    head = ChunkedHead(model, note=pytest.fail, strict=True)
+    out = model(**call)
+    assert head.verified and not head.shift and "logits" not in out
+    got = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
+    head.undo()
+    assert [g is None for g in got] == [w is None for w in want]
+    _assert_equal(out.loss, want_loss, [g for g in got if g is not None], [w for w in want if w is not None])
+
+
+def git():  # its base model prepends the image's tokens to the text's
+    torch.manual_seed(0)
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+    )
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    config = transformers.GitConfig(
+        vision_config=vision,
+        vocab_size=V,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=80,
+        **sizes,
+    )
+    return transformers.GitForCausalLM(config).double().eval()
+
+
+class SingleSampleFailsGPT2LMHeadModel(transformers.GPT2LMHeadModel):
+    """A user's model whose forward needs the whole batch (a batch-level statistic)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        if input_ids.shape[0] < 2:
+            raise ValueError("batch statistics need at least 2 samples\nsecond line")
+        return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+
+def _declined_like_own(model, call, reason):
+    want_loss = model(**call).loss
+    want = torch.autograd.grad(want_loss, list(model.parameters()), allow_unused=True)
+    notes = []
+    undo = take_over_heads(model, "auto", note=notes.append)
+    out = model(**call)
+    got = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
+    undo()
+    assert notes == [
+        f"the chunked output head (lightning_memopt.head) is not used: {reason}; the model's own head computes "
+        "the loss"
+    ]
+    assert out.logits is not None and float(out.loss.detach()) == float(want_loss.detach())
+    assert all(g is None and w is None or torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_a_base_model_adding_positions_is_declined_with_a_note():
+    """Issue 33: GIT's base model prepends the image's tokens; the chunked head raised "labels must have
+    hidden's shape". Declined at the first batch, and the step is the model's own."""
+    model, (ids, labels) = git(), _batch(t=10)
+    pixels = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    reason = (
+        "its base model's output has 15 positions where the labels have 10 (the model adds positions of its "
+        "own, such as image tokens)"
+    )
+    _declined_like_own(model, dict(input_ids=ids, labels=labels, pixel_values=pixels), reason)
+    with pytest.raises(RuntimeError, match=r"head='chunked': its base model's output has 15 positions"):
+        take_over_heads(model, "chunked", note=pytest.fail)
+        model(input_ids=ids, labels=labels, pixel_values=pixels)
+
+
+def test_a_model_failing_on_one_sample_is_declined_with_a_note():
+    model, (ids, labels) = SingleSampleFailsGPT2LMHeadModel(_gpt2().config).double().eval(), _batch()
+    reason = (
+        "the model's own forward fails on the first sample alone (ValueError: batch statistics need at least "
+        "2 samples)"
+    )
+    _declined_like_own(model, dict(input_ids=ids, labels=labels), reason)
+
+
+def test_a_failing_chunked_loss_is_declined_with_a_note(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("unsupported here")
+
+    monkeypatch.setattr("lightning_memopt.head.causal_lm.linear_cross_entropy", broken)
+    model, (ids, labels) = _gpt2(), _batch()
+    reason = "the chunked loss fails on the first batch (RuntimeError: unsupported here)"
+    _declined_like_own(model, dict(input_ids=ids, labels=labels), reason)

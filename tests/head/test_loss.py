@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_memopt.head import default_chunk_size, linear_cross_entropy
+from lightning_memopt.head.loss import compute_dtype
 from lightning_memopt.memory import MemoryTracker
 
 V, H = 11, 8
@@ -230,3 +231,65 @@ def test_at_most_one_chunk_of_logits_is_alive(reduction):
         tracker.reset_peak()
         F.cross_entropy(hidden @ weight.t(), labels).backward()
         assert tracker.peak - before >= 2 * logits  # the logits and their log-softmax
+
+
+def _half_inputs(dtype=torch.float32, bias=True, n=40, h=24, v=300):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype).requires_grad_()
+    b = torch.randn(v, generator=g).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::7] = -100
+    return hidden, weight, b, labels
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("chunk_size", [3, None])
+def test_under_autocast_the_loss_is_the_float32_cross_entropy_of_half_precision_logits(
+    half, reduction, chunk_size
+):
+    """As a Hugging Face model under bf16-mixed / 16-mixed: half-precision logits, ``logits.float()``, a
+    float32 loss. The loss agrees to float32 rounding (the logits are the same half-precision numbers); the
+    gradients are half-precision products on both sides (rounding of half precision apart)."""
+    hidden, weight, b, labels = _half_inputs()
+    kw = dict(reduction=reduction, label_smoothing=0.1)
+    with torch.autocast("cpu", dtype=half):
+        out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk_size, **kw)
+        logits = F.linear(hidden, weight, b)
+        assert logits.dtype == half
+        ref = F.cross_entropy(logits.float(), labels, **kw)
+    assert out.dtype == ref.dtype == torch.float32
+    assert _rel(out, ref) <= 1e-6
+    got, want = _grads(out, (hidden, weight, b)), _grads(ref, (hidden, weight, b))
+    for a, w in zip(got, want, strict=True):
+        assert a.dtype == torch.float32
+        assert _rel(a, w) <= 4 * torch.finfo(half).eps
+    exact = _grads(F.cross_entropy(F.linear(hidden, weight, b), labels, **kw), (hidden, weight, b))
+    assert _rel(got[0], exact[0]) > 1e-4  # the gradients are half precision's, as the model's own
+
+
+def test_half_precision_inputs_give_a_float32_loss():
+    """bf16 weights and features (``bf16-true``): the loss is float32, not rounded to bf16 (12.1875 where
+    the float32 loss is 12.1696 on the Llama-3 shape); gradients come back in bf16."""
+    hidden, weight, b, labels = _half_inputs(torch.bfloat16)
+    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=7)
+    ref = F.cross_entropy(F.linear(hidden, weight, b).float(), labels)
+    assert out.dtype == torch.float32
+    assert _rel(out, ref) <= 1e-6
+    assert float(out.detach()) != float(out.detach().to(torch.bfloat16))  # not a bf16 number
+    dh, dw, db = _grads(out, (hidden, weight, b))
+    assert dh.dtype == dw.dtype == db.dtype == torch.bfloat16
+    for a, w in zip((dh, dw, db), _grads(ref, (hidden, weight, b)), strict=True):
+        assert _rel(a, w) <= 4 * torch.finfo(torch.bfloat16).eps
+
+
+def test_compute_dtype_follows_autocast():
+    hidden, weight = torch.randn(2, H), torch.randn(V, H)
+    assert compute_dtype(hidden, weight) == torch.float32
+    assert compute_dtype(hidden.bfloat16(), weight.bfloat16()) == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compute_dtype(hidden, weight) == torch.bfloat16
+        assert compute_dtype(hidden.double(), weight.double()) == torch.float64  # autocast leaves float64
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert compute_dtype(hidden, weight) == torch.float16

@@ -57,6 +57,11 @@ def mixtral_aux(dtype):
     return model
 
 
+def phi3(dtype):
+    config = _tiny(transformers.Phi3Config, original_max_position_embeddings=SEQ)
+    return transformers.Phi3ForCausalLM(config).to(dtype)
+
+
 class ZLossGPT2LMHeadModel(transformers.GPT2LMHeadModel):
     """A user's GPT-2 whose loss adds a z-loss (1e-2 * mean squared log-sum-exp of the logits)."""
 
@@ -93,28 +98,30 @@ class LM(ZooModule):
     """``model(**batch).loss``, or (``own_float64``) the model's own logits with a float64 shifted
     cross-entropy: the reference (the model's own loss upcasts logits to float32, also in float64)."""
 
-    def __init__(self, build, own_float64: bool = False) -> None:
+    def __init__(self, build, own_float64: bool = False, dtype: torch.dtype = torch.float64) -> None:
         super(ZooModule, self).__init__()
         torch.manual_seed(0)
-        self.model, self.lr, self.own_float64 = build(torch.float64), 0.05, own_float64
+        self.model, self.lr, self.own_float64 = build(dtype), 0.05, own_float64
         self.logits_seen: list[bool] = []
+        self.losses: list[torch.Tensor] = []
 
     def training_step(self, batch, batch_idx):
         if not self.own_float64:
             out = self.model(**batch)
             self.logits_seen.append("logits" in out)  # an output without them has no such key
+            self.losses.append(out.loss.detach())
             return out.loss
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
         return F.cross_entropy(shifted, batch["labels"][:, 1:].reshape(-1))
 
 
-def _fit(module, callbacks, batch=BATCH):
-    trainer = quiet_trainer(callbacks, max_steps=STEPS)
+def _fit(module, callbacks, batch=BATCH, dtype=torch.float64, **trainer_options):
+    trainer = quiet_trainer(callbacks, max_steps=STEPS, **trainer_options)
     torch.manual_seed(1)  # the same dropout masks in every run
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, zoo.loader("gpt2", batch, batches=STEPS, dtype=torch.float64))
+        trainer.fit(module, zoo.loader("gpt2", batch, batches=STEPS, dtype=dtype))
     return [str(w.message) for w in caught if "lightning_memopt.head" in str(w.message)]
 
 
@@ -145,6 +152,40 @@ def test_taken_trains_like_the_model_own_head(name):
     _assert_same(module, reference, start)
     _assert_nothing_left(module)
     assert module.model(**zoo.causal_lm_batch(2)).logits is not None  # the model's own forward again
+
+
+# Grouped-query models (and GPT-2) under CPU autocast: float32 parameters, bf16 matmuls.
+BF16_TAKEN = {
+    "gpt2": zoo.gpt2,
+    "llama": zoo.llama,
+    "mistral": mistral,
+    "qwen2_tied": qwen2,
+    "gemma2_softcap": gemma2,
+    "phi3": phi3,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BF16_TAKEN))
+def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name):
+    """Issue 33: bf16-mixed runs take the head (they were declined: "its gradient differs from the model's
+    own by 0.005"); the first step's loss is the model's own under bf16-mixed (bf16 logits, logits.float(),
+    float32 cross-entropy) to 1e-5, and later steps follow it (bf16 gradients, rounded apart)."""
+    build = BF16_TAKEN[name]
+    reference = LM(build, dtype=torch.float32)
+    start = {k: v.detach().clone() for k, v in reference.named_parameters()}
+    _fit(reference, [AutoCheckpoint(head="keep")], dtype=torch.float32, precision="bf16-mixed")
+    module = LM(build, dtype=torch.float32)
+    notes = _fit(module, [AutoCheckpoint()], dtype=torch.float32, precision="bf16-mixed")
+    assert notes == []
+    assert reference.logits_seen == [True] * STEPS and module.logits_seen == [False] * STEPS
+    assert all(loss.dtype == torch.float32 for loss in module.losses)
+    got, want = float(module.losses[0]), float(reference.losses[0])
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    params, ref = dict(module.named_parameters()), dict(reference.named_parameters())
+    diff = sum(((params[k] - ref[k]).detach() ** 2).sum() for k in ref)
+    update = sum(((ref[k] - start[k]) ** 2).sum() for k in ref)
+    assert float((diff / update).sqrt().detach()) <= 2e-2  # bf16's rounding of the gradients, 3 steps
+    _assert_nothing_left(module)
 
 
 @pytest.mark.parametrize("name", sorted(DECLINED))
