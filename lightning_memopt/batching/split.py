@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_size", "micro_batch_sizes", "micro_batch_weights", "split_batch", "tensors_of"]
+__all__ = [
+    "batch_size",
+    "describe_split",
+    "micro_batch_sizes",
+    "micro_batch_weights",
+    "split_batch",
+    "tensors_of",
+]
 
 _SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
 
@@ -171,6 +178,31 @@ def split_batch(
         return [batch]
     _check_rows(batch, total)
     return _split(batch, sizes, total)
+
+
+def describe_split(batch: Any, sizes: Sequence[int], *, most: int = 6) -> str:
+    """One line: how the built-in splitter cut ``batch`` into micro-batches of ``sizes``, and how to say
+    otherwise. Added to an error raised while a split step runs: a tensor that all samples share (a
+    projection matrix beside as many samples as it has rows) passes the splitter's checks, is cut, and
+    fails deep in the model. Which tensor that is, its shape cannot tell (a projection of 8 x 8 beside 8
+    samples of 8 features): every cut tensor is named, with its shape.
+
+    Example::
+
+        >>> x, proj = torch.zeros(8, 4), torch.eye(8)
+        >>> print(describe_split((x, proj), [4, 4]))  # doctest: +ELLIPSIS
+        micro-batching ran this batch of 8 samples as micro-batches of [4, 4], cutting along dim 0: batch[0] (8, 4), batch[1] (8, 8); ...
+    """
+    total = sum(sizes)
+    names = [f"{path} {tuple(t.shape)}" for path, t in tensors_of(batch, strict=False) if t.dim() > 0]
+    if len(names) > most:
+        names[most:] = [f"and {len(names) - most} more"]
+    return (
+        f"micro-batching ran this batch of {total} samples as micro-batches of {list(sizes)}, cutting along dim 0: "
+        f"{', '.join(names)}; if a tensor holds something all samples share rather than one row per sample, "
+        "define `split_batch(self, batch, sizes)` on your LightningModule or pass `split_fn=` to the "
+        "callback (return one batch per size, that tensor whole in each), or make it a module attribute"
+    )
 
 
 def micro_batch_weights(

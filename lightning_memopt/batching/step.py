@@ -21,6 +21,7 @@ from lightning_memopt._replay import replaying
 from lightning_memopt.batching import exactness
 from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.distributed import any_rank, max_over_ranks_each
+from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.batching.loss import batch_key
 from lightning_memopt.batching.outputs import (
     LogRecorder,
@@ -30,9 +31,9 @@ from lightning_memopt.batching.outputs import (
     reductions,
     warn_inexact,
 )
-from lightning_memopt.batching.regime import Regime, drop_attempt
+from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, drop_attempt
 from lightning_memopt.batching.sizing import smallest_micro_batch
-from lightning_memopt.batching.split import micro_batch_sizes, split_batch
+from lightning_memopt.batching.split import describe_split, micro_batch_sizes, split_batch
 from lightning_memopt.batching.state import OptimizerSnapshot
 from lightning_memopt.memory.phases import running
 
@@ -171,12 +172,15 @@ class TrainingStep:
         if not check:
             engine.num_micro_batches, engine.ran_size = len(parts), max(sizes)
         result = Pass(None, recorder=LogRecorder(module))
+        noted = _SplitNote(self.batch, sizes) if len(sizes) > 1 and engine.split_fn(module) is None else None
+        noted = noted or contextlib.nullcontext()
         metrics = StepMetrics(module).step() if len(parts) > 1 else contextlib.nullcontext()
         with result.recorder, regime.armed(), metrics:
             for i, part in enumerate(parts):
                 result.recorder.share = sizes[i] / self.total if i < len(sizes) else 0.0
                 with regime.around(i, last=i == len(parts) - 1), weights.observing() as observer:
-                    out = engine.original("training_step")(part, *self.rest, **self.kwargs)
+                    with noted:
+                        out = engine.original("training_step")(part, *self.rest, **self.kwargs)
                     loss = loss_of(out)
                     if loss is None:
                         if len(parts) > 1:
@@ -189,7 +193,7 @@ class TrainingStep:
                         weighted = scaler.scale(weighted)
                     # Lightning's hooks see this as forward (it runs inside training_step): MemoryMonitor
                     # files it under backward, where it runs.
-                    with running("backward"):
+                    with running("backward"), noted:
                         regime.wrap_loss(weighted).backward()
                 if i < len(sizes):
                     # Detached, as Lightning keeps a step's output: a value's graph would hold its
@@ -274,6 +278,29 @@ _NONE = (
     "micro-batch cannot skip the step, and the others have run their backward already. Leave such samples "
     "out of the DataLoader's batches, or return a loss for every micro-batch"
 )
+
+
+class _SplitNote:
+    """Adds :func:`~.split.describe_split`'s line to an error the user's step raises on a micro-batch of a
+    batch the built-in splitter cut (not to an out-of-memory error, this rank's or another's: those are
+    retried or reported)."""
+
+    def __init__(self, batch: Any, sizes: list[int]) -> None:
+        self.batch, self.sizes = batch, sizes
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        if (
+            isinstance(error, Exception)
+            and not isinstance(error, PeerOutOfMemory)
+            and not is_out_of_memory(error)
+        ):
+            note = describe_split(self.batch, self.sizes)
+            if note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+        return False  # the error goes on as it is, with one line more
 
 
 class OptimizerStep:
