@@ -221,10 +221,10 @@ _PASSING = ("ToCopyBackward0", "CloneBackward0", "AliasBackward0")
 
 
 def reductions(output: Any, size: int, key: str = "") -> dict[str, tuple[str, float]]:
-    """How each floating tensor in a micro-batch's ``output`` that is not one value per sample was reduced
-    over the micro-batch's ``size`` samples, read from its autograd node before backward frees it: by
-    :func:`combine`'s key, ``(kind, weight)``, kind ``"max"``, ``"min"``, ``"sum"`` or ``"mean"``, weight
-    the elements a mean averaged (1 for the others). Only reductions that cover the sample dimension (dim 0 of their input)
+    """How each floating tensor in a micro-batch's ``output`` was reduced over the micro-batch's ``size``
+    samples, read from its autograd node before backward frees it: by :func:`combine`'s key,
+    ``(kind, weight)``, kind ``"max"``, ``"min"``, ``"sum"`` or ``"mean"``, weight the elements a mean
+    averaged (1 for the others). Only reductions that cover the sample dimension (dim 0 of their input)
     are listed: those combine exactly over the micro-batches.
 
     Example::
@@ -251,17 +251,20 @@ def reductions(output: Any, size: int, key: str = "") -> dict[str, tuple[str, fl
 
 def _reduction(tensor: torch.Tensor, size: int) -> tuple[str, float] | None:
     node = tensor.grad_fn
-    if node is None or not tensor.is_floating_point() or (tensor.dim() > 0 and tensor.shape[0] == size):
-        return None  # no graph to read, or one value per sample (joined as such)
+    if node is None or not tensor.is_floating_point():
+        return None  # no graph to read
     while type(node).__name__ in _PASSING and node.next_functions and node.next_functions[0][0] is not None:
         node = node.next_functions[0][0]
     kind = _REDUCING.get(type(node).__name__)
     if kind is None:
         return None
-    if hasattr(node, "_saved_self_sym_sizes"):
-        shape = tuple(int(n) for n in node._saved_self_sym_sizes)
-    else:
-        shape = tuple(node._saved_self.shape)  # max/min: before backward, which may free it
+    try:
+        if hasattr(node, "_saved_self_sym_sizes"):
+            shape = tuple(int(n) for n in node._saved_self_sym_sizes)
+        else:
+            shape = tuple(node._saved_self.shape)  # max/min: read before backward frees it
+    except RuntimeError:  # freed already (a graph that ran backward inside training_step)
+        return None
     dims = getattr(node, "_saved_dim", ())
     dims = {d % max(len(shape), 1) for d in ((dims,) if isinstance(dims, int) else dims)} or set(
         range(len(shape))
@@ -300,14 +303,16 @@ def combine(
     first = outputs[-1]
     if isinstance(first, torch.Tensor):
         outputs = [o.detach() for o in outputs]
-        if first.dim() > 0 and all(o.dim() > 0 and o.shape[0] == s for o, s in zip(outputs, sizes)):
-            return torch.cat(outputs)
-        if not (first.is_floating_point() or first.is_complex()):
-            return torch.stack(outputs).sum(0)
+        # First what the graph said: a reduction over the samples, even of a shape that looks per-sample
+        # (logits.amax(0) with as many classes as samples).
         kinds = [h.get(key) for h in how] if how is not None and len(how) == len(outputs) else [None]
         same_shape = all(o.shape == first.shape for o in outputs)
         if None not in kinds and len({k for k, _ in kinds}) == 1 and same_shape:
             return _reduce(outputs, kinds)
+        if first.dim() > 0 and all(o.dim() > 0 and o.shape[0] == s for o, s in zip(outputs, sizes)):
+            return torch.cat(outputs)
+        if not (first.is_floating_point() or first.is_complex()):
+            return torch.stack(outputs).sum(0)
         return _mean(outputs, sizes, inexact, key)
     if isinstance(first, bool) or first is None:
         return first

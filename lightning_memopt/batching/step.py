@@ -172,8 +172,8 @@ class TrainingStep:
         if not check:
             engine.num_micro_batches, engine.ran_size = len(parts), max(sizes)
         result = Pass(None, recorder=LogRecorder(module))
-        noted = _SplitNote(self.batch, sizes) if len(sizes) > 1 and engine.split_fn(module) is None else None
-        noted = noted or contextlib.nullcontext()
+        cut = len(sizes) > 1 and engine.split_fn(module) is None  # by the built-in splitter
+        noted = _SplitNote(self.batch, sizes) if cut else contextlib.nullcontext()
         metrics = StepMetrics(module).step() if len(parts) > 1 else contextlib.nullcontext()
         with result.recorder, regime.armed(), metrics:
             for i, part in enumerate(parts):
