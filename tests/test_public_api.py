@@ -69,3 +69,16 @@ def test_plain_torch_cores_do_not_import_lightning():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_no_test_oracle_nor_pre_release_shim_ships():
+    """Exhaustive searches live in tests/oracles.py; nothing is kept for versions that were never released."""
+    import inspect
+
+    import lightning_memopt.checkpointing as checkpointing
+    from lightning_memopt import AutoCheckpoint
+    from lightning_memopt.planning.search import Planner
+
+    assert not [n for n in checkpointing.__all__ if "brute" in n or "deprecated" in n]
+    assert not hasattr(Planner, "brute_force")
+    assert "budget" not in inspect.signature(AutoCheckpoint).parameters

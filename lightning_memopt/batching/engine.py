@@ -212,6 +212,8 @@ class MicroBatchEngine:
         if self.log_metrics:
             values = {"micro_batch_size": step.size, "num_micro_batches": len(step.sizes)}
             values["oom_retries"] = self.sizes.oom_retries
+            if self.sizes.step_seconds is not None:  # the size search timed it (sizes.py: decide)
+                values["step_seconds_predicted"] = self.sizes.step_seconds
             if before is not None:  # thrashing is watched
                 values["near_misses"] = self.sizes.near_misses
             self._metrics.log(type(module).log.__get__(module), self.trainer, values)

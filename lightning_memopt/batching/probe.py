@@ -17,6 +17,7 @@ from lightning_memopt.batching.regime import no_sync
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import split_batch
 from lightning_memopt.batching.state import StepState
+from lightning_memopt.data.clock import step_clock
 from lightning_memopt.memory.device import memory_of
 from lightning_memopt.memory.tracker import MemoryTracker, state_bytes, tensor_bytes
 
@@ -47,7 +48,8 @@ def measure_peak(
     Args:
         strategy: The Trainer's strategy (its model's gradients are set aside; ``no_sync`` under DDP).
         step: Runs the micro-step and returns its output.
-        memory: A :func:`~lightning_memopt.memory.device.device_memory` to measure with.
+        memory: A :func:`~lightning_memopt.memory.device.device_memory` to measure with; None: nothing
+            measured (a timed run), the return value is 0 where it trained.
         state: The start state, captured before.
         tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure inside (None: the allocator).
         evaluation: ``step`` is an evaluation step: no backward.
@@ -67,7 +69,8 @@ def measure_peak(
                 for p, _ in grads:
                     if p.requires_grad and not is_dtensor(p):  # FSDP2's sharded gradients: as they come
                         p.grad = torch.zeros_like(p)
-            memory.reset_peak()
+            if memory is not None:
+                memory.reset_peak()
             with LogRecorder(module), no_sync(strategy):
                 if evaluation:
                     module.eval()
@@ -80,12 +83,13 @@ def measure_peak(
                 raise
             failed = True
         if not failed:
-            peak = memory.peak()
+            peak = memory.peak() if memory is not None else 0
     module.train(was_training)
     for p, grad in grads:  # gradients as they were (None at fit start)
         p.grad = grad
     state.restore()
-    memory.empty_cache()
+    if memory is not None:
+        memory.empty_cache()
     return peak
 
 
@@ -103,6 +107,28 @@ class BatchProbes:
     def peak(self, samples: int, evaluation: bool = False) -> int | None:
         """Peak bytes of one training (``evaluation``: validation) micro-step of ``samples`` samples of the
         batch, None if it ran out of memory, every state left as it was (:func:`measure_peak`)."""
+        strategy, optimizers = self.engine.trainer.strategy, self.engine.trainer.optimizers
+        tracker = None if self.device.type == "cuda" else MemoryTracker(strategy.model, optimizers)
+        if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
+            for tensor in self._held_tensors():
+                tracker.mark(tensor, "other")
+        return self._run(samples, evaluation, memory_of(self.device, tracker), tracker)
+
+    def seconds(self, samples: int) -> float | None:
+        """Seconds one training micro-step of ``samples`` samples takes, forward and backward, on the
+        device's clock (nothing tracked: a dispatch mode would distort it); None if it ran out of memory.
+        Run three times: the first pays for allocations and lazy initialization; the faster of the other
+        two is taken (what else the host runs only ever adds time)."""
+        clock = step_clock(self.device)
+        marks = [clock.mark()]
+        for _ in range(3):
+            if self._run(samples, False, None, None) is None:
+                return None
+            marks.append(clock.mark())
+        clock.settle(marks[-1])
+        return min(clock.seconds(marks[i], marks[i + 1]) for i in (1, 2))
+
+    def _run(self, samples: int, evaluation: bool, memory: Any, tracker: Any) -> int | None:
         engine, batch = self.engine, self.batch
         trainer, module = engine.trainer, engine.trainer.lightning_module
         total = engine.batch_size(batch)
@@ -112,14 +138,9 @@ class BatchProbes:
         step = functools.partial(
             engine.original("validation_step" if evaluation else "training_step"), part, 0
         )
-        strategy = trainer.strategy
-        tracker = None if self.device.type == "cuda" else MemoryTracker(strategy.model, trainer.optimizers)
-        if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
-            for tensor in self._held_tensors():
-                tracker.mark(tensor, "other")
-        memory, state = memory_of(self.device, tracker), engine.capture(module)
+        state = engine.capture(module)
         return measure_peak(
-            strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
+            trainer.strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
         )
 
     def held(self) -> int:

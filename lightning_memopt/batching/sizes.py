@@ -1,5 +1,10 @@
 """How many samples a training micro-batch holds: the one place that decides it (plain torch).
 
+With activation checkpointing offered (:class:`Recompute`: ``AutoCheckpoint`` beside ``AutoAccumulation``),
+the first batch's search also decides whether to recompute at all, by time: micro-batching is exact, so
+recomputation is worth only the faster step of the larger micro-batches it allows (:meth:`MicroBatchSizes.
+decide`).
+
 Sizes are kept in padded tokens (samples x the batch's tokens per sample, its *width*) and converted to
 samples of the batch of the moment in one method, :meth:`MicroBatchSizes.samples`. How the sizes are
 probed, backed off, grown and agreed on: ``docs/micro_batching.md`` ("Sizing", "Per-batch sizing").
@@ -25,7 +30,7 @@ from lightning_memopt.batching.shapes import ShapeModel
 from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size
 from lightning_memopt.memory.budget import usable_bytes
 
-__all__ = ["MicroBatchSizes", "Probes"]
+__all__ = ["MicroBatchSizes", "Probes", "Recompute"]
 
 _FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
 _ROUNDS = 3  # probe rounds at most for one new width
@@ -48,6 +53,20 @@ class Probes(Protocol):
 
     def held(self) -> int:
         """Bytes alive when a micro-step of the batch starts, besides what it allocates."""
+
+    def seconds(self, samples: int) -> float | None:
+        """Seconds one training micro-step of that many samples takes (None if it ran out of memory)."""
+
+
+class Recompute(Protocol):
+    """What activation checkpointing offers the first batch's search (``AutoCheckpoint`` in ``auto`` mode):
+    its blocks kept or all recomputed while sizes are probed, then the decision."""
+
+    def use(self, treatment: str) -> None:
+        """Run every block ``"keep"`` or ``"full"`` from now on."""
+
+    def decided(self, treatment: str, why: str) -> None:
+        """The search chose ``treatment`` for the micro-batches to come, for the reason ``why`` (one line)."""
 
 
 class MicroBatchSizes:
@@ -112,6 +131,10 @@ class MicroBatchSizes:
         self.shape_probes: list[tuple[int, int, int | None]] = []
         self.probed_width: int | None = None
         self._retry: int | None = None  # with a model: the halved size of the step being retried
+        self.recompute: Recompute | None = None
+        """Where activation checkpointing takes part in the first batch's search (:meth:`decide`)."""
+        self.step_seconds: float | None = None
+        """The optimizer step's predicted seconds at the size chosen, where the search timed it."""
 
     # ------------------------------------------------------------------ reading
     def see(self, width: int) -> None:
@@ -206,7 +229,10 @@ class MicroBatchSizes:
         self.probed_width = max_over_ranks(width, device)
         held = probes.held()
         whole = min_over_ranks(total, device)
-        size = self._find(probes, whole, limit, probes.floor, evaluation=False)
+        if self.recompute is not None:
+            size = self.decide(probes, whole, limit)
+        else:
+            size = self._find(probes, whole, limit, probes.floor, evaluation=False)
         budget = usable_bytes(limit, self.headroom, None)
         self.model = ShapeModel.from_probes(
             self.probes,
@@ -221,6 +247,66 @@ class MicroBatchSizes:
             self.tokens = self.max_tokens = size * self.probed_width if self.width is not None else size
         if self.eval_size is None and probes.evaluates:
             self.eval_size = self._find(probes, whole, limit, 1, evaluation=True)
+
+    def decide(self, probes: Probes, whole: int, limit: int) -> int:
+        """The size, and whether the blocks recompute, of the fastest optimizer step that fits.
+
+        The largest micro-batch that fits with every block kept is found first: where the whole batch
+        fits, or recomputing fits no larger micro-batch, nothing is recomputed. Else the largest that fits
+        with every block recomputed (``full``) is found too, one micro-step at each size is timed, and
+        the step that ``ceil(whole / size)`` micro-steps make is compared: recompute only where its larger
+        micro-batches make the step faster, or where nothing fits without it. ``AutoCheckpoint`` then plans
+        the least recompute that fits the size chosen. Every rank takes the same path (sizes are the
+        smallest over ranks, seconds the longest).
+        """
+        assert self.recompute is not None
+        floor = probes.floor
+
+        def largest(treatment: str) -> tuple[int | None, list[tuple[int, int | None]]]:
+            self.recompute.use(treatment)
+            self.probes = []
+            try:
+                return self._find(probes, whole, limit, floor, evaluation=False), self.probes
+            except MicroBatchOOMError:
+                return None, self.probes
+
+        def step_seconds(treatment: str, size: int) -> float:
+            self.recompute.use(treatment)
+            seconds = probes.seconds(size)
+            agreed = max_over_ranks(_FAILED if seconds is None else int(seconds * 1e9), probes.device)
+            return math.inf if agreed == _FAILED else math.ceil(whole / size) * agreed / 1e9
+
+        plain, plain_probes = largest("keep")
+        if plain == whole:
+            return self._decided(
+                "keep", plain, plain_probes, f"the whole batch of {whole} fits without recompute"
+            )
+        full, full_probes = largest("full")
+        if plain is None and full is None:  # the blocks stay recomputed: the least memory
+            self.recompute = None
+            raise MicroBatchOOMError(
+                f"AutoAccumulation(max_memory={self.max_memory!r}, headroom={self.headroom}) found no training "
+                f"micro-batch size that fits, with or without recomputing every block.\n{CHECKLIST}"
+            )
+        if plain is None:
+            return self._decided("full", full, full_probes, "not one sample fits without recompute")
+        if full is None or full <= plain:
+            return self._decided("keep", plain, plain_probes, "recomputing fits no larger micro-batch")
+        keep_time, full_time = step_seconds("keep", plain), step_seconds("full", full)
+        timed = (
+            f"{-(-whole // plain)} micro-batches of {plain} without recompute: {keep_time:.3g} s a step; "
+            f"{-(-whole // full)} of {full} recomputing every block: {full_time:.3g} s"
+        )
+        if full_time < keep_time:
+            return self._decided("full", full, full_probes, timed, full_time)
+        return self._decided("keep", plain, plain_probes, timed, keep_time)
+
+    def _decided(self, treatment, size, probes, why: str, seconds: float | None = None) -> int:
+        recompute, self.recompute = self.recompute, None  # decided once: nothing stays attached
+        assert recompute is not None
+        self.probes, self.step_seconds = probes, seconds
+        recompute.decided(treatment, why)
+        return size
 
     def _find(self, probes: Probes, whole: int, limit: int, floor: int, *, evaluation: bool) -> int:
         log = self.eval_probes if evaluation else self.probes

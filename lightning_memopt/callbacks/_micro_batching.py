@@ -31,7 +31,6 @@ _SHARED = {
     "length_fn": "length_fn(batch) -> tokens per sample",
 }
 _EXACTNESS = get_args(Exactness)
-_VERSION = 2  # of the saved state; checkpoints without one hold the two callbacks' own (before one owner)
 
 
 class MicroBatching(ReleasingCallback):
@@ -137,7 +136,6 @@ class MicroBatching(ReleasingCallback):
             return {}  # the owner saves the group's one state
         sizes = self._engine.sizes
         return {
-            "version": _VERSION,
             "micro_batch_size": sizes.samples("tokens"),  # in samples of the last batch (for reading)
             "tokens_per_sample": sizes.probed_width,  # of the probed batch
             "sizes": sizes.state(),
@@ -146,20 +144,17 @@ class MicroBatching(ReleasingCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = {**state_dict, "_from": type(self).__name__}
         owner = self._owner or self
         if owner._engine is None:
-            self._loaded.append(state)
+            self._loaded.append(state_dict)
         else:
-            owner._load(state)
+            owner._load(state_dict)
 
     def _load(self, state: dict[str, Any]) -> None:
         sizes = self._engine.sizes
-        if state.get("version") == _VERSION:
+        if "sizes" in state:  # the owner's (another callback of the group saves {})
             sizes.load(state["sizes"])
-            self._engine.checked_keys.update(state.get("checked", []))
-        elif len(state) > 1:  # written before the callbacks shared one owner
-            sizes.load_legacy(state, kind="backoff" if state["_from"] == "OOMBackoff" else "auto")
+            self._engine.checked_keys.update(state["checked"])
 
 
 def _agreed(group: list[MicroBatching], name: str) -> Any:

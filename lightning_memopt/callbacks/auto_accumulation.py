@@ -62,14 +62,16 @@ class AutoAccumulation(MicroBatching):
 
     Logged keys (per step, ``on_step=True``; shared with ``OOMBackoff``):
 
-    ===============================  ===============================================================
-    ``batching/micro_batch_size``    samples per micro-batch of this step
-    ``batching/num_micro_batches``   micro-batches this step ran as
-    ``batching/oom_retries``         out-of-memory retries since the fit started (cumulative count)
-    ``batching/near_misses``         with ``OOMBackoff`` on a CUDA device: steps after which the
-                                     allocator was found thrashing (cumulative count; each halved the
-                                     size)
-    ===============================  ===============================================================
+    ======================================  ===============================================================
+    ``batching/micro_batch_size``           samples per micro-batch of this step
+    ``batching/num_micro_batches``          micro-batches this step ran as
+    ``batching/oom_retries``                out-of-memory retries since the fit started (cumulative count)
+    ``batching/step_seconds_predicted``     with ``AutoCheckpoint``, where the first batch's search timed it:
+                                            seconds per optimizer step at the size and treatment chosen
+    ``batching/near_misses``                with ``OOMBackoff`` on a CUDA device: steps after which the
+                                            allocator was found thrashing (cumulative count; each halved the
+                                            size)
+    ======================================  ===============================================================
 
     Attributes:
         probes: ``(size, peak bytes or None)`` of each training probe this fit ran (empty on resume).

@@ -63,8 +63,6 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
         allow_offload: Whether ``auto`` may offload to CPU. Default: only when the device is not the CPU.
         log: Whether to log the keys below.
         head: A Hugging Face causal LM's loss without its logits (:data:`~lightning_memopt.head.HeadMode`).
-        budget: Deprecated, use ``max_memory``. ``budget=X`` means ``max_memory=X, headroom=0`` (the old
-            meaning: the whole budget was usable).
 
     Raises:
         ValueError: For a limit that is not a positive size or a fraction in (0, 1], an unknown mode,
@@ -101,11 +99,10 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
         cost_model: CostModel | None = None,
         allow_offload: bool | None = None,
         log: bool = True,
-        budget: int | float | str | None = None,
         head: Literal["auto", "chunked", "keep"] = "auto",
     ) -> None:
         options = dict(blocks=blocks, max_memory=max_memory, mode=mode, every_n=every_n, headroom=headroom)
-        options.update(cost_model=cost_model, allow_offload=allow_offload, budget=budget, head=head)
+        options.update(cost_model=cost_model, allow_offload=allow_offload, head=head)
         super().__init__(**options)
         check_bool("log", log)
         # Not `self.log`: Lightning sets `callback.log = pl_module.log` on every callback at fit start.
@@ -154,6 +151,9 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
         if not self.active:
             return
         engine = engine_of(trainer)
+        if engine is not None and self.mode == "auto" and not engine.sizes.probed and self.plan.choices:
+            # The first batch's search decides whether to recompute at all (batching/sizes.py: decide).
+            engine.sizes.recompute = self
         signature = step_signature(batch, None if engine is None else engine.peek(batch))
         self.start_step(signature, lambda flags: most_over_ranks(trainer.strategy, flags))
 

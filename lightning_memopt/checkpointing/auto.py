@@ -36,7 +36,7 @@ from lightning_memopt.checkpointing.apply import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing.blocks import check_blocks, find_blocks
-from lightning_memopt.checkpointing.budget import PlanPolicy, StepLimit, deprecated_budget
+from lightning_memopt.checkpointing.budget import PlanPolicy, StepLimit
 from lightning_memopt.checkpointing.planner import (
     CostModel,
     Plan,
@@ -123,13 +123,11 @@ class AutoCheckpointer:
         headroom: float = 0.1,
         cost_model: CostModel | None = None,
         allow_offload: bool | None = None,
-        budget: MemoryLimit = None,
         head: HeadMode = "auto",
         name: str = "AutoCheckpoint",
     ) -> None:
-        max_memory, headroom, self._limit_name = deprecated_budget(max_memory, headroom, budget)
-        check_max_memory(max_memory, name=self._limit_name)
-        check_mode(mode, every_n, max_memory, cost_model, name=self._limit_name)
+        check_max_memory(max_memory)
+        check_mode(mode, every_n, max_memory, cost_model)
         check_bool("allow_offload", allow_offload, none_ok=True)
         check_blocks(blocks)
         self.blocks = blocks
@@ -163,7 +161,7 @@ class AutoCheckpointer:
         device = torch.device(device)
         capacity = device_memory(device, tracker=MemoryTracker()).capacity()
         offload = self.allow_offload if self.allow_offload is not None else device.type != "cpu"
-        limit = StepLimit.resolve(self.max_memory, self.headroom, capacity, name=self._limit_name)
+        limit = StepLimit.resolve(self.max_memory, self.headroom, capacity)
         self._policy = PlanPolicy.for_mode(
             self.mode, limit, offload=offload, cost_model=self.cost_model, device=device
         )
@@ -230,6 +228,29 @@ class AutoCheckpointer:
                 apply_checkpointing(self._model, plan.choices)
         if self._needs_check and self._probe is None:
             self._probe = ForwardProbe(self._model, self._found, record=not self.plan.predicted)
+
+    def use(self, treatment: str) -> None:
+        """Run every block ``treatment`` (``"keep"``, ``"full"``) while the micro-batch size is searched
+        (:class:`~lightning_memopt.batching.sizes.Recompute`); nothing is measured meanwhile (a tracking
+        dispatch mode would distort the probes' timings)."""
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        choices = initial_choices([n for n, _ in self._found], treatment)
+        apply_checkpointing(self._model, choices)
+        self.plan = Plan.unprofiled(choices)
+
+    def decided(self, treatment: str, why: str) -> None:
+        """The size search chose ``treatment``: ``keep`` is final (plain micro-batches are the fastest step
+        that fits: nothing to profile or plan, said in one line); after ``full`` the step is measured and
+        the least recompute that fits the chosen micro-batch is planned, as without micro-batching."""
+        self.use(treatment)
+        if treatment == "keep":
+            self._needs_check = self._by_shape = False
+            self.note(f"{self.name} checkpoints no block of {type(self._model).__name__}: {why}")
+            return
+        self._probe = ForwardProbe(self._model, self._found, record=True)
+        self.note(f"{self.name} recomputes: {why}")
 
     def forward_done(self) -> None:
         """The step's forward ended: measure no more (backward runs untracked)."""
@@ -331,7 +352,7 @@ class AutoCheckpointer:
         if state.get("plan") is None:
             return
         self.plan = self._loaded_plan = Plan.from_dict(state["plan"])
-        self.shape_plans.load(state.get("shapes"), self._loaded_plan)
+        self.shape_plans.load(state["shapes"])
         self._needs_check = False
         if self._model is not None and self._found:
             apply_checkpointing(self._model, self._loaded_plan)

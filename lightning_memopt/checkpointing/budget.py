@@ -13,7 +13,6 @@ says so in the user's terms: the option as passed, what the step must hold, and 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,32 +34,7 @@ from lightning_memopt.memory import format_bytes
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, usable_bytes
 from lightning_memopt.memory.tracker import state_bytes
 
-__all__ = ["PlanPolicy", "StepLimit", "deprecated_budget", "plan_step", "plan_within", "state_bytes"]
-
-
-def deprecated_budget(max_memory, headroom: float, budget) -> tuple[object, float, str]:
-    """``(max_memory, headroom, name)`` after the deprecated ``budget`` option (a ``DeprecationWarning``):
-    ``budget=X`` means ``max_memory=X, headroom=0``; ``name`` is the option the user wrote, for messages.
-
-    Raises:
-        ValueError: If both ``max_memory`` and ``budget`` are given.
-
-    Example::
-
-        >>> deprecated_budget("6GiB", 0.1, None)
-        ('6GiB', 0.1, 'max_memory')
-    """
-    if budget is None:
-        return max_memory, headroom, "max_memory"
-    if max_memory is not None:
-        raise ValueError(f"pass max_memory={max_memory!r} or the deprecated budget={budget!r}, not both")
-    warnings.warn(
-        "AutoCheckpoint(budget=...) is deprecated and will be removed in the next release; use "
-        "max_memory=... (budget=X means max_memory=X, headroom=0)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return budget, 0.0, "budget"
+__all__ = ["PlanPolicy", "StepLimit", "plan_step", "plan_within", "state_bytes"]
 
 
 @dataclass(frozen=True)
@@ -80,25 +54,21 @@ class StepLimit:
     """Fraction of the limit kept free."""
     usable: int | None
     """``limit * (1 - headroom)`` in bytes; None where no limit is known (no ``max_memory``, CPU)."""
-    name: str = "max_memory"
-    """The option's name in messages (a deprecated alias keeps its own name)."""
 
     @classmethod
-    def resolve(
-        cls, max_memory: MemoryLimit, headroom: float, capacity: int | None, *, name: str = "max_memory"
-    ) -> StepLimit:
+    def resolve(cls, max_memory: MemoryLimit, headroom: float, capacity: int | None) -> StepLimit:
         """The limit on a device of ``capacity`` bytes (None: unknown).
 
         Raises:
             ValueError: For a bad limit or headroom, or a fraction of an unknown capacity (the message
-                names ``name`` and the fix).
+                names ``max_memory`` and the fix).
         """
-        usable = usable_bytes(max_memory, headroom, capacity, name=name)
-        return cls(max_memory, check_headroom(headroom), usable, name)
+        usable = usable_bytes(max_memory, headroom, capacity)
+        return cls(max_memory, check_headroom(headroom), usable)
 
     def describe(self) -> str:
         """The limit in the user's terms: ``"max_memory='6GiB'"``, or ``"the capacity"``."""
-        return f"{self.name}={self.max_memory!r}" if self.max_memory is not None else "the capacity"
+        return f"max_memory={self.max_memory!r}" if self.max_memory is not None else "the capacity"
 
     def needed(self, usable: int) -> int:
         """The smallest limit (bytes) that leaves ``usable`` bytes after the headroom."""
@@ -169,7 +139,7 @@ def plan_step(
         >>> plan = plan_step(profiles, StepLimit.resolve("6GiB", 0.1, None), states=2**30, outside=0)  # doctest: +SKIP
     """
     if limit.usable is None:
-        raise ValueError(f"{limit.describe()} leaves no known usable bytes; pass {limit.name} in bytes")
+        raise ValueError(f"{limit.describe()} leaves no known usable bytes; pass max_memory in bytes")
     try:
         return plan_within(
             profiles, limit.usable, states=states, outside=outside, allowed=allowed, cost_model=cost_model
@@ -178,7 +148,7 @@ def plan_step(
         needed = limit.needed(err.minimum)
         raise InfeasibleBudgetError(
             f"{limit.describe()} (usable with headroom={limit.headroom}: {format_bytes(limit.usable)}) {err}. "
-            f"Pass {limit.name} >= {format_bytes(needed)}, use a smaller micro-batch (AutoAccumulation) or "
+            f"Pass max_memory >= {format_bytes(needed)}, use a smaller micro-batch (AutoAccumulation) or "
             "shard the model (FSDP).",
             needed,
         ) from err

@@ -21,7 +21,6 @@ of every block was timed. FLOPs stay a reported figure (``Plan.extra_flops``) ei
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -39,7 +38,6 @@ __all__ = [
     "CostModel",
     "plan_checkpointing",
     "evaluate_plan",
-    "brute_force_plan",
     "InfeasibleBudgetError",
     "keep_where_no_gain",
     "MODES",
@@ -386,9 +384,7 @@ MODES: tuple[str, ...] = ("auto", "full", "selective", "offload", "every_n", "po
 n-th block."""
 
 
-def check_mode(
-    mode: str, every_n: int, max_memory=None, cost_model=None, *, name: str = "max_memory"
-) -> None:
+def check_mode(mode: str, every_n: int, max_memory=None, cost_model=None) -> None:
     """Raise ``ValueError`` for an unknown ``mode``, ``every_n < 1``, a limit with a forced mode, or a
     ``cost_model`` that is not a :class:`CostModel` (None is)."""
     if cost_model is not None and not isinstance(cost_model, CostModel):
@@ -398,7 +394,7 @@ def check_mode(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if max_memory is not None and mode != "auto":
-        raise ValueError(f"{name}={max_memory!r} is only used by mode='auto', got mode={mode!r}")
+        raise ValueError(f"max_memory={max_memory!r} is only used by mode='auto', got mode={mode!r}")
     check_positive_int("every_n", every_n)
 
 
@@ -485,28 +481,6 @@ def _search(profiles, allowed, cost_model, budget):
     if not final:
         return None
     return list(min(final, key=lambda e: (e[1], e[0], e[2]))[2])
-
-
-def brute_force_plan(
-    profiles: Sequence[BlockProfile],
-    budget: int,
-    *,
-    allowed: Sequence[str] | None = None,
-    cost_model: CostModel | None = None,
-) -> Plan | None:
-    """Try all ``len(allowed) ** len(profiles)`` plans; the reference :func:`plan_checkpointing` must match.
-
-    Returns None when nothing fits. Use only for small instances (benchmarks, tests).
-    """
-    cost_model = cost_model or CostModel()
-    best = None
-    for choices in itertools.product(allowed or _profiled(profiles), repeat=len(profiles)):
-        plan = evaluate_plan(profiles, choices, cost_model, budget)
-        if plan.peak_bytes <= budget and (
-            best is None or (plan.cost, plan.activation_bytes) < (best.cost, best.activation_bytes)
-        ):
-            best = plan
-    return best
 
 
 _MEASURED: dict[torch.device, tuple[float, float]] = {}  # each device timed once per process

@@ -119,7 +119,6 @@ class ShapePlans:
         self._entries: list[tuple[Plan, list[Signature]]] = []
         # The largest batch planned and the blocks' peak on it fully checkpointed.
         self._full: tuple[Signature, int] | None = None
-        self._unkeyed: Plan | None = None  # a plan restored without shapes: adopted by the first batch
 
     @property
     def plans(self) -> dict[Signature, Plan]:
@@ -128,9 +127,6 @@ class ShapePlans:
 
     def _uncovered(self, signature: Signature) -> list[int]:
         """Per plan made, 1 where none of its shapes covers ``signature``, 0 where one does."""
-        if self._unkeyed is not None:  # from a checkpoint written before plans were keyed by shape
-            self._entries.append((self._unkeyed, [signature]))
-            self._unkeyed = None
         return [int(not any(covers(k, signature) for k in keys)) for _, keys in self._entries]
 
     def _cheapest(self, uncovered: Sequence[int]) -> Plan | None:
@@ -211,14 +207,13 @@ class ShapePlans:
             for plan, keys in self._entries
         ]
 
-    def load(self, entries: list[dict] | None, plan: Plan) -> None:
-        """Restore :meth:`state`; without entries (an older checkpoint), the first batch adopts ``plan``."""
+    def load(self, entries: list[dict]) -> None:
+        """Restore :meth:`state`."""
         signature = lambda shapes: tuple(tuple(s) for s in shapes)  # noqa: E731
         self._entries = [
             (
                 Plan.from_dict(entry["plan"]),
                 [signature(entry["shapes"]), *map(signature, entry.get("also", ()))],
             )
-            for entry in entries or ()
+            for entry in entries
         ]
-        self._unkeyed = None if entries else plan

@@ -276,6 +276,7 @@ def _result(
         cheapest = {**_option_dict("cheapest", best), "yaml": yaml}
     return {
         "model": type(inp.module).__name__,
+        "batch_size": batch_size(inp.batch),
         "parameters": sum(p.numel() for p in dict.fromkeys(inp.module.parameters())),
         **run,
         "peak_bytes": pred.peak_bytes,
@@ -345,6 +346,18 @@ def _option_dict(name: str, e: Evaluated) -> dict[str, Any]:
     }
 
 
+def _accumulation_line(config: dict[str, Any], whole: int) -> list[str]:
+    """One line where plain gradient accumulation is the way: micro-batches without recompute."""
+    size = config["micro_batch_size"]
+    if config["checkpoint"] != "none" or size >= whole:
+        return []
+    return [
+        f"plain accumulation is the fastest way that fits: {-(-whole // size)} micro-batches of {size} "
+        "without recompute (AutoCheckpoint beside AutoAccumulation times recompute against it at the first "
+        "batch and recomputes only where larger micro-batches make the step faster)"
+    ]
+
+
 def render(result: dict[str, Any]) -> str:
     """The text report: the step by phase and category, the options, the cheapest fit as YAML."""
     lines = [
@@ -384,6 +397,7 @@ def render(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"cheapest that fits: peak {format_bytes(best['peak_bytes'])}, cost {best['cost']:.3f}",
+            *_accumulation_line(best["config"], result["batch_size"]),
             "",
             best["yaml"],
         ]

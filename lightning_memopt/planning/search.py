@@ -11,7 +11,7 @@ by the planner's recompute FLOP-equivalents over the step's FLOPs (taken as 3x t
 The search is best-first: configurations are taken in order of price (a checkpointing configuration at
 its lower bound, the price without recompute, until its plan is made), and the first one whose predicted
 peak fits is the answer. Nothing cheaper can fit: every cheaper configuration was tried, or had a lower
-bound above the answer. :func:`brute_force` tries every configuration; the tests check both agree.
+bound above the answer (the tests check it against trying every configuration).
 """
 
 from __future__ import annotations
@@ -273,15 +273,10 @@ class Planner:
                 if not e.fits:
                     continue
                 if e.cost > bound:  # a plan's recompute raised the price: back in line at its real price
-                    heapq.heappush(heap, (e.cost, i, c, True))  # same index: ties break as in brute_force
+                    heapq.heappush(heap, (e.cost, i, c, True))  # same index: ties break in grid order
                     continue
             return done[c]
         return None
-
-    def brute_force(self) -> Evaluated | None:
-        """Evaluate every configuration; the cheapest that fits (ties: grid order), or None."""
-        fitting = [e for e in (self.evaluate(c) for c in self.grid()) if e.fits]
-        return min(fitting, key=lambda e: e.cost, default=None)
 
 
 class _Step(nn.Module):

@@ -113,24 +113,75 @@ def test_budget_plans_after_first_batch_and_meets_it(tmp_path):
     assert measured == cb.plan.activation_bytes
 
 
-def test_plans_for_the_micro_batch_size_autoaccumulation_chose(tmp_path):
-    """AutoAccumulation probes other sizes inside the first step; the plan is profiled on the micro-batch
-    that training runs (the last forward of the step), so prediction and measurement agree."""
-    from lightning_memopt import AutoAccumulation
+class _Wide(GPTModule):
+    """16 samples of 64 tokens a batch: TinyGPT(4)'s whole batch does not fit 1.5 MB with every block kept."""
 
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randint(0, 32, (32, 64), generator=g)), batch_size=16)
+
+
+def _timed(monkeypatch, launch: float) -> list:
+    """Probe micro-steps priced ``launch + samples`` seconds, +30% recomputed: deterministic timings."""
+    from lightning_memopt.batching.probe import BatchProbes
+    from lightning_memopt.checkpointing import checkpointed_blocks as treated
+
+    timed = []
+
+    def seconds(self, samples):
+        model = self.engine.trainer.lightning_module
+        full = set(treated(model).values()) - {"keep"} != set()
+        timed.append(("full" if full else "keep", samples))
+        return launch + samples * (1.3 if full else 1.0)
+
+    monkeypatch.setattr(BatchProbes, "seconds", seconds)
+    return timed
+
+
+@pytest.mark.parametrize("launch", [0.0, 100.0])
+def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path, monkeypatch, launch):
+    """One decision for the micro-batch and the blocks: plain micro-batches unless recomputing makes larger
+    ones that run the step faster (a launch cost per micro-step), then the plan made for the micro-batch
+    that runs, its predicted activations those measured."""
+    from lightning_memopt import AutoAccumulation
+    from lightning_memopt.checkpointing import CostModel
+
+    timed = _timed(monkeypatch, launch)
     torch.manual_seed(0)
-    module = GPTModule()
-    accumulation = AutoAccumulation(max_memory=10**8, headroom=0.0)
-    cb = AutoCheckpoint(max_memory=10**6, headroom=0.0)
-    trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
+    module = _Wide(n_layer=4)
+    accumulation = AutoAccumulation(max_memory=1_500_000, headroom=0.0)
+    cb = AutoCheckpoint(max_memory=1_500_000, headroom=0.0, cost_model=CostModel(use_time=False))
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module)
-    assert len(accumulation.probes) >= 2 and {size for size, _ in accumulation.probes} != {4}
-    assert accumulation.micro_batch_size == 4
+    (kept, plain), (full, larger) = timed  # one timed size each
+    assert (kept, full) == ("keep", "full") and 1 < plain < larger <= 16
+    n_plain, n_larger = -(-16 // plain), -(-16 // larger)  # micro-batches a step
+    keep_time, full_time = n_plain * (launch + plain), n_larger * (launch + 1.3 * larger)
+    recomputes = full_time < keep_time
+    assert recomputes == (launch > 0)
+    said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
+    if not recomputes:  # nothing profiled, nothing planned: every step runs plain micro-batches
+        assert said == [
+            f"AutoCheckpoint checkpoints no block of _Wide: {n_plain} micro-batches of {plain} without "
+            f"recompute: {keep_time:.3g} s a step; {n_larger} of {larger} recomputing every block: {full_time:.3g} s"
+        ]
+        assert accumulation.micro_batch_size == plain
+        assert all(set(c.values()) == {"keep"} for c in module.seen_choices[-2:])
+        assert (
+            not cb.plan.predicted and "checkpoint/activation_bytes_measured" not in trainer.callback_metrics
+        )
+        return
+    assert said[0] == (
+        f"AutoCheckpoint recomputes: {n_plain} micro-batches of {plain} without recompute: {keep_time:.3g} s a "
+        f"step; {n_larger} of {larger} recomputing every block: {full_time:.3g} s"
+    )
+    assert accumulation.micro_batch_size == larger
+    assert cb.plan.predicted and set(cb.plan.choices.values()) != {"keep"}
+    assert module.seen_choices[-1] == cb.plan.choices  # the second step ran the plan made for its micro-batch
     measured = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
     assert measured == cb.plan.activation_bytes > 0
-    assert not [w for w in caught if "held" in str(w.message)]
 
 
 def test_capacity_known_plans_under_capacity(tmp_path, monkeypatch):
@@ -343,12 +394,6 @@ def test_with_batchnorm_swap_the_module_is_restored_whatever_the_order(tmp_path,
     assert "configure_model" not in vars(module) and "on_load_checkpoint" not in vars(module)
 
 
-def test_budget_is_deprecated_and_means_max_memory_without_headroom():
-    with pytest.warns(DeprecationWarning, match=r"budget=\.\.\.\) is deprecated .* use max_memory"):
-        cb = AutoCheckpoint(budget="6GiB")
-    assert (cb.max_memory, cb.headroom) == ("6GiB", 0.0)
-
-
 def _static_and_outside():
     """TinyGPT(3)'s parameters + SGD gradients, and what autograd holds outside its blocks (see
     test_capacity_known_plans_under_capacity), for a batch of 4 x 8 tokens."""
@@ -366,9 +411,6 @@ def test_too_small_a_limit_is_reported_with_the_users_value_and_what_it_must_hol
     assert f"max_memory={limit} (usable with headroom=0.0: " in message
     assert "is too small for any plan; it must hold the parameters, gradients and optimizer state" in message
     assert "Pass max_memory >= " in message
-    # The deprecated name is the one the user wrote.
-    with pytest.warns(DeprecationWarning), pytest.raises(MisconfigurationException, match=r"budget='1000B'"):
-        _trainer(tmp_path, [AutoCheckpoint(budget="1000B")]).fit(GPTModule())
 
 
 def test_log_false_logs_nothing(tmp_path):

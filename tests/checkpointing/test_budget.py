@@ -37,7 +37,7 @@ def test_step_limit_resolves_the_users_terms():
     assert StepLimit.resolve(0.5, 0.1, 4000).usable == 1800  # a fraction of the capacity
     assert StepLimit.resolve(None, 0.1, None).usable is None  # no limit known: nothing to plan under
     assert StepLimit.resolve(None, 0.0, 4096).describe() == "the capacity"
-    assert StepLimit.resolve("1KiB", 0.0, None, name="budget").describe() == "budget='1KiB'"
+    assert StepLimit.resolve("1KiB", 0.0, None).describe() == "max_memory='1KiB'"
     assert StepLimit(4000, 0.5, 2000).needed(2001) == 4003  # the smallest limit leaving 2001 usable
     with pytest.raises(ValueError, match=r"max_memory=0.5 is a fraction of the device's capacity, but"):
         StepLimit.resolve(0.5, 0.1, None)
@@ -69,8 +69,8 @@ def test_plan_step_errors_say_what_the_step_needs_in_the_users_terms():
         "the blocks' smallest peak (1.17 KiB): 1.95 KiB in all. Pass max_memory >= 3.91 KiB, use a smaller "
         "micro-batch (AutoAccumulation) or shard the model (FSDP)."
     )
-    with pytest.raises(InfeasibleBudgetError, match=r"^budget=4000 \(.*\) does not even hold the param"):
-        plan_step(_profiles(), StepLimit(4000, 0.5, 2000, "budget"), states=1900, outside=200, allowed=KF)
+    with pytest.raises(InfeasibleBudgetError, match=r"^max_memory=4000 \(.*\) does not even hold the param"):
+        plan_step(_profiles(), StepLimit(4000, 0.5, 2000), states=1900, outside=200, allowed=KF)
     with pytest.raises(
         ValueError, match="the capacity leaves no known usable bytes; pass max_memory in bytes"
     ):
@@ -142,8 +142,8 @@ def test_mode_policy():
         check_mode("auto", 2, None, 3)
     with pytest.raises(ValueError, match="every_n must be a positive int, got 0"):
         check_mode("every_n", 0)
-    with pytest.raises(ValueError, match=r"budget='1GB' is only used by mode='auto', got mode='full'"):
-        check_mode("full", 2, "1GB", name="budget")
+    with pytest.raises(ValueError, match=r"max_memory='1GB' is only used by mode='auto', got mode='full'"):
+        check_mode("full", 2, "1GB")
 
 
 def test_plan_policy_prices_offload_by_a_copy_timed_on_the_device(monkeypatch):

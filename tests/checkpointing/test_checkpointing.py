@@ -17,7 +17,6 @@ from lightning_memopt.checkpointing import (
     InfeasibleBudgetError,
     OptionCost,
     apply_checkpointing,
-    brute_force_plan,
     capture_block_inputs,
     checkpointed_blocks,
     evaluate_plan,
@@ -29,6 +28,7 @@ from lightning_memopt.checkpointing import (
 from lightning_memopt.checkpointing.flops import OpCounter
 from tests.checkpointing.helpers import live_tensors
 from tests.checkpointing.models import Block, TinyGPT
+from tests.oracles import brute_force_plan
 
 
 def _grads(model, idx, seed=0):

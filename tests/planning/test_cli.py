@@ -211,3 +211,16 @@ def test_causal_lm_gets_the_chunked_head_as_an_option_and_the_cheapest_fit(capsy
     no_lm = plan(model=MODEL, batch=["4x8"], device_memory="1GiB")
     assert no_lm["head_bytes"] is None and "chunked head" not in [o["name"] for o in no_lm["options"]]
     assert all(o["config"]["head"] == "own" for o in no_lm["options"])
+
+
+def test_the_report_says_when_plain_accumulation_is_the_way():
+    from lightning_memopt.planning.cli import _accumulation_line
+
+    plain = {"micro_batch_size": 8, "checkpoint": "none"}
+    assert _accumulation_line(plain, 32) == [
+        "plain accumulation is the fastest way that fits: 4 micro-batches of 8 without recompute "
+        "(AutoCheckpoint beside AutoAccumulation times recompute against it at the first batch and "
+        "recomputes only where larger micro-batches make the step faster)"
+    ]
+    assert _accumulation_line(plain, 8) == []  # the whole batch: nothing to accumulate
+    assert _accumulation_line({**plain, "checkpoint": "recompute"}, 32) == []

@@ -6,6 +6,7 @@ import pytest
 
 from lightning_memopt.planning.build import build_fake, fake_mode, parse_batch_spec
 from lightning_memopt.planning.search import Config, Planner, Prices
+from tests.oracles import brute_force_config
 from tests.planning.modules import TinyLM
 
 
@@ -36,7 +37,7 @@ def test_cheapest_equals_brute_force(planner, fraction):
     mode, p = planner
     base = p.predict(Config("32-true", 4, "ddp")).peak_bytes
     p.usable = int(base * fraction)
-    best, reference = p.cheapest(), p.brute_force()
+    best, reference = p.cheapest(), brute_force_config(p)
     if reference is None:
         assert best is None
         return
@@ -87,5 +88,5 @@ def test_the_chunked_head_is_a_knob_of_causal_lms_and_the_search_agrees_with_bru
         assert chunked.head_bytes < own.head_bytes
         assert p.base_cost(Config("bf16-true", 4, "ddp", head="chunked")) == Prices().chunked_head == 0.0
         p.usable = chunked.peak_bytes  # only the chunked head fits without another change
-        best, reference = p.cheapest(), p.brute_force()
+        best, reference = p.cheapest(), brute_force_config(p)
         assert best.config == reference.config == Config("bf16-true", 4, "ddp", head="chunked")

@@ -1,0 +1,122 @@
+"""The first batch's search decides whether to recompute at all, by the step time it measures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_memopt.batching.errors import MicroBatchOOMError
+from lightning_memopt.batching.sizes import MicroBatchSizes
+
+HELD = 1_000
+
+
+class FakeModel:
+    """Blocks that hold ``kept`` bytes a sample kept, ``recomputed`` when recomputed; a micro-step costs
+    ``launch + per_sample * n`` seconds kept, ``recompute`` more per sample when recomputed."""
+
+    def __init__(self, *, kept=100, recomputed=25, launch=1.0, per_sample=0.1, recompute=0.03) -> None:
+        self.kept, self.recomputed = kept, recomputed
+        self.launch, self.per_sample, self.recompute = launch, per_sample, recompute
+        self.treatment = "full"  # AutoCheckpoint installs every block full before the first step
+        self.said: list[tuple[str, str]] = []
+        self.used: list[str] = []
+
+    # Recompute (AutoCheckpoint's side)
+    def use(self, treatment: str) -> None:
+        self.treatment = treatment
+        self.used.append(treatment)
+
+    def decided(self, treatment: str, why: str) -> None:
+        self.treatment = treatment
+        self.said.append((treatment, why))
+
+
+class FakeProbes:
+    device = torch.device("cpu")
+    floor = 1
+    evaluates = False
+
+    def __init__(self, model: FakeModel) -> None:
+        self.model = model
+        self.timed: list[tuple[str, int]] = []
+
+    def peak(self, samples: int, evaluation: bool) -> int:
+        m = self.model
+        return HELD + samples * (m.kept if m.treatment == "keep" else m.recomputed)
+
+    def held(self) -> int:
+        return HELD
+
+    def seconds(self, samples: int) -> float:
+        m = self.model
+        self.timed.append((m.treatment, samples))
+        extra = m.recompute * samples if m.treatment == "full" else 0.0
+        return m.launch + m.per_sample * samples + extra
+
+
+def _decide(model: FakeModel, limit: int, total: int = 64) -> tuple[MicroBatchSizes, int, FakeProbes]:
+    sizes = MicroBatchSizes(max_memory=limit, headroom=0.0)
+    sizes.recompute = model
+    probes = FakeProbes(model)
+    size, _, _ = sizes.plan(total=total, width=1, probes=probes)
+    return sizes, size, probes
+
+
+def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
+    # Time per sample does not fall with the size (no launch cost): recompute buys nothing.
+    model = FakeModel(launch=0.0)
+    sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
+    assert size == 16 and model.treatment == "keep"
+    assert probes.timed == [("keep", 16), ("full", 64)]
+    assert model.said == [
+        (
+            "keep",
+            "4 micro-batches of 16 without recompute: 6.4 s a step; 1 of 64 recomputing every block: 8.32 s",
+        )
+    ]
+    assert sizes.step_seconds == pytest.approx(6.4)
+    assert sizes.recompute is None  # decided once; nothing stays attached
+
+
+def test_recompute_wins_where_larger_micro_batches_run_faster_per_sample():
+    model = FakeModel(launch=1.0)
+    sizes, size, _ = _decide(model, limit=HELD + 1_600)
+    # keep: 4 x (1 + 1.6) = 10.4 s; full: 1 x (1 + 6.4 + 1.92) = 9.32 s
+    assert size == 64 and model.treatment == "full"
+    assert model.said[0][0] == "full" and sizes.step_seconds == pytest.approx(9.32)
+    # every probe of the chosen treatment is kept for the shape model, none of the other's
+    assert sizes.probes and all(peak == HELD + 25 * s for s, peak in sizes.probes)
+
+
+def test_the_whole_batch_fitting_kept_is_never_timed_nor_recomputed():
+    model = FakeModel()
+    _, size, probes = _decide(model, limit=HELD + 100 * 64)
+    assert size == 64 and model.treatment == "keep" and probes.timed == []
+    assert model.used == ["keep"] and model.said == [("keep", "the whole batch of 64 fits without recompute")]
+
+
+def test_recompute_where_not_one_sample_fits_kept():
+    model = FakeModel(kept=10_000)
+    _, size, probes = _decide(model, limit=HELD + 1_600)
+    assert size == 64 and model.treatment == "full" and probes.timed == []
+    assert model.said == [("full", "not one sample fits without recompute")]
+
+
+def test_nothing_fits_either_way_raises_and_leaves_blocks_recomputed():
+    model = FakeModel(kept=10_000, recomputed=5_000)
+    sizes = MicroBatchSizes(max_memory=HELD + 1_000, headroom=0.0)
+    sizes.recompute = model
+    with pytest.raises(MicroBatchOOMError, match="with or without recomputing every block"):
+        sizes.plan(total=64, width=1, probes=FakeProbes(model))
+    assert model.treatment == "full" and sizes.recompute is None
+
+
+def test_without_an_offer_the_search_is_as_before():
+    model = FakeModel()
+    sizes = MicroBatchSizes(max_memory=HELD + 1_600, headroom=0.0)
+    size, _, _ = sizes.plan(total=64, width=1, probes=FakeProbes(model))
+    assert size == 64 and model.used == [] and model.treatment == "full"  # probed as installed
+    assert math.isclose(sizes.probes[-1][1], HELD + 64 * 25)
