@@ -85,6 +85,46 @@ class InjectOOM(pl.Callback):
         self.injector.remove()
 
 
+def decide_with_rank_timings(rank: int) -> dict:
+    """AutoCheckpoint beside AutoAccumulation under DDP, each rank timing its probes differently (rank 1
+    pays a launch cost per micro-step, rank 0 none): the ranks must take one decision (sizes agreed as the
+    smallest, seconds as the longest over ranks), not hang, and train the same plan."""
+    from lightning_memopt.batching.probe import BatchProbes
+    from lightning_memopt.checkpointing import checkpointed_blocks
+    from tests.callbacks.test_auto_checkpoint import _Wide
+
+    def seconds(self, samples):
+        full = set(checkpointed_blocks(self.engine.trainer.lightning_module).values()) - {"keep"}
+        return (100.0 if rank == 1 else 0.0) + samples * (1.3 if full else 1.0)
+
+    original, BatchProbes.seconds = BatchProbes.seconds, seconds
+    try:
+        module = _Wide(n_layer=4)
+        accumulation = AutoAccumulation(max_memory=1_500_000, headroom=0.0)
+        cb = AutoCheckpoint(max_memory=1_500_000, headroom=0.0)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=DDPStrategy(process_group_backend="gloo"),
+            max_steps=2,
+            callbacks=[cb, accumulation],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+    finally:
+        BatchProbes.seconds = original
+    sizes = accumulation.engine.sizes
+    return {
+        "size": accumulation.micro_batch_size,
+        "seconds": sizes.step_seconds,
+        "choices": cb.plan.choices,
+        "seen": module.seen_choices[-1],
+    }
+
+
 def main(out: str) -> None:
     # Plans priced in seconds: time counted as work (tests/conftest.py does it in the tests' own process),
     # so that the budgeted plan asserted is the same on every run.
@@ -95,6 +135,8 @@ def main(out: str) -> None:
         cb = AutoCheckpoint()
         checkpointed, seen, _ = run(kind, [cb])
         result = {"plain": plain, "checkpointed": checkpointed}
+        if kind == "ddp":
+            result["decided"] = decide_with_rank_timings(rank)
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
             # A limit between all-full and all-kept: the sharded blocks are profiled and planned for.

@@ -53,6 +53,12 @@ def test_two_process_training_matches_plain(results, kind):
             assert result["seen_pointwise"][0] == dict.fromkeys(sorted(names), "pointwise")
             torch.testing.assert_close(result["pointwise"], result["plain"], rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(result["pointwise_rerun"], result["plain_h8"], rtol=1e-6, atol=1e-7)
+        if kind == "ddp":  # rank-dependent probe timings: one decision on both ranks, recompute (rank 1's)
+            decided = result["decided"]
+            assert decided == torch.load(tmp_path / "ddp_params0.pt")["decided"]
+            assert set(decided["choices"].values()) != {"keep"} and decided["seen"] == decided["choices"]
+            # 2 micro-batches of 9 recomputed, each priced at rank 1's 100 + 9 x 1.3 s (the longest over ranks)
+            assert decided["size"] == 9 and decided["seconds"] == pytest.approx(2 * (100 + 9 * 1.3))
         plan = json.loads((tmp_path / f"{kind}_plan{rank}.json").read_text())
         assert plan["choices"] == dict.fromkeys(names, "full")  # CPU, no budget: every block
         assert all(seen == plan["choices"] for seen in plan["seen"])
