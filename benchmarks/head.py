@@ -2,6 +2,17 @@
 
 Run: python benchmarks/head.py            # GPT2Config() (12 layers, h=768, vocab 50,257), batch 2 x 1,024
      python benchmarks/head.py --small    # 2 layers, h=128, GPT-2's vocabulary, 2 x 512: about 2 minutes
+     python benchmarks/head.py --shapes   # the head alone at GPT-2, Llama 3 and Gemma 2 shapes (below)
+     python benchmarks/head.py --shapes --device cuda   # the same on a GPU, bf16, 16,384 tokens
+
+``--shapes`` prints, for the heads of GPT-2 (50,257 x 768), Llama 3 (128,256 x 2,048 and x 4,096) and
+Gemma 2 (256,000 x 2,304): the plain head (``F.cross_entropy(F.linear(hidden, weight).float(), labels)``,
+what a Hugging Face model computes) and ``linear_cross_entropy``, forward + backward: milliseconds (median
+of ``--reps`` rounds, the two alternated in one process), their ratio (median of the per-round ratios),
+the peak above the inputs (MemoryTracker's live bytes on a CPU; ``torch.cuda.max_memory_allocated`` on
+CUDA) and each loss's relative difference from a float64 cross-entropy of the same inputs. On a CPU the
+token counts are small (a few seconds a round) and the inputs float32; on CUDA 16,384 tokens (8,192 for
+Gemma 2) in bf16 (``--dtype`` to change).
 
 Prints, for a random-init fp32 GPT-2 on CPU (train mode, forward + backward of ``model(input_ids,
 labels=labels).loss``, no optimizer):
@@ -158,6 +169,93 @@ def time_ratio(config, inputs, reps: int) -> tuple[float, list[float]]:
     return statistics.median(ratios), ratios
 
 
+# (name, vocabulary, hidden, tokens on a CPU, tokens on CUDA)
+SHAPES = [
+    ("GPT-2", 50_257, 768, 2_048, 16_384),
+    ("Llama 3 (1B, 3B)", 128_256, 2_048, 128, 16_384),
+    ("Llama 3 (8B)", 128_256, 4_096, 64, 16_384),
+    ("Gemma 2 (2B)", 256_000, 2_304, 64, 8_192),
+]
+
+
+def _plain(hidden, weight, labels):
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels)
+
+
+def _chunked(hidden, weight, labels):
+    return linear_cross_entropy(hidden, weight, labels)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _head_step(fn, hidden, weight, labels) -> torch.Tensor:
+    hidden.grad = weight.grad = None
+    loss = fn(hidden, weight, labels)
+    loss.backward()
+    return loss.detach()
+
+
+def _peak_above_inputs(fn, hidden, weight, labels) -> int:
+    """The most bytes alive at once above the inputs during forward + backward (the gradients included)."""
+    hidden.grad = weight.grad = None
+    if hidden.device.type == "cuda":
+        _sync(hidden.device)
+        torch.cuda.reset_peak_memory_stats(hidden.device)
+        before = torch.cuda.memory_allocated(hidden.device)
+        _head_step(fn, hidden, weight, labels)
+        _sync(hidden.device)
+        return torch.cuda.max_memory_allocated(hidden.device) - before
+    with MemoryTracker() as tracker:
+        (hidden.sum(), weight.sum(), labels.sum())  # the inputs are counted before the head runs
+        before = tracker.current
+        tracker.reset_peak()
+        _head_step(fn, hidden, weight, labels)
+    return tracker.peak - before
+
+
+def head_shapes(device: torch.device, dtype: torch.dtype, reps: int) -> None:
+    """The table of ``--shapes`` (module docstring)."""
+    print(f"the head alone, forward + backward, {dtype} inputs on {device}, median of {reps} rounds\n")
+    print(
+        "| head | tokens | chunk | plain ms | chunked ms | chunked / plain | plain peak | chunked peak "
+        "| plain loss vs float64 | chunked loss vs float64 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, vocab, width, cpu_tokens, cuda_tokens in SHAPES:
+        tokens = cuda_tokens if device.type == "cuda" else cpu_tokens
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(tokens, width, generator=g).to(device, dtype).requires_grad_()
+        weight = (torch.randn(vocab, width, generator=g) * width**-0.5).to(device, dtype).requires_grad_()
+        labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+        with torch.no_grad():  # the same (rounded) inputs in float64 (chunked: exact to 1e-12 there, tested)
+            reference = float(linear_cross_entropy(hidden.double(), weight.double(), labels))
+        ways = {"plain": _plain, "chunked": _chunked}
+        losses = {k: float(_head_step(fn, hidden, weight, labels)) for k, fn in ways.items()}  # warm-up
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        for _ in range(reps):  # alternated: a burst of load on the machine hits both
+            for key, fn in ways.items():
+                _sync(device)
+                start = time.perf_counter()
+                _head_step(fn, hidden, weight, labels)
+                _sync(device)
+                times[key].append(time.perf_counter() - start)
+        ratio = statistics.median(c / p for c, p in zip(times["chunked"], times["plain"]))
+        peaks = {k: _peak_above_inputs(fn, hidden, weight, labels) for k, fn in ways.items()}
+        rel = {k: abs(v - reference) / abs(reference) for k, v in losses.items()}
+        chunk = default_chunk_size(tokens, vocab, width, device)
+        print(
+            f"| {name}, {vocab:,} x {width:,} | {tokens:,} | {chunk:,} "
+            f"| {statistics.median(times['plain']) * 1e3:,.1f} | {statistics.median(times['chunked']) * 1e3:,.1f} "
+            f"| {ratio:.3f} | {peaks['plain'] / MiB:,.1f} MiB | {peaks['chunked'] / MiB:,.1f} MiB "
+            f"| {rel['plain']:.1e} | {rel['chunked']:.1e} |",
+            flush=True,
+        )
+        del hidden, weight, labels
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="2 layers, h=128, GPT-2's vocabulary, 2 x 512")
@@ -165,8 +263,19 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
     )
     parser.add_argument("--reps", type=int, default=5, help="timed rounds (each: one step of each head)")
+    parser.add_argument("--shapes", action="store_true", help="the head alone at four models' shapes")
+    parser.add_argument("--device", default="cpu", help="for --shapes: cpu (default) or cuda")
+    parser.add_argument(
+        "--dtype", default=None, help="for --shapes: float32 (CPU default) or bfloat16 (CUDA)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.shapes:
+        device = torch.device(args.device)
+        dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        head_shapes(device, dtype, args.reps)
+        return
     if args.small:
         config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=512)
         size, seq = 2, 512

@@ -55,6 +55,7 @@ __all__ = [
     "ChunkedHead",
     "causal_lms",
     "check_head",
+    "check_tolerances",
     "check_output_head",
     "decline_reason",
     "output_heads",

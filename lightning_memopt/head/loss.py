@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -43,18 +45,56 @@ from lightning_memopt.memory.tracker import open_head
 __all__ = ["linear_cross_entropy", "default_chunk_size", "compute_dtype"]
 
 _REDUCTIONS = ("mean", "sum", "none")
+Backend = Literal["auto", "package", "liger"]
+"""Who computes :func:`linear_cross_entropy`: ``"auto"`` (Liger Kernel where it applies, else the
+package's chunks), ``"package"``, ``"liger"`` (see its ``backend`` argument)."""
 _HALF = (torch.float16, torch.bfloat16)
 CHUNKS = 16  # the default number of chunks: one chunk's logits are 1/16 of the whole logits
+# A weight larger than a device's caches is read from memory by each chunk's three matmuls: below this many
+# tokens a chunk does too little work per weight byte (the matmuls are memory-bound; many small launches).
+MIN_TOKENS = {"cpu": 128, "cuda": 512}
+CACHED_WEIGHT = 32 * 2**20  # bytes: a weight this small stays in the caches; no floor on the chunk
+# At most this many bytes of float32 logits a chunk, where 1/16 of the logits is more (long batches).
+MAX_CHUNK_BYTES = 256 * 2**20
 
 
-def default_chunk_size(tokens: int) -> int:
-    """Tokens per chunk when ``chunk_size`` is None: ``ceil(tokens / 16)``.
+def default_chunk_size(
+    tokens: int, vocab: int | None = None, hidden: int | None = None, device: str | torch.device = "cpu"
+) -> int:
+    """Tokens per chunk when ``chunk_size`` is None: ``ceil(tokens / 16)``, and, given the shapes, never so
+    few that the matmuls starve nor so many that a chunk's logits exceed :data:`MAX_CHUNK_BYTES`.
 
     Sixteen chunks keep one chunk's logits at 1/16 of the whole (GPT-2 small at 2 x 1,024 tokens: 128
-    tokens, 24.5 MiB in fp32) while each matmul stays large: every chunk reads the whole weight three
-    times (logits, and the two gradient products), so many small chunks cost memory traffic.
+    tokens, 24.5 MiB in fp32). Every chunk reads the whole weight three times (logits, and the two gradient
+    products): where the weight (``vocab x hidden``) is larger than the caches (:data:`CACHED_WEIGHT`), a
+    chunk has at least :data:`MIN_TOKENS` tokens for ``device``'s type (128 on a CPU, 512 on CUDA: few large
+    matmuls). Where 1/16 of the logits is more than :data:`MAX_CHUNK_BYTES` (256 MiB), a chunk has that
+    many bytes of logits (but not fewer tokens than the floor).
+
+    Args:
+        tokens: Tokens in the batch (``N``).
+        vocab: The vocabulary (``V``); None: the 1/16 rule alone.
+        hidden: The features (``H``); None: the 1/16 rule alone.
+        device: Where the head runs (a type: ``"cpu"``, ``"cuda"``; other types count as CUDA).
+
+    Example::
+
+        >>> default_chunk_size(2046)  # GPT-2 small, 2 x 1,023 shifted tokens
+        128
+        >>> default_chunk_size(512, 128256, 2048)  # a CPU, Llama 3: 1/16 would be 32 tokens
+        128
+        >>> default_chunk_size(16384, 128256, 2048, "cuda")  # 1,024 tokens would hold 501 MiB of logits
+        523
     """
-    return max(1, math.ceil(tokens / CHUNKS))
+    chunk = max(1, math.ceil(tokens / CHUNKS))
+    if vocab is None or hidden is None:
+        return chunk
+    kind = torch.device(device).type
+    floor = MIN_TOKENS.get(kind, MIN_TOKENS["cuda"])
+    if vocab * hidden * 4 > CACHED_WEIGHT:
+        chunk = max(chunk, floor)
+    chunk = min(chunk, max(floor, MAX_CHUNK_BYTES // (vocab * 4)))
+    return max(1, min(chunk, tokens))
 
 
 def linear_cross_entropy(
@@ -69,6 +109,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), labels, ...)``, computed a chunk of tokens at a time.
 
@@ -87,13 +128,18 @@ def linear_cross_entropy(
         label_smoothing: In ``[0, 1]`` (default 0), as ``F.cross_entropy``'s.
         reduction: ``"mean"`` over counted positions (default), ``"sum"`` or ``"none"`` (per position,
             shaped like ``labels``).
-        chunk_size: Tokens per chunk. Default (None): :func:`default_chunk_size` (at most 1/16 of the
-            tokens). Larger chunks run fewer, larger matmuls and hold more.
+        chunk_size: Tokens per chunk. Default (None): :func:`default_chunk_size` of the shapes and the
+            device (1/16 of the tokens, within bounds). Larger chunks run fewer, larger matmuls and hold
+            more.
         logit_scale: Multiply the logits by this first (Cohere's ``logit_scale``; Granite's
             ``1 / logits_scaling``); default 1.
         softcap: Soft-cap the (scaled) logits, ``z = softcap * tanh(z / softcap)`` (Gemma 2's and 3's
             ``final_logit_softcapping``); None (default): not. Each chunk then holds a second logits-sized
             buffer (the ``tanh``, for its derivative).
+        backend: ``"auto"`` (default): Liger Kernel's fused linear cross-entropy where it is installed
+            (``pip install liger-kernel``), the features are on a CUDA device and it computes this call
+            (``reduction`` "mean" or "sum", no ``logit_scale``; ``chunk_size`` is then Liger's own), else
+            the chunks above; ``"package"``: the chunks above always; ``"liger"``: Liger or an error.
 
     Returns:
         The loss: a scalar, or ``labels``-shaped for ``reduction="none"``.
@@ -101,7 +147,8 @@ def linear_cross_entropy(
     Raises:
         ValueError: For shapes that do not match, a label outside ``[0, V)`` other than
             ``ignore_index``, an unknown reduction, a smoothing outside ``[0, 1]``, a bad ``chunk_size``,
-            a ``softcap`` that is not a positive number, a ``logit_scale`` that is not a finite number.
+            a ``softcap`` that is not a positive number, a ``logit_scale`` that is not a finite number,
+            an unknown ``backend``, ``backend="liger"`` where Liger cannot compute the call.
         TypeError: For labels that are not integers, or features that are not floating point.
 
     Example::
@@ -128,7 +175,10 @@ def linear_cross_entropy(
             chunk_size=chunk_size,
             logit_scale=logit_scale,
             softcap=softcap,
+            backend=backend,
         )
+    if backend not in get_args(Backend):
+        raise ValueError(f"backend must be one of {get_args(Backend)}, got {backend!r}; 'auto' picks")
     _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, chunk_size)
     if softcap is not None and (isinstance(softcap, bool) or not float(softcap) > 0):
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
@@ -137,11 +187,60 @@ def linear_cross_entropy(
     open_head(hidden)  # a MemoryTracker counts what follows as the output head's bytes
     h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     y = labels.reshape(-1)  # (N,)
-    chunk = chunk_size or default_chunk_size(h.shape[0])
+    chunk = chunk_size or default_chunk_size(h.shape[0], weight.shape[0], weight.shape[1], h.device)
     cap = None if softcap is None else float(softcap)
     opts = (ignore_index, float(label_smoothing), reduction, chunk, float(logit_scale), cap)
-    loss = _LinearCrossEntropy.apply(h, weight, bias, y, opts, compute_dtype(hidden, weight))
+    dtype = compute_dtype(hidden, weight)
+    if backend != "package":
+        fused, why_not = _liger(h, opts)
+        if fused is not None:
+            return _liger_loss(fused, h, weight, bias, y, opts, dtype)
+        if backend == "liger":
+            raise ValueError(f"backend='liger': {why_not}; pass backend='auto' to fall back to the chunks")
+    loss = _LinearCrossEntropy.apply(h, weight, bias, y, opts, dtype)
     return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def _liger_import() -> Callable[..., Any] | None:
+    """Liger Kernel's functional fused linear cross-entropy, or None where it is not installed."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def _liger(h: torch.Tensor, opts: tuple) -> tuple[Callable[..., Any] | None, str]:
+    """Liger's function where it computes this call (and why not where it does not)."""
+    _, _, reduction, _, scale, _ = opts
+    if h.device.type != "cuda" or isinstance(h, FakeTensor):
+        return None, f"its Triton kernels run on CUDA devices, the features are on {h.device.type}"
+    if reduction not in ("mean", "sum"):
+        return None, f"reduction={reduction!r} (Liger's fused loss is used for 'mean' and 'sum')"
+    if scale != 1.0:
+        return None, f"logit_scale={scale} (Liger has no logit scale)"
+    fused = _liger_import()
+    if fused is None:
+        return None, "liger_kernel is not installed (pip install liger-kernel)"
+    return fused, ""
+
+
+def _liger_loss(fused, h, weight, bias, y, opts, dtype) -> torch.Tensor:
+    """Liger's loss on the inputs cast to ``dtype`` (as autocast would cast an ``nn.Linear``'s), float32."""
+    ignore_index, smoothing, reduction, _, _, softcap = opts
+    with _autocast_off(h):  # the casts below are autocast's, once; its backward casts the gradients back
+        out = fused(
+            h.to(dtype),
+            weight.to(dtype),
+            y,
+            None if bias is None else bias.to(dtype),
+            ignore_index=ignore_index,
+            label_smoothing=smoothing,
+            reduction=reduction,
+            softcap=softcap,
+        )
+    loss = out[0] if isinstance(out, tuple) else out  # versions that also return a z-loss
+    return loss.to(torch.promote_types(loss.dtype, torch.float32))
 
 
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

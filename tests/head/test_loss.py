@@ -150,6 +150,39 @@ def test_default_chunk_size():
     assert default_chunk_size(2046) == 128  # GPT-2 small, 2 x 1,023 shifted tokens
     assert default_chunk_size(64) == 4
     assert default_chunk_size(3) == 1
+    # A weight in the caches (99 x 32): the 1/16 rule alone, on any device
+    assert default_chunk_size(124, 99, 32) == default_chunk_size(124, 99, 32, "cuda") == 8
+    # A weight beyond the caches: at least 128 tokens a chunk on a CPU, 512 on CUDA, never more than the batch
+    assert default_chunk_size(2046, 50_257, 768) == 128
+    assert default_chunk_size(512, 128_256, 2_048) == 128
+    assert default_chunk_size(512, 128_256, 2_048, torch.device("cuda", 1)) == 512
+    assert default_chunk_size(100, 128_256, 2_048, "cuda") == 100
+    # 1/16 of long batches' logits beyond 256 MiB: 256 MiB of float32 logits a chunk, not under the floor
+    assert default_chunk_size(16_384, 128_256, 2_048, "cuda") == 2**28 // (128_256 * 4) == 523
+    assert default_chunk_size(262_144, 50_257, 768) == 2**28 // (50_257 * 4) == 1_335
+    assert default_chunk_size(65_536, 2_000_000, 128, "cuda") == 512  # a huge vocabulary: the floor
+    assert default_chunk_size(2046, 50_257, 768, "meta") == 512  # other device types count as CUDA
+
+
+def test_the_default_chunk_follows_the_shapes():
+    """linear_cross_entropy without chunk_size uses default_chunk_size of its shapes and device: a 128-token
+    chunk of a weight beyond the caches (one chunk here, where 1/16 would be 16 chunks of 8 tokens)."""
+    seen = []
+    original = torch.Tensor.exp_
+
+    def spy(self):
+        seen.append(self.shape[0])
+        return original(self)
+
+    hidden, labels = torch.randn(128, 64), torch.randint(0, 131_073, (128,))
+    weight = torch.zeros(131_073, 64)  # 32 MiB + 256 bytes: just beyond the caches
+    torch.Tensor.exp_ = spy
+    try:
+        linear_cross_entropy(hidden, weight, labels)
+        linear_cross_entropy(hidden, weight[:-1], labels.clamp(max=131_071))  # 32 MiB: in the caches
+    finally:
+        torch.Tensor.exp_ = original
+    assert seen == [128] + [8] * 16
 
 
 @pytest.mark.parametrize(
@@ -293,3 +326,78 @@ def test_compute_dtype_follows_autocast():
         assert compute_dtype(hidden.double(), weight.double()) == torch.float64  # autocast leaves float64
     with torch.autocast("cpu", dtype=torch.float16):
         assert compute_dtype(hidden, weight) == torch.float16
+
+
+class _FakeLiger:
+    """Stands in for liger_kernel's functional fused linear cross-entropy (a CUDA/Triton kernel): records
+    each call and computes its documented result."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, h, w, y, bias=None, *, ignore_index, label_smoothing, reduction, softcap):
+        self.calls.append(dict(dtypes=(h.dtype, w.dtype), softcap=softcap, reduction=reduction))
+        z = F.linear(h, w, bias).float()
+        z = z if softcap is None else softcap * torch.tanh(z / softcap)
+        kw = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+        return F.cross_entropy(z, y, **kw), None  # (loss, z_loss) as some versions return
+
+
+@pytest.fixture
+def liger(monkeypatch):
+    """Liger "installed" and the features "on CUDA": the dispatch is what is tested, not Liger's kernel."""
+    from lightning_memopt.head import loss as head_loss
+
+    fake = _FakeLiger()
+    monkeypatch.setattr(head_loss, "_liger_import", lambda: fake)
+    real = head_loss._liger
+
+    class _Cuda:  # the device check reads .device.type only
+        def __init__(self, h):
+            self.device = torch.device("cuda")
+
+    monkeypatch.setattr(head_loss, "_liger", lambda h, opts: real(_Cuda(h), opts))
+    return fake
+
+
+def test_liger_computes_the_call_where_it_applies(liger):
+    hidden, weight, b, labels = _half_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_cross_entropy(hidden, weight, labels, bias=b, softcap=30.0, label_smoothing=0.1)
+        ref = linear_cross_entropy(
+            hidden, weight, labels, bias=b, softcap=30.0, label_smoothing=0.1, backend="package"
+        )
+    assert liger.calls == [dict(dtypes=(torch.bfloat16, torch.bfloat16), softcap=30.0, reduction="mean")]
+    assert out.dtype == torch.float32 and _rel(out, ref) <= 1e-5
+    dh, dw, db = _grads(out, (hidden, weight, b))  # through the casts back to float32
+    assert dh.dtype == dw.dtype == db.dtype == torch.float32
+
+
+def test_liger_does_not_take_what_it_does_not_compute(liger):
+    hidden, weight, _, labels = _half_inputs(bias=False)
+    linear_cross_entropy(hidden, weight, labels, reduction="none")
+    linear_cross_entropy(hidden, weight, labels, logit_scale=0.5)
+    linear_cross_entropy(hidden, weight, labels, backend="package")
+    assert liger.calls == []
+    with pytest.raises(ValueError, match=r"backend='liger': logit_scale=0.5 \(Liger has no logit scale\)"):
+        linear_cross_entropy(hidden, weight, labels, logit_scale=0.5, backend="liger")
+    with pytest.raises(ValueError, match=r"backend='liger': reduction='none' \(Liger's fused loss is used"):
+        linear_cross_entropy(hidden, weight, labels, reduction="none", backend="liger")
+
+
+def test_liger_backend_errors_without_cuda_or_liger(monkeypatch):
+    from lightning_memopt.head import loss as head_loss
+
+    hidden, weight, _, labels = _half_inputs(bias=False)
+    with pytest.raises(
+        ValueError, match=r"backend='liger': its Triton kernels run on CUDA devices, the features"
+    ):
+        linear_cross_entropy(hidden, weight, labels, backend="liger")
+    monkeypatch.setattr(head_loss, "_liger_import", lambda: None)
+    assert head_loss._liger(hidden.to("meta"), (-100, 0.0, "mean", 1, 1.0, None))[1] == (
+        "its Triton kernels run on CUDA devices, the features are on meta"
+    )
+    with pytest.raises(
+        ValueError, match=r"backend must be one of \('auto', 'package', 'liger'\), got 'fast'"
+    ):
+        linear_cross_entropy(hidden, weight, labels, backend="fast")
