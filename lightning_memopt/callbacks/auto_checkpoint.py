@@ -38,6 +38,13 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
     each is measured to take, so that the step fits in ``max_memory * (1 - headroom)``. Where none is known
     (CPU), every unit is fully checkpointed, except where that lowers neither the bytes held nor the peak.
 
+    Beside ``AutoAccumulation`` (probing for a size), the first batch's search decides whether to recompute
+    at all: micro-batching is exact, so recomputation is worth only a faster step. The largest micro-batch
+    that fits with every block kept is timed against the largest with every block recomputed; plain
+    micro-batches win unless the larger ones make the optimizer step faster or nothing fits kept, and the
+    plan is then made for the micro-batch that runs (``docs/micro_batching.md``, "One decision"). One line
+    says what was decided.
+
     When (details on the docs page): installed after ``configure_model``, before the strategy wraps the
     model; profiled and planned after the first batch, whose successor is measured against the plan (a
     warning past 10%); under a limit, again after each batch larger than all planned ones (by shape:
