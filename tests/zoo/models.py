@@ -133,6 +133,43 @@ def llama(dtype: torch.dtype = torch.float32) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg).to(dtype)
 
 
+def _gqa(**extra: Any) -> dict[str, Any]:
+    """A tiny grouped-query config: 4 query heads share 2 key/value heads (num_key_value_heads <
+    num_attention_heads, as Llama 3, Mistral, Qwen 2, Gemma 2 and Phi-3 ship)."""
+    return _tiny_text(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        **extra,
+    )
+
+
+def mistral(dtype: torch.dtype = torch.float32) -> nn.Module:
+    # sliding_window below SEQ: the window mask is exercised, not only the causal one
+    cfg = transformers.MistralConfig(**_gqa(sliding_window=8))
+    return transformers.MistralForCausalLM(cfg).to(dtype)
+
+
+def qwen2(dtype: torch.dtype = torch.float32) -> nn.Module:
+    cfg = transformers.Qwen2Config(**_gqa())  # biases on q/k/v, unlike Llama
+    return transformers.Qwen2ForCausalLM(cfg).to(dtype)
+
+
+def gemma2(dtype: torch.dtype = torch.float32) -> nn.Module:
+    # Gemma 2: a local (sliding) and a global layer alternating, soft-capped attention and logits, tied head
+    cfg = transformers.Gemma2Config(**_gqa(head_dim=8, sliding_window=8))
+    return transformers.Gemma2ForCausalLM(cfg).to(dtype)
+
+
+def phi3(dtype: torch.dtype = torch.float32) -> nn.Module:
+    # fused qkv_proj and gate_up_proj; its default eos_token_id (32000) is outside the tiny vocabulary
+    cfg = transformers.Phi3Config(**_gqa(bos_token_id=1, eos_token_id=2))
+    return transformers.Phi3ForCausalLM(cfg).to(dtype)
+
+
 def mixtral(dtype: torch.dtype = torch.float32) -> nn.Module:
     cfg = transformers.MixtralConfig(
         **_tiny_text(
@@ -271,6 +308,10 @@ ZOO: dict[str, ZooEntry] = {
     "gpt2": ZooEntry(gpt2, causal_lm_batch, "causal_lm"),
     "llama": ZooEntry(llama, causal_lm_batch, "causal_lm"),
     "mixtral": ZooEntry(mixtral, causal_lm_batch, "causal_lm"),
+    "mistral": ZooEntry(mistral, causal_lm_batch, "causal_lm"),
+    "qwen2": ZooEntry(qwen2, causal_lm_batch, "causal_lm"),
+    "gemma2": ZooEntry(gemma2, causal_lm_batch, "causal_lm"),
+    "phi3": ZooEntry(phi3, causal_lm_batch, "causal_lm"),
     "bert": ZooEntry(bert, masked_lm_batch, "masked_lm"),
     "t5": ZooEntry(t5, seq2seq_batch, "seq2seq"),
     "vit": ZooEntry(vit, image_batch, "image"),
