@@ -54,6 +54,16 @@ def recurrent_gemma(dtype=torch.float32) -> nn.Module:
     return transformers.RecurrentGemmaForCausalLM(cfg).to(dtype)
 
 
+def xlstm(dtype=torch.float32) -> nn.Module:
+    """transformers' own xLSTM test configuration (``use_cache=True``): the model passes each block its
+    recurrent state from an ``xLSTMCache`` and copies the block's new state into those very tensors, in
+    place, after the block returns: a block's recorded input is written after it ran."""
+    cfg = transformers.xLSTMConfig(
+        **_text(hidden_size=128, num_hidden_layers=2, num_heads=2), qk_dim_factor=0.5, v_dim_factor=1.0
+    )
+    return transformers.xLSTMForCausalLM(cfg).to(dtype)
+
+
 def squeezebert(dtype=torch.float32) -> nn.Module:
     """The encoder calls its layers as ``layer.forward(...)``: module hooks never fire."""
     cfg = transformers.SqueezeBertConfig(
@@ -183,6 +193,7 @@ class ThreeBlockClassifier(nn.Module):
 ROBUST: dict[str, ZooEntry] = {
     "jamba": ZooEntry(jamba, causal_lm_batch, "causal_lm"),
     "recurrent_gemma": ZooEntry(recurrent_gemma, causal_lm_batch, "causal_lm"),
+    "xlstm": ZooEntry(xlstm, causal_lm_batch, "causal_lm"),
     "squeezebert": ZooEntry(squeezebert, masked_lm_batch, "masked_lm"),
     "ibert": ZooEntry(ibert, masked_lm_batch, "masked_lm"),
     "reformer": ZooEntry(reformer, causal_lm_batch, "causal_lm"),

@@ -12,6 +12,7 @@ every layer it checkpoints is checkpointed here too, at a peak within 0.05 of th
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -59,7 +60,9 @@ def _fit(name: str, callbacks: list, module=None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, _loader(name))
-    notes = [str(w.message) for w in caught if "AutoCheckpoint" in str(w.message)]
+    notes = [
+        str(w.message) for w in caught if re.search(r"AutoCheckpoint|lightning_memopt\.head", str(w.message))
+    ]
     return module, seen, shared["peaks"], notes
 
 
@@ -131,9 +134,41 @@ def test_zero_arguments_trains_exactly_and_checkpoints_what_it_can(name):
     assert sorted(n for n, c in seen[1].items() if c != "keep") == sorted(checkpointed)
     assert len(notes) == len(expected_notes), notes
     for pattern in expected_notes:
-        assert any(__import__("re").search(pattern, n) for n in notes), (pattern, notes)
+        assert any(re.search(pattern, n) for n in notes), (pattern, notes)
     assert peaks[1] <= plain_peak  # the step with the plan: never worse than without the package
     _assert_nothing_left(module)
+
+
+# xLSTM with its defaults (use_cache=True): the model hands each block the recurrent state tensors of its
+# cache and, after the block returns, copies the block's new state into them in place. The first step runs
+# every block full; its recomputation in backward reads the written state, takes another path, and torch
+# raises "Recomputed values for the following tensors have different metadata" (with use_cache=False the
+# same model trains bit-equal with both blocks full). Nothing in the block's own attributes changes, so
+# written.py's snapshot of the block cannot see it: the inputs' version counters can (the change to
+# checkpointing/apply.py is in issue 33's notes). Goal: exact, and a block that is not checkpointed named.
+@pytest.mark.xfail(
+    raises=torch.utils.checkpoint.CheckpointError,
+    strict=True,
+    reason="issue 33: a block input written in place after the block ran breaks its recomputation",
+)
+def test_a_block_whose_inputs_are_written_after_it_ran_trains_exactly():
+    module, seen, peaks, notes = _auto("xlstm")
+    _assert_exact(module, _plain("xlstm")[0])
+    kept = [n for n, c in seen[1].items() if c == "keep"]
+    assert all(any(n.split(".")[-1] in note and "xLSTMBlock" in note for note in notes) for n in kept), notes
+    assert peaks[1] <= _plain("xlstm")[1]
+
+
+def test_recurrent_gemma_with_every_default_is_exact_or_names_the_difference():
+    # Issue 33's sweep: 1.5e-4 (relative) from the plain update with AutoCheckpoint() defaults, float64.
+    # Checkpointing is exact here (its recurrent layers keep, the attention layer is full); the chunked
+    # head's loss differs from RecurrentGemma's own (soft-capped, float32) by more than rounding on the
+    # first batch, so it declines and says by how much: the run is the plain run's, bit for bit.
+    module, seen, _, notes = _fit("recurrent_gemma", [AutoCheckpoint()])
+    _assert_exact(module, _plain("recurrent_gemma")[0])
+    assert sorted(n for n, c in seen[1].items() if c != "keep") == EXPECTED["recurrent_gemma"][0]
+    head = [n for n in notes if "lightning_memopt.head" in n]
+    assert len(head) <= 1 and all(re.search(r"differs .* by [0-9.e-]+ \(relative\)", n) for n in head), notes
 
 
 @pytest.mark.parametrize("name", ["resnet_small", "bit"])
