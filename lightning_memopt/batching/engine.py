@@ -97,6 +97,7 @@ class MicroBatchEngine:
         self.state: StepState | None = None  # the step's start, for a retry (None between steps)
         self._metrics = ChangedOrEvery()
         self.held_at: tuple[int, int] | None = None  # optimizer state entries, and state_bytes then
+        self.to_come: tuple[int, int] | None = None  # the same, and the state the first step will create
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -131,7 +132,7 @@ class MicroBatchEngine:
         for undo in reversed(self._undo):
             undo()
         self._undo, self._originals = [], {}
-        self.state, self._sharding, self.held_at = None, _UNKNOWN, None
+        self.state, self._sharding, self.held_at, self.to_come = None, _UNKNOWN, None, None
 
     # ------------------------------------------------------------------ the retry loop
     def run_with_retry(self, attempt: Attempt) -> tuple[Regime, int]:

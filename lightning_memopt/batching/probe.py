@@ -19,7 +19,7 @@ from lightning_memopt.batching.split import split_batch
 from lightning_memopt.batching.state import StepState
 from lightning_memopt.data.clock import step_clock
 from lightning_memopt.memory.device import memory_of
-from lightning_memopt.memory.tracker import MemoryTracker, state_bytes, tensor_bytes
+from lightning_memopt.memory.tracker import MemoryTracker, optimizer_state_to_come, state_bytes, tensor_bytes
 
 __all__ = ["BatchProbes", "measure_peak"]
 
@@ -112,7 +112,9 @@ class BatchProbes:
         if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
             for tensor in self._held_tensors():
                 tracker.mark(tensor, "other")
-        return self._run(samples, evaluation, memory_of(self.device, tracker), tracker)
+        peak = self._run(samples, evaluation, memory_of(self.device, tracker), tracker)
+        # Every training step after the first holds the state the first optimizer step creates (AdamW's).
+        return peak if peak is None or evaluation else peak + self._state_to_come()
 
     def seconds(self, samples: int) -> float | None:
         """Seconds one training micro-step of ``samples`` samples takes, forward and backward, on the
@@ -149,12 +151,20 @@ class BatchProbes:
         create, the batch and the step's snapshot for a retry."""
         memory = memory_of(self.device)
         if memory is not None:
-            return memory.allocated()
+            return memory.allocated() + self._state_to_come()
         engine, optimizers = self.engine, self.engine.trainer.optimizers
         entries = sum(len(o.state) for o in optimizers)  # counted again when the optimizer creates state
         if engine.held_at is None or engine.held_at[0] != entries:
             engine.held_at = (entries, state_bytes(engine.trainer.strategy.model, optimizers))
-        return engine.held_at[1] + tensor_bytes(self._held_tensors())
+        return engine.held_at[1] + self._state_to_come() + tensor_bytes(self._held_tensors())
+
+    def _state_to_come(self) -> int:
+        """The optimizer state the first optimizer step will create (0 once it exists), measured once."""
+        engine, optimizers = self.engine, self.engine.trainer.optimizers
+        entries = sum(len(o.state) for o in optimizers)
+        if engine.to_come is None or engine.to_come[0] != entries:
+            engine.to_come = (entries, optimizer_state_to_come(optimizers))
+        return engine.to_come[1]
 
     def _held_tensors(self) -> list[torch.Tensor]:
         snapshot = self.engine.state.tensors() if self.engine.state is not None else []

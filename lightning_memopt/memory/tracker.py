@@ -538,6 +538,47 @@ def state_bytes(model, optimizers=()) -> int:
     return held["parameters"] + max(held["gradients"], trainable) + held["optimizer_state"]
 
 
+def optimizer_state_to_come(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of state the optimizers' next step creates: what AdamW's first step allocates (two tensors per
+    parameter and a step count), zero for an optimizer that holds state already (or keeps none).
+
+    Measured, not assumed: a fresh optimizer of the same class and parameter groups steps once on fake
+    tensors of the parameters' shapes (nothing allocated, no parameter changed). An optimizer that cannot
+    be rebuilt from its parameter groups counts 0, as before its first step.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 3)  # 15 float32 parameters in two tensors
+        >>> optimizer_state_to_come([torch.optim.AdamW(model.parameters())])  # 2 x 60 + 2 step counts
+        128
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    total = 0
+    for optimizer in optimizers:
+        if optimizer.state:
+            continue
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                groups = []
+                for group in optimizer.param_groups:
+                    params = []
+                    for p in group["params"]:
+                        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard
+                        fake = torch.nn.Parameter(
+                            torch.empty(local.shape, dtype=local.dtype, device=local.device)
+                        )
+                        fake.grad = torch.zeros_like(fake)
+                        params.append(fake)
+                    groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+                fresh = type(optimizer)(groups)
+                fresh.step()
+            total += tensor_bytes(t for state in fresh.state.values() for t in state.values())
+        except Exception:  # a custom optimizer with other constructor arguments: as before its first step
+            continue
+    return total
+
+
 def tensor_bytes(tensors: Iterable[object]) -> int:
     """Bytes of the tensors among ``tensors`` (other items are skipped)."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

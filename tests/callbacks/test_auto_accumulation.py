@@ -119,6 +119,26 @@ def test_the_size_fits_the_micro_batches_that_hold_the_gradients(tmp_path):
     assert model.seen_sizes[-4:] == [8, 8, 8, 8]  # 32 samples in micro-batches of at most 10
 
 
+def test_the_size_holds_the_optimizer_state_the_first_step_creates(tmp_path):
+    # AdamW creates two tensors per parameter at its first step: sized without them, the first step ran
+    # larger micro-batches than every later one (and the size search compared sizes that never ran again).
+    from lightning_memopt.memory.tracker import optimizer_state_to_come
+
+    batch = tuple(t.clone() for t in dataset(64)[:32])
+    params = list(BroadNet().parameters())
+    state = optimizer_state_to_come([torch.optim.AdamW(params)])
+    assert state == sum(2 * p.numel() * 4 + 4 for p in params)  # exp_avg, exp_avg_sq, a float32 step
+    later = {s: peak_bytes(BroadNet(), batch, s) + state for s in range(1, 33)}
+    capacity = (later[10] + later[11]) // 2  # with the state held, 10 samples fit and 11 do not
+    callback = AutoAccumulation(max_memory=capacity, headroom=0.0, exactness="off")
+    model = BroadNet()
+    model.optimizer = "adamw"
+    with MemoryCap(capacity, modules=model):
+        fit(model, [callback], steps=3, batch=32, tmp_path=tmp_path)
+    ran = model.seen_sizes[len(callback.probes) :]  # after the first step's probes
+    assert len(ran) >= 8 and set(ran) == {8}  # every step, the first included, as micro-batches of 8
+
+
 def test_resume_does_not_probe_again(tmp_path):
     batch = tuple(t.clone() for t in dataset(64)[:32])  # a collated batch owns its storage
     capacity = peak_bytes(Net(), batch, 9)
