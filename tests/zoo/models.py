@@ -61,6 +61,15 @@ def causal_lm_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def packed_causal_lm_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full-length sequences without ``attention_mask`` (packed pretraining batches): with no mask,
+    transformers runs grouped-query attention inside SDPA (``enable_gqa``, its ``use_gqa_in_sdpa``) instead
+    of repeating the key/value heads first, so key/value reach the attention op with fewer heads than the
+    query (torch 2.11's FLOP formula for it asserts, issue 33)."""
+    ids = torch.randint(1, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
 def masked_lm_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     ids, mask = _padded_tokens(n, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -407,11 +416,16 @@ class ZooModule(pl.LightningModule):
 
 
 def loader(
-    name: str | ZooEntry, batch_size: int, batches: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32
+    name: str | ZooEntry,
+    batch_size: int,
+    batches: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    batch: Callable[[int, int], dict[str, torch.Tensor]] | None = None,
 ):
     """A DataLoader yielding ``batches`` batches of ``batch_size`` samples for ``ZOO[name]`` (or
-    ``UNSHIFTED[name]``)."""
-    full = entry(name).batch(batch_size * batches, seed)
+    ``UNSHIFTED[name]``); ``batch``: another batch function than the entry's."""
+    full = (batch or entry(name).batch)(batch_size * batches, seed)
     samples = [
         {k: (v[i].to(dtype) if v.is_floating_point() else v[i]) for k, v in full.items()}
         for i in range(batch_size * batches)

@@ -24,7 +24,7 @@ from lightning_memopt import AutoCheckpoint
 from lightning_memopt.checkpointing import CostModel, checkpointed_blocks, find_blocks
 from lightning_memopt.memory import MemoryTracker
 from tests.batching.helpers import quiet_trainer
-from tests.zoo.models import ZOO, ZooModule, loader
+from tests.zoo.models import ZOO, ZooModule, loader, packed_causal_lm_batch
 
 SMALL, LARGE = 2, 24  # samples per batch: exactness runs, and peak runs where activations dominate
 
@@ -106,8 +106,10 @@ def _fit(
     module=None,
     quiet=True,
     precision=None,
+    batch=None,
 ):
-    """Two SGD steps; ``precision="bf16-mixed"``: float32 parameters under CPU bf16 autocast."""
+    """Two SGD steps; ``precision="bf16-mixed"``: float32 parameters under CPU bf16 autocast; ``batch``:
+    another batch function than the model's."""
     module = module or ZooModule(name, dtype=torch.float32 if precision else _dtype(name))
     shared: dict = {}
     if measure:
@@ -119,7 +121,7 @@ def _fit(
     with warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore")
-        trainer.fit(module, loader(name, batch_size, dtype=next(module.parameters()).dtype))
+        trainer.fit(module, loader(name, batch_size, dtype=next(module.parameters()).dtype, batch=batch))
     return module, trainer, seen, shared.get("peaks")
 
 
@@ -192,9 +194,14 @@ def test_the_zoo_has_grouped_query_causal_lms():
     assert sorted(grouped) == GQA
 
 
+def _bf16_batch(name: str):
+    # the GQA models on packed batches (no attention_mask): grouped-query attention then runs inside SDPA
+    return packed_causal_lm_batch if name in GQA else None
+
+
 @functools.cache
 def _plain_bf16(name: str) -> dict:
-    module, _, _, _ = _fit(name, [], SMALL, precision="bf16-mixed")
+    module, _, _, _ = _fit(name, [], SMALL, precision="bf16-mixed", batch=_bf16_batch(name))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
@@ -211,7 +218,7 @@ def test_bf16_mixed_checkpointing_is_bit_equal(name, mode):
             "cost_model": CostModel(use_time=False),
         }
     callback = AutoCheckpoint(head="keep", **options)
-    module, _, seen, _ = _fit(name, [callback], SMALL, precision="bf16-mixed")
+    module, _, seen, _ = _fit(name, [callback], SMALL, precision="bf16-mixed", batch=_bf16_batch(name))
     reference = _plain_bf16(name)
     assert list(module.state_dict()) == list(reference)
     for key, value in module.state_dict().items():
