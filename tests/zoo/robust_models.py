@@ -64,6 +64,33 @@ def xlstm(dtype=torch.float32) -> nn.Module:
     return transformers.xLSTMForCausalLM(cfg).to(dtype)
 
 
+def voxtral_realtime(dtype=torch.float32) -> nn.Module:
+    """An audio tower whose stem (a causal conv embedder) takes the model's ``padding_cache`` (a
+    ``VoxtralRealtimeConv1dPaddingCache``, no ``transformers.cache_utils.Cache``) and stores in it the frames
+    it padded with, for the next call; text layers with grouped-query attention."""
+    audio = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    audio.update(num_key_value_heads=4, head_dim=8, num_mel_bins=16, max_position_embeddings=AUDIO_FRAMES)
+    audio.update(sliding_window=AUDIO_FRAMES)
+    text = _text(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    text.update(num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=64)
+    cfg = transformers.VoxtralRealtimeConfig(audio_config=audio, text_config=text)
+    return transformers.VoxtralRealtimeForConditionalGeneration(cfg).to(dtype)
+
+
+AUDIO_TOKENS = 8  # the text is as long as the audio embeddings it is summed with: 8 mel frames per token
+AUDIO_FRAMES = 8 * AUDIO_TOKENS
+
+
+def audio_text_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, AUDIO_TOKENS), generator=gen)
+    return {
+        "input_ids": ids,
+        "labels": ids,
+        "input_features": torch.randn(n, 16, AUDIO_FRAMES, generator=gen),
+    }
+
+
 def squeezebert(dtype=torch.float32) -> nn.Module:
     """The encoder calls its layers as ``layer.forward(...)``: module hooks never fire."""
     cfg = transformers.SqueezeBertConfig(
@@ -194,6 +221,7 @@ ROBUST: dict[str, ZooEntry] = {
     "jamba": ZooEntry(jamba, causal_lm_batch, "causal_lm"),
     "recurrent_gemma": ZooEntry(recurrent_gemma, causal_lm_batch, "causal_lm"),
     "xlstm": ZooEntry(xlstm, causal_lm_batch, "causal_lm"),
+    "voxtral_realtime": ZooEntry(voxtral_realtime, audio_text_batch, "causal_lm"),
     "squeezebert": ZooEntry(squeezebert, masked_lm_batch, "masked_lm"),
     "ibert": ZooEntry(ibert, masked_lm_batch, "masked_lm"),
     "reformer": ZooEntry(reformer, causal_lm_batch, "causal_lm"),

@@ -159,6 +159,18 @@ def test_a_block_whose_inputs_are_written_after_it_ran_trains_exactly():
     assert peaks[1] <= _plain("xlstm")[1]
 
 
+# VoxtralRealtime: its audio tower's stem is handed the model's padding cache, which the first step's
+# recomputation of the stem (every block full) reads after the forward stored its padding frames there:
+# the same shapes, other values, an update 3.0e-2 (relative) away from the plain run's with no word; the
+# stem then "does not run alone on its recorded inputs" (the cache holds the finished step's graph). With
+# checkpointing/apply.py's _is_kv_cache also taking transformers' own "...Cache" classes (the stem then runs
+# without it, as its first call does), the run is bit-equal and the stem keeps with a note (issue 33's notes).
+@pytest.mark.xfail(raises=AssertionError, strict=True, reason="issue 33: a cache outside cache_utils.Cache")
+def test_a_stem_handed_a_padding_cache_trains_exactly():
+    module, _, _, notes = _auto("voxtral_realtime")
+    _assert_exact(module, _plain("voxtral_realtime")[0])
+
+
 def test_recurrent_gemma_with_every_default_is_exact_or_names_the_difference():
     # Issue 33's sweep: 1.5e-4 (relative) from the plain update with AutoCheckpoint() defaults, float64.
     # Checkpointing is exact here (its recurrent layers keep, the attention layer is full); the chunked
