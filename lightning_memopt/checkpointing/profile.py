@@ -669,11 +669,10 @@ class ForwardProbe:
 
     def forward_done(self) -> None:
         """Stop measuring: backward runs untracked. Under a micro-batching engine the micro-batches'
-        backwards already ran and nothing is held now: the blocks' bytes were taken as they ran."""
+        backwards already ran and nothing is held now: the blocks' bytes were taken as they ran, and what
+        is held outside them is read from the most activations held at once (the last forward's end)."""
         if self.open:
-            self.outside_bytes = max(
-                0, self.meter.tracker.current_breakdown["activations"] - self.meter.total
-            )
+            self.outside_bytes = max(0, self.meter.tracker.most_activations - self.meter.total)
         self.close()
 
     def close(self) -> None:

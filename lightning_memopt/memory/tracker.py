@@ -223,6 +223,7 @@ class MemoryTracker:
         self._peak = 0
         self._peak_breakdown = dict.fromkeys(CATEGORIES, 0)
         self._peak_clock = -1
+        self._most_activations = 0  # the largest ``activations`` seen since entry (or reset_peak)
         self._clock = 0
         self._handles: list = []
         self._stack: list = []
@@ -242,6 +243,12 @@ class MemoryTracker:
     def peak(self) -> int:
         """The largest ``current`` seen since entry or the last :meth:`reset_peak`."""
         return self._peak
+
+    @property
+    def most_activations(self) -> int:
+        """The most bytes of ``activations`` alive at once since entry or the last :meth:`reset_peak`: what
+        a forward held when its backward began, even after a backward freed them (micro-batches)."""
+        return self._most_activations
 
     @property
     def peak_breakdown(self) -> dict[str, int]:
@@ -270,6 +277,7 @@ class MemoryTracker:
         self._peak_breakdown = dict(self._current)
         self._peak_head = self._head_current
         self._peak_clock = self._clock
+        self._most_activations = self._current["activations"]
 
     def category_of(self, tensor: torch.Tensor) -> str | None:
         """The category of ``tensor``'s storage, or None if the tracker has not seen it."""
@@ -436,6 +444,8 @@ class MemoryTracker:
             return
         self._current[before] -= entry.nbytes
         self._current[after] += entry.nbytes
+        if after == "activations":
+            self._most_activations = max(self._most_activations, self._current[after])
         head = entry.head_bytes(after) - entry.head_bytes(before)
         self._head_current += head
         if fix_peak and entry.born <= self._peak_clock:
@@ -456,6 +466,8 @@ class MemoryTracker:
                 )
                 self._refs[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))
                 self._current[category] += nbytes
+                if category == "activations":
+                    self._most_activations = max(self._most_activations, self._current[category])
                 self._head_current += entry.head_bytes(category)
                 self._total += nbytes
             elif _RANK[category] < _RANK[entry.base]:

@@ -163,7 +163,7 @@ def _run_step(module, optimizer, batch, plugin, record, tracker) -> None:
     with tracker:
         tracker.reset_peak()
         if isinstance(batch, _MicroBatches):
-            loss = _micro_batched_forward(module, optimizer, batch, plugin)
+            loss = _micro_batched_forward(module, optimizer, batch, plugin, record, tracker)
         else:
             with plugin.forward_context():
                 loss = _loss(module.training_step(batch, 0))
@@ -184,21 +184,28 @@ class _MicroBatches(list):
     """The micro-batches of one step (a list that is never itself a batch)."""
 
 
-def _micro_batched_forward(module, optimizer, micro_batches: _MicroBatches, plugin) -> torch.Tensor:
+def _micro_batched_forward(
+    module, optimizer, micro_batches: _MicroBatches, plugin, record, tracker
+) -> torch.Tensor:
     """What ``AutoAccumulation``'s engine does inside ``training_step``: gradients zeroed first, then each
     micro-batch forward and backward (loss weighted by its share of the samples), gradients accumulating;
     it returns the batch's loss, detached, as a fresh tensor that requires grad (Lightning's backward of
     it is a no-op). Only the first two micro-batches run: every later one repeats the second's memory (the
-    same size or smaller, with the gradients alive)."""
+    same size or smaller, with the gradients alive). Each micro-batch's backward is filed under backward,
+    where it runs (as ``MemoryMonitor`` files it: :func:`~lightning_memopt.memory.phases.running`)."""
     optimizer.zero_grad(set_to_none=True)
     sizes = [batch_size(mb) for mb in micro_batches]
     total = torch.zeros(())
     for mb, size in zip(micro_batches[:2], sizes):
         with plugin.forward_context():
             loss = _loss(module.training_step(mb, 0))
+        fold_peak(record, "forward", tracker.peak, tracker.peak_figures)
+        tracker.reset_peak()
         (loss * (size / sum(sizes))).backward()
         total = total + loss.detach() * (size / sum(sizes))
         del loss
+        fold_peak(record, "backward", tracker.peak, tracker.peak_figures)
+        tracker.reset_peak()
     return total.requires_grad_(True)
 
 

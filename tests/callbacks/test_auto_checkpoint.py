@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_memopt.checkpointing.auto as ac_module
 from lightning_memopt import AutoCheckpoint
 from lightning_memopt.checkpointing import checkpointed_blocks, evaluate_plan, find_blocks, profile_blocks
+from lightning_memopt.testing import MemoryCap
 from tests.checkpointing.models import TinyGPT
 
 
@@ -151,10 +152,12 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     module = _Wide(n_layer=4)
     accumulation = AutoAccumulation(max_memory=1_500_000, headroom=0.0)
     cb = AutoCheckpoint(max_memory=1_500_000, headroom=0.0, cost_model=CostModel(use_time=False))
-    trainer = _trainer(tmp_path, [cb, accumulation], steps=2)
-    with warnings.catch_warnings(record=True) as caught:
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
+    with warnings.catch_warnings(record=True) as caught, MemoryCap(1_500_000, modules=module) as cap:
         warnings.simplefilter("always")
         trainer.fit(module)
+    # Within the limit: every out-of-memory error the cap raised was a probe's, none a step's.
+    assert cap.raised == sum(p is None for _, p in accumulation.probes)
     (kept, plain), (full, larger) = timed  # one timed size each
     assert (kept, full) == ("keep", "full") and 1 < plain < larger <= 16
     n_plain, n_larger = -(-16 // plain), -(-16 // larger)  # micro-batches a step

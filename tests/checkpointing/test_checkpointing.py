@@ -715,3 +715,32 @@ def test_checkpointed_blocks_run_without_the_key_value_cache(choice):
     finally:
         del type(block)._can_checkpoint_with_cache
     remove_checkpointing(block)
+
+
+def test_forward_probe_reads_whats_held_outside_the_blocks_after_micro_batches_ran_backward():
+    """Under micro-batching each micro-batch's backward runs before the step's forward is over: the bytes
+    held outside the blocks (embeddings, head, loss) are those at the most, not what is left (nothing)."""
+    from lightning_memopt.checkpointing.profile import ForwardProbe
+
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    blocks = find_blocks(model)
+    idx = torch.randint(0, 32, (4, 8))
+
+    def loss(x):
+        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+
+    whole = ForwardProbe(model, blocks, record=False)
+    out = loss(idx)
+    whole.forward_done()  # the forward's end: everything still held
+    del out
+    split = ForwardProbe(model, blocks, record=False)
+    for part in idx.split(2):
+        loss(part).backward()  # each micro-batch's backward runs inside the step
+    split.forward_done()
+    whole_part = ForwardProbe(model, blocks, record=False)
+    out = loss(idx[:2])
+    whole_part.forward_done()
+    del out
+    assert split.outside_bytes == whole_part.outside_bytes > 0
+    assert split.meter.total == whole_part.meter.total and whole.outside_bytes > split.outside_bytes

@@ -254,4 +254,4 @@ def test_merge_across_ranks_takes_each_phase_from_the_rank_with_its_peak():
 
 
 def test_docstring_examples_run():
-    assert doctest.testmod(phases, raise_on_error=True).attempted == 14
+    assert doctest.testmod(phases, raise_on_error=True).attempted == 23
