@@ -316,14 +316,21 @@ def _watched(block: nn.Module, state: _BlockState, before: Snapshot) -> None:
         state.verified = True
         return
     shown = ", ".join(written[:4]) + (f", ... ({len(written)} in all)" if len(written) > 4 else "")
-    state.unrepeatable = f"its forward writes state ({shown}): a recomputation would not reproduce it"
+    state.unrepeatable = f"its forward writes state ({shown})"  # profile.py says what follows
     state.recompute = before
 
 
 def _is_kv_cache(value) -> bool:
-    """Whether ``value`` is a Hugging Face key/value cache (looked up only where transformers is loaded)."""
+    """Whether ``value`` is a Hugging Face cache the block writes into (looked up only where transformers is
+    loaded): a ``cache_utils.Cache``, or a model's own cache class (VoxtralRealtime's convolution padding
+    cache is no ``Cache``, and a recomputation read the frames its forward had stored there)."""
     cache_utils = sys.modules.get("transformers.cache_utils")
-    return cache_utils is not None and isinstance(value, cache_utils.Cache)
+    if cache_utils is None:
+        return False
+    kind = type(value)
+    return isinstance(value, cache_utils.Cache) or (
+        kind.__module__.startswith("transformers.") and kind.__name__.endswith("Cache")
+    )
 
 
 def _without_cache(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

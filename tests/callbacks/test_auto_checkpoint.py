@@ -328,11 +328,6 @@ def test_fraction_budget_needs_known_capacity(tmp_path):
         ({"every_n": 0}, "every_n must be a positive int, got 0"),
         ({"headroom": 1.0}, r"headroom must be a number in \[0, 1\) .* got 1.0"),
         ({"max_memory": "1e400GB"}, "max_memory must be a finite byte size, got '1e400GB'"),
-        ({"budget": "1e400GB"}, "budget must be a finite byte size, got '1e400GB'"),
-        (
-            {"max_memory": 1000, "budget": 1000},
-            "pass max_memory=1000 or the deprecated budget=1000, not both",
-        ),
         ({"blocks": 5}, "blocks must be module classes, class names or name patterns, got 5"),
         ({"blocks": ["h.*", 5]}, "blocks must be module classes, class names or name patterns, got 5"),
         ({"cost_model": 5}, "cost_model must be a CostModel, got 5"),

@@ -149,21 +149,6 @@ def test_resume_keeps_the_plans_per_shape(tmp_path, monkeypatch):
     assert resumed.plan == auto.shape_plans.plans[((4, 16),)]
 
 
-def test_a_checkpoint_without_shapes_adopts_its_plan_for_the_first_batch(tmp_path, monkeypatch):
-    auto = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
-    _, trainer = _fit(tmp_path, [auto], lengths=LENGTHS[:2], checkpointing=True)
-    ckpt = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
-    for state in ckpt["callbacks"].values():
-        state.pop("shapes", None)  # as written before plans were kept per shape
-    old = tmp_path / "old.ckpt"
-    torch.save(ckpt, old)
-    resumed = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
-    _fit(tmp_path / "r", [resumed], lengths=[8, 16, 8, 16], ckpt_path=old)  # steps 2, 3: 8 then 16 tokens
-    # The 8-token batch reuses the restored plan; the 16-token one is profiled and planned.
-    assert list(resumed.shape_plans.plans) == [((4, 8),), ((4, 16),)] and resumed.shape_plans.made == 1
-    assert resumed.shape_plans.plans[((4, 8),)] == auto.plan
-
-
 def test_a_larger_micro_batch_of_the_same_shape_is_planned_for(tmp_path):
     """With OOMBackoff: step 0 runs out of memory at 8 and 4 samples and trains as 4 x 2, so its plan is
     profiled on 2; growth brings later steps of the same shape to [2, 3, 3], which that plan does not
