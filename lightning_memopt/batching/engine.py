@@ -22,7 +22,6 @@ from lightning_memopt.batching.errors import (
     MicroBatchOOMError,
     SplitNotExactError,
     SplitNotExactWarning,
-    is_out_of_memory,
     memory_report,
 )
 from lightning_memopt.batching.loss import Weigher
@@ -36,7 +35,7 @@ from lightning_memopt.batching.split import batch_size, micro_batch_sizes
 from lightning_memopt.batching.state import StepState, local_tensor
 from lightning_memopt.batching.step import Attempt, EvalStep, OptimizerStep, TrainingStep
 from lightning_memopt.batching.thrash import ThrashWatch, thrashing_at_the_floor, watch_allocator
-from lightning_memopt.memory.device import memory_of
+from lightning_memopt.memory.device import is_out_of_memory, memory_of
 
 __all__ = ["Exactness", "MicroBatchEngine", "MicroBatchOOMError"]
 

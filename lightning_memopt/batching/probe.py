@@ -11,14 +11,13 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_memopt._compat import is_dtensor, tree_flatten
-from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.batching.outputs import LogRecorder, loss_of
 from lightning_memopt.batching.regime import no_sync
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import split_batch
 from lightning_memopt.batching.state import StepState
 from lightning_memopt.data.clock import step_clock
-from lightning_memopt.memory.device import memory_of
+from lightning_memopt.memory.device import is_out_of_memory, memory_of
 from lightning_memopt.memory.tracker import MemoryTracker, optimizer_state_to_come, state_bytes, tensor_bytes
 
 __all__ = ["BatchProbes", "measure_peak"]

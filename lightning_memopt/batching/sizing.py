@@ -15,8 +15,8 @@ from torch import nn
 
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt._compat import BatchNormBase
-from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.memory.budget import check_headroom, usable_bytes
+from lightning_memopt.memory.device import is_out_of_memory
 from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["MemoryModel", "NoSizeFits", "SizingResult", "find_micro_batch_size", "smallest_micro_batch"]

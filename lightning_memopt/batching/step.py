@@ -21,7 +21,6 @@ from lightning_memopt._replay import replaying
 from lightning_memopt.batching import exactness
 from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.distributed import any_rank, max_over_ranks_each
-from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.batching.loss import batch_key
 from lightning_memopt.batching.outputs import (
     LogRecorder,
@@ -35,6 +34,7 @@ from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, drop_attem
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import describe_split, micro_batch_sizes, split_batch
 from lightning_memopt.batching.state import OptimizerSnapshot
+from lightning_memopt.memory.device import is_out_of_memory
 from lightning_memopt.memory.phases import running
 
 __all__ = ["Attempt", "EvalStep", "OptimizerStep", "TrainingStep"]

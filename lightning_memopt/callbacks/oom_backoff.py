@@ -24,7 +24,7 @@ class OOMBackoff(MicroBatching):
     At the smallest micro-batch (one sample, two with BatchNorm in training mode) it raises
     :class:`~lightning_memopt.MicroBatchOOMError` with the step's memory and a checklist. On one CUDA
     device a thrashing allocator lowers the size too, without a retry. Only out-of-memory errors are
-    caught (:func:`~lightning_memopt.batching.errors.is_out_of_memory`). How:
+    caught (:func:`~lightning_memopt.memory.device.is_out_of_memory`). How:
     ``docs/micro_batching.md``. Works alone (from the whole batch) or with
     :class:`~lightning_memopt.AutoAccumulation`, which picks the starting size (one engine for both).
 

@@ -47,8 +47,8 @@ import torch
 from lightning_memopt._compat import fsdp_module_type, is_dtensor
 from lightning_memopt._patch import patch
 from lightning_memopt._rng import RngState
-from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.head.loss import compute_dtype, linear_cross_entropy
+from lightning_memopt.memory.device import is_out_of_memory
 
 __all__ = [
     "HeadMode",

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_memopt.batching.errors import is_out_of_memory
+from lightning_memopt.memory.device import is_out_of_memory
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from torch.utils.data import DataLoader
 
 from lightning_memopt import OOMBackoff
-from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.memory.device import is_out_of_memory
 from lightning_memopt.testing import InjectedOOM, MemoryCap
 from tests.batching.helpers import Net, dataset, quiet_trainer
 

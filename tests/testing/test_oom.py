@@ -6,8 +6,8 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from lightning.pytorch.utilities.memory import is_oom_error
 
-from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.memory.device import is_out_of_memory
 from lightning_memopt.testing import InjectedOOM, OOMInjector
 from tests.distributed import run_ranks
 
