@@ -31,6 +31,8 @@ def measure_peak(
     state: StepState,
     tracker: Any = None,
     evaluation: bool = False,
+    clock: Any = None,
+    spans: list | None = None,
 ) -> int | None:
     """Run ``step`` (one training micro-step and its backward, or an evaluation step under ``no_grad``) and
     return its peak bytes, or None if it ran out of memory; then put gradients, buffers, torchmetrics
@@ -52,6 +54,8 @@ def measure_peak(
         state: The start state, captured before.
         tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure inside (None: the allocator).
         evaluation: ``step`` is an evaluation step: no backward.
+        clock: Where given, ``(start, end)`` marks on it around the step and its backward alone (not the
+            set-up and restore around them, which a step of training does not pay) are added to ``spans``.
     """
     module = strategy.lightning_module
     grads = [(p, p.grad) for p in strategy.model.parameters()]
@@ -70,6 +74,7 @@ def measure_peak(
                         p.grad = torch.zeros_like(p)
             if memory is not None:
                 memory.reset_peak()
+            start = clock.mark() if clock is not None else None
             with LogRecorder(module), no_sync(strategy):
                 if evaluation:
                     module.eval()
@@ -77,6 +82,8 @@ def measure_peak(
                         step()
                 else:
                     loss_of(step()).backward()
+            if clock is not None and spans is not None:
+                spans.append((start, clock.mark()))
         except BaseException as error:
             if not is_out_of_memory(error):
                 raise
@@ -119,17 +126,18 @@ class BatchProbes:
         """Seconds one training micro-step of ``samples`` samples takes, forward and backward, on the
         device's clock (nothing tracked: a dispatch mode would distort it); None if it ran out of memory.
         Run three times: the first pays for allocations and lazy initialization; the faster of the other
-        two is taken (what else the host runs only ever adds time)."""
-        clock = step_clock(self.device)
-        marks = [clock.mark()]
+        two is taken (what else the host runs only ever adds time). Only the forward and backward are
+        timed: the probe's own set-up and restore would weigh on many small micro-batches."""
+        clock, spans = step_clock(self.device), []
         for _ in range(3):
-            if self._run(samples, False, None, None) is None:
+            if self._run(samples, False, None, None, clock=clock, spans=spans) is None:
                 return None
-            marks.append(clock.mark())
-        clock.settle(marks[-1])
-        return min(clock.seconds(marks[i], marks[i + 1]) for i in (1, 2))
+        clock.settle(spans[-1][1])
+        return min(clock.seconds(start, end) for start, end in spans[1:])
 
-    def _run(self, samples: int, evaluation: bool, memory: Any, tracker: Any) -> int | None:
+    def _run(
+        self, samples: int, evaluation: bool, memory: Any, tracker: Any, clock: Any = None, spans=None
+    ) -> int | None:
         engine, batch = self.engine, self.batch
         trainer, module = engine.trainer, engine.trainer.lightning_module
         total = engine.batch_size(batch)
@@ -141,7 +149,14 @@ class BatchProbes:
         )
         state = engine.capture(module)
         return measure_peak(
-            trainer.strategy, step, memory=memory, state=state, tracker=tracker, evaluation=evaluation
+            trainer.strategy,
+            step,
+            memory=memory,
+            state=state,
+            tracker=tracker,
+            evaluation=evaluation,
+            clock=clock,
+            spans=spans,
         )
 
     def held(self) -> int:
