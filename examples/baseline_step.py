@@ -23,8 +23,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import move_data_to_device
 
 from lightning_memopt import MemoryMonitor
-from lightning_memopt.batching.errors import is_out_of_memory
 from lightning_memopt.memory import CATEGORIES, MemoryTracker
+from lightning_memopt.memory.device import is_out_of_memory
 from lightning_memopt.memory.report import PHASES, empty_record, fold_peak, merge_records, peak_phase
 
 _MIB = 2**20
