@@ -95,8 +95,8 @@ class MicroBatchEngine:
         self._pending_backward = False
         self.state: StepState | None = None  # the step's start, for a retry (None between steps)
         self._metrics = ChangedOrEvery()
-        self.held_at: tuple[int, int] | None = None  # optimizer state entries, and state_bytes then
-        self.to_come: tuple[int, int] | None = None  # the same, and the state the first step will create
+        # optimizer state entries; state_bytes and the state the first optimizer step will create, then
+        self.held_at: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -131,7 +131,7 @@ class MicroBatchEngine:
         for undo in reversed(self._undo):
             undo()
         self._undo, self._originals = [], {}
-        self.state, self._sharding, self.held_at, self.to_come = None, _UNKNOWN, None, None
+        self.state, self._sharding, self.held_at = None, _UNKNOWN, None
 
     # ------------------------------------------------------------------ the retry loop
     def run_with_retry(self, attempt: Attempt) -> tuple[Regime, int]:

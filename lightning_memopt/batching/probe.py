@@ -120,7 +120,7 @@ class BatchProbes:
                 tracker.mark(tensor, "other")
         peak = self._run(samples, evaluation, memory_of(self.device, tracker), tracker)
         # Every training step after the first holds the state the first optimizer step creates (AdamW's).
-        return peak if peak is None or evaluation else peak + self._state_to_come()
+        return peak if peak is None or evaluation else peak + self._states()[1]
 
     def seconds(self, samples: int) -> float | None:
         """Seconds one training micro-step of ``samples`` samples takes, forward and backward, on the
@@ -164,21 +164,21 @@ class BatchProbes:
         count on CUDA; elsewhere parameters, buffers, optimizer state, the gradients the backward will
         create, the batch and the step's snapshot for a retry."""
         memory = memory_of(self.device)
+        held, to_come = self._states()
         if memory is not None:
-            return memory.allocated() + self._state_to_come()
-        engine, optimizers = self.engine, self.engine.trainer.optimizers
-        entries = sum(len(o.state) for o in optimizers)  # counted again when the optimizer creates state
-        if engine.held_at is None or engine.held_at[0] != entries:
-            engine.held_at = (entries, state_bytes(engine.trainer.strategy.model, optimizers))
-        return engine.held_at[1] + self._state_to_come() + tensor_bytes(self._held_tensors())
+            return memory.allocated() + to_come
+        return held + to_come + tensor_bytes(self._held_tensors())
 
-    def _state_to_come(self) -> int:
-        """The optimizer state the first optimizer step will create (0 once it exists), measured once."""
+    def _states(self) -> tuple[int, int]:
+        """The parameters, gradients and optimizer state held (:func:`state_bytes`), and the optimizer state
+        the first optimizer step will create (0 once it exists): measured again only when the optimizers'
+        state changes."""
         engine, optimizers = self.engine, self.engine.trainer.optimizers
         entries = sum(len(o.state) for o in optimizers)
-        if engine.to_come is None or engine.to_come[0] != entries:
-            engine.to_come = (entries, optimizer_state_to_come(optimizers))
-        return engine.to_come[1]
+        if engine.held_at is None or engine.held_at[0] != entries:
+            model = engine.trainer.strategy.model
+            engine.held_at = (entries, state_bytes(model, optimizers), optimizer_state_to_come(optimizers))
+        return engine.held_at[1], engine.held_at[2]
 
     def _held_tensors(self) -> list[torch.Tensor]:
         snapshot = self.engine.state.tensors() if self.engine.state is not None else []

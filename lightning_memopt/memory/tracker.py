@@ -444,8 +444,7 @@ class MemoryTracker:
             return
         self._current[before] -= entry.nbytes
         self._current[after] += entry.nbytes
-        if after == "activations":
-            self._most_activations = max(self._most_activations, self._current[after])
+        self._grew(after)
         head = entry.head_bytes(after) - entry.head_bytes(before)
         self._head_current += head
         if fix_peak and entry.born <= self._peak_clock:
@@ -466,8 +465,7 @@ class MemoryTracker:
                 )
                 self._refs[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))
                 self._current[category] += nbytes
-                if category == "activations":
-                    self._most_activations = max(self._most_activations, self._current[category])
+                self._grew(category)
                 self._head_current += entry.head_bytes(category)
                 self._total += nbytes
             elif _RANK[category] < _RANK[entry.base]:
@@ -489,6 +487,7 @@ class MemoryTracker:
             return
         nbytes = _size(storage, storage.device)
         self._current[entry.category] += nbytes - entry.nbytes
+        self._grew(entry.category)
         self._head_current -= entry.head_bytes(entry.category)
         self._total += nbytes - entry.nbytes
         entry.nbytes = nbytes
@@ -497,6 +496,11 @@ class MemoryTracker:
         self._clock += 1
         entry.born = self._clock
         self._update_peak()
+
+    def _grew(self, category: str) -> None:
+        """``category``'s bytes just grew: keep :attr:`most_activations` the largest seen."""
+        if category == "activations" and self._current[category] > self._most_activations:
+            self._most_activations = self._current[category]
 
     def _update_peak(self) -> None:
         if self._total > self._peak:
