@@ -4,6 +4,7 @@ Run: python benchmarks/head.py            # GPT2Config() (12 layers, h=768, voca
      python benchmarks/head.py --small    # 2 layers, h=128, GPT-2's vocabulary, 2 x 512: about 2 minutes
      python benchmarks/head.py --shapes   # the head alone at GPT-2, Llama 3 and Gemma 2 shapes (below)
      python benchmarks/head.py --shapes --device cuda   # the same on a GPU, bf16, 16,384 tokens
+     python benchmarks/head.py --bound    # Llama 3's head at 16,384 tokens, bf16: peak bytes, 24-bit sum
 
 ``--shapes`` prints, for the heads of GPT-2 (50,257 x 768), Llama 3 (128,256 x 2,048 and x 4,096) and
 Gemma 2 (256,000 x 2,304): the plain head (``F.cross_entropy(F.linear(hidden, weight).float(), labels)``,
@@ -13,6 +14,14 @@ the peak above the inputs (MemoryTracker's live bytes on a CPU; ``torch.cuda.max
 CUDA) and each loss's relative difference from a float64 cross-entropy of the same inputs. On a CPU the
 token counts are small (a few seconds a round) and the inputs float32; on CUDA 16,384 tokens (8,192 for
 Gemma 2) in bf16 (``--dtype`` to change).
+
+``--bound`` prints the peak above the inputs of the Llama-3 head (128,256 x 2,048, 16,384 tokens, bf16
+weight and features, the CUDA chunk: 523 tokens) for the plain head and ``linear_cross_entropy``, as
+MemoryTracker's live bytes on ``meta`` tensors (every storage counted, nothing computed: the plain head's
+8 GiB logits would take a 2-core CPU minutes), with the bound of 1,024 MiB; then what summing a bfloat16
+weight's gradient in 24 bits (``_WeightGradient``) costs in accuracy, on real bf16 tensors at 16,384 tokens
+in 32 chunks of a narrower head (4,096 x 128): each head's gradients against a float64 computation of the
+same inputs, and the 24-bit sum against a float32 sum of the same chunks.
 
 Prints, for a random-init fp32 GPT-2 on CPU (train mode, forward + backward of ``model(input_ids,
 labels=labels).loss``, no optimizer):
@@ -216,6 +225,81 @@ def _peak_above_inputs(fn, hidden, weight, labels) -> int:
     return tracker.peak - before
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def bound() -> None:
+    """``--bound`` (module docstring)."""
+    from lightning_memopt.head import loss as head_loss
+
+    tokens, vocab, width = 16_384, 128_256, 2_048
+    chunk = default_chunk_size(tokens, vocab, width, "cuda")
+    print(
+        f"Llama 3 head, {vocab:,} x {width:,}, {tokens:,} tokens, bf16 weight and features, chunk {chunk} "
+        "(CUDA's default); meta tensors, MemoryTracker's live bytes\n"
+    )
+    print("| head | peak above the inputs | bound |\n|---|---:|---:|")
+
+    def meta_peak(fn) -> int:
+        hidden = torch.empty(tokens, width, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.empty(vocab, width, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.zeros(tokens, device="meta", dtype=torch.long)
+        return _peak_above_inputs(fn, hidden, weight, labels)
+
+    rows = [("plain", _plain), ("chunked", _chunked)]
+    for name, fn in rows:
+        print(f"| {name} | {meta_peak(fn) / MiB:,.1f} MiB | {'1,024 MiB' if name == 'chunked' else ''} |")
+    split, head_loss._WeightGradient.SPLIT = head_loss._WeightGradient.SPLIT, ()
+    try:
+        print(
+            f"| chunked, the weight's gradient summed in float32 | {meta_peak(_chunked) / MiB:,.1f} MiB | |"
+        )
+    finally:
+        head_loss._WeightGradient.SPLIT = split
+
+    vocab, width, chunk = 4_096, 128, 512
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, width, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, width, generator=g) * width**-0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    print(
+        f"\nthe 24-bit sum: {vocab:,} x {width:,}, {tokens:,} tokens in {tokens // chunk} chunks of {chunk}, "
+        "bf16, real tensors; relative to the largest float64 value (max |a - b| / max |b|)\n"
+    )
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref_loss = linear_cross_entropy(h64, w64, labels)
+    ref_dh, ref_dw = torch.autograd.grad(ref_loss, (h64, w64))
+    results = {}
+    for name, fn, split_dtypes in (
+        ("plain (autograd, bf16 logits)", _plain, split),
+        ("chunked, 24-bit sum (default)", lambda *a: linear_cross_entropy(*a, chunk_size=chunk), split),
+        ("chunked, float32 sum", lambda *a: linear_cross_entropy(*a, chunk_size=chunk), ()),
+    ):
+        head_loss._WeightGradient.SPLIT = split_dtypes
+        try:
+            loss = fn(hidden, weight, labels)
+            results[name] = (float(loss.detach()), *torch.autograd.grad(loss, (hidden, weight)))
+        finally:
+            head_loss._WeightGradient.SPLIT = split
+    print("| head | loss vs float64 | d hidden vs float64 | d weight vs float64 |\n|---|---:|---:|---:|")
+    for name, (loss, dh, dw) in results.items():
+        print(
+            f"| {name} | {abs(loss - float(ref_loss.detach())) / abs(float(ref_loss.detach())):.1e} "
+            f"| {_rel(dh, ref_dh):.2e} | {_rel(dw, ref_dw):.2e} |"
+        )
+    a = results["chunked, 24-bit sum (default)"][2]
+    b = results["chunked, float32 sum"][2]
+    _, exponent = torch.frexp(b.float())  # b = m * 2**e, m in [0.5, 1): bf16's last place is 2**(e - 8)
+    ulps = (a.float() - b.float()).abs() / torch.pow(2.0, (exponent - 8).float())
+    print(
+        f"\nd weight, 24-bit sum vs float32 sum of the same chunks: {float((a != b).float().mean()):.2e} of the "
+        f"elements differ, {float((ulps > 1).float().mean()):.2e} by more than one bf16 unit in the last place "
+        f"(cancelling sums, whose result is small beside the chunks' products); largest difference "
+        f"{_rel(a, b):.1e} of the largest element"
+    )
+
+
 def head_shapes(device: torch.device, dtype: torch.dtype, reps: int) -> None:
     """The table of ``--shapes`` (module docstring)."""
     print(f"the head alone, forward + backward, {dtype} inputs on {device}, median of {reps} rounds\n")
@@ -264,12 +348,19 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=5, help="timed rounds (each: one step of each head)")
     parser.add_argument("--shapes", action="store_true", help="the head alone at four models' shapes")
+    parser.add_argument(
+        "--bound", action="store_true", help="Llama 3's head at 16,384 tokens: bytes, 24-bit sum"
+    )
     parser.add_argument("--device", default="cpu", help="for --shapes: cpu (default) or cuda")
     parser.add_argument(
         "--dtype", default=None, help="for --shapes: float32 (CPU default) or bfloat16 (CUDA)"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.bound:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        bound()
+        return
     if args.shapes:
         device = torch.device(args.device)
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

@@ -24,8 +24,12 @@ back to ``z``.
 
 Precision (:func:`compute_dtype`). Under autocast (``bf16-mixed``, ``16-mixed``) or with half-precision
 inputs the matmuls run in half precision, as an ``nn.Linear`` head's would; each chunk's logits are upcast
-to float32 before the softmax (a Hugging Face model's ``logits.float()``), the loss is float32, and the
-weight's gradient is summed over chunks in float32. float32 and float64 inputs compute in their own dtype.
+to float32 before the softmax (a Hugging Face model's ``logits.float()``; computed a slice of the vocabulary
+at a time, so no float32 copy of a chunk's logits exists), the loss is float32, and the weight's gradient is
+summed over chunks from float32 products: in float32, or for a bfloat16 weight in 24 bits (its bfloat16
+result and one byte more, :class:`_WeightGradient`). At the Llama-3 shape (16,384 tokens, 128,256 x 2,048,
+bf16) the head then holds 992 MiB above its inputs where a float32 sum held 1,567 MiB, and the plain head
+24,048 MiB (``benchmarks/head.py --bound``). float32 and float64 inputs compute in their own dtype.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ MIN_TOKENS = {"cpu": 128, "cuda": 512}
 CACHED_WEIGHT = 32 * 2**20  # bytes: a weight this small stays in the caches; no floor on the chunk
 # At most this many bytes of float32 logits a chunk, where 1/16 of the logits is more (long batches).
 MAX_CHUNK_BYTES = 256 * 2**20
+# Bytes of one float32 slice of a chunk's half-precision logits (its softmax) or of the weight's gradient
+SLICE_BYTES = 16 * 2**20
 
 
 def default_chunk_size(
@@ -310,15 +316,11 @@ def _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reductio
             )
 
 
-def _chunk_grad(h, weight, bias, y, opts, scale):
-    """One chunk's losses ``(c,)`` and their gradient w.r.t. its logits, each row times ``scale`` ``(c,)``.
-
-    One ``(c, V)`` buffer: the logits become the softmax, then the gradient, in place.
+def _chunk_grad(z, y, opts, scale):
+    """One chunk's losses ``(c,)`` and their gradient w.r.t. its float32 or float64 logits ``z (c, V)``, each
+    row times ``scale`` ``(c,)``: ``z`` becomes the softmax, then the gradient, in place (one buffer).
     """
     ignore_index, smoothing, _, _, scale_logits, softcap = opts
-    z = torch.matmul(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())  # (c, V)
-    if z.dtype in (torch.float16, torch.bfloat16):
-        z = z.float()  # softmax and its sums in float32, as F.cross_entropy's kernels accumulate
     if scale_logits != 1.0:
         z.mul_(scale_logits)
     if softcap is not None:  # z = softcap * tanh(z / softcap); keep the tanh for the derivative
@@ -347,15 +349,165 @@ def _chunk_grad(h, weight, bias, y, opts, scale):
     return loss.masked_fill(~counted, 0), z
 
 
+def _chunk_grad_half(z, y, opts, scale, width):
+    """:func:`_chunk_grad` for half-precision logits ``z (c, V)``: the same float32 losses ``(c,)`` and
+    gradient, computed ``width`` vocabulary columns at a time and rounded into ``z`` in place (what autograd's
+    backward through ``logits.float()`` hands the matmuls), and the gradient's float32 column sums ``(V,)``
+    (the bias's gradient).
+
+    Nothing float32 of the chunk's whole size exists: one chunk holds its half-precision logits and one
+    slice of float32 numbers, half of what float32 logits would hold (at the Llama-3 shape under bf16 that
+    is what brings the head under its bound: ``benchmarks/head.py --bound``). Each slice's logits are read
+    twice (the running log-sum-exp, then the gradient) and their scale and cap recomputed, not kept.
+    """
+    ignore_index, smoothing, _, _, scale_logits, softcap = opts
+    vocab = z.shape[1]
+    counted = y != ignore_index  # (c,)
+    target = y.masked_fill(~counted, 0)
+
+    def logits(part):  # float32, scaled and capped, as _chunk_grad's
+        x = part.float()
+        if scale_logits != 1.0:
+            x = x * scale_logits
+        if softcap is not None:
+            x = x.div_(softcap).tanh_().mul_(softcap)
+        return x
+
+    picked = logits(z.gather(1, target[:, None])).squeeze(1)  # z_iy, (c,)
+    top = torch.full_like(picked, -math.inf)
+    total = torch.zeros_like(picked)
+    summed = torch.zeros_like(picked)  # sum_j z_ij, for the smoothing
+    for start in range(0, vocab, width):  # an online log-sum-exp, one slice at a time
+        x = logits(z[:, start : start + width])  # (c, width)
+        new = torch.maximum(top, x.amax(1))
+        total = total * (top - new).exp() + x.sub_(new[:, None]).exp_().sum(1)
+        top = new
+        if smoothing:
+            summed += logits(z[:, start : start + width]).sum(1)
+        del x
+    lse = top + total.log()
+    loss = (1 - smoothing) * (lse - picked)
+    if smoothing:
+        loss = loss + smoothing * (lse - summed / vocab)
+    weights = counted.float() * scale.float()  # (c,)
+    sums = torch.zeros(vocab, dtype=torch.float32, device=z.device)
+
+    def through_cap(g, x):  # g: the gradient w.r.t. the capped logits x; returns it w.r.t. the matmul's
+        if softcap is not None:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh^2, tanh = capped / softcap
+            g = g.mul_(x.div(softcap).square_().neg_().add_(1))
+        return g.mul_(scale_logits) if scale_logits != 1.0 else g
+
+    for start in range(0, vocab, width):  # every column as if it were no token's target
+        part = z[:, start : start + width]
+        x = logits(part)
+        g = (x - lse[:, None]).exp_().mul_(weights[:, None])  # the softmax, weighted
+        if smoothing:
+            g.sub_((smoothing / vocab) * weights[:, None])
+        g = through_cap(g, x)
+        sums[start : start + width] += g.sum(0)
+        part.copy_(g)
+        del x, g
+    # Each token's target column, from float32 numbers (rounded once, like every other column)
+    soft = (picked - lse).exp() - smoothing / vocab - (1 - smoothing)
+    at_target = through_cap((soft * weights)[:, None], picked[:, None])  # (c, 1)
+    z.scatter_(1, target[:, None], at_target.to(z.dtype))
+    sums.index_add_(0, target, through_cap((-(1 - smoothing) * weights)[:, None], picked[:, None])[:, 0])
+    return loss.masked_fill(~counted, 0), sums
+
+
+def _slice(length: int) -> int:
+    """How many columns of ``length`` float32 numbers make a slice of :data:`SLICE_BYTES` (at least one)."""
+    return max(1, SLICE_BYTES // (4 * max(1, length)))
+
+
+class _WeightGradient:
+    """The weight's gradient summed over chunks, a slice of rows at a time (no weight-sized product exists).
+
+    In float32 (float64 for float64 inputs) for a float32 or float16 weight, cast to the weight's dtype at
+    the end. For a bfloat16 weight in 24 bits, in two buffers: the bfloat16 result itself (a float32's top
+    two bytes) and a byte for the next 8 bits of the float32's significand (16 bits of precision, float32's
+    range, three quarters of a float32's bytes), each sum rounded to the nearest 24-bit number; the end rounds
+    each 24-bit sum to bfloat16 in place. A float32 sum held alongside its bfloat16 result would be 1.5 times
+    this. What the 8 dropped bits cost: at most ``2**-17`` relative of a running sum per chunk, against
+    ``2**-9`` of the bfloat16 result's own rounding (measured: ``benchmarks/head.py --bound``).
+    """
+
+    SPLIT = (torch.bfloat16,)
+    """The weight dtypes whose gradient is summed in 24 bits (``()``: every one in float32, to compare)."""
+
+    def __init__(self, weight: torch.Tensor, acc: torch.dtype, rows: int):
+        self.dtype, self.rows = weight.dtype, rows
+        self.split = weight.dtype in self.SPLIT
+        shape, device = weight.shape, weight.device
+        self.sum = torch.zeros(shape, dtype=torch.bfloat16 if self.split else acc, device=device)
+        self.low = torch.zeros(shape, dtype=torch.uint8, device=device) if self.split else None
+
+    def addmm(self, dz: torch.Tensor, hc: torch.Tensor) -> None:
+        """Adds ``dz.T @ hc`` (``dz (c, V)``, ``hc (c, H)``), a slice of :attr:`rows` rows at a time."""
+        if not self.split and dz.dtype == self.sum.dtype == hc.dtype:
+            self.sum.addmm_(dz.t(), hc)  # in place: no product of the weight's size
+            return
+        for start in range(0, self.sum.shape[0], self.rows):
+            rows = slice(start, start + self.rows)
+            product = _float_mm(dz[:, rows].t(), hc)  # (rows, H), float32 (float64 for float64 inputs)
+            if self.split:
+                _add_split(self.sum[rows], self.low[rows], product)
+            else:
+                self.sum[rows] += product
+
+    def result(self) -> torch.Tensor:
+        if not self.split:
+            return self.sum.to(self.dtype)
+        for start in range(0, self.sum.shape[0], self.rows):
+            rows = slice(start, start + self.rows)
+            self.sum[rows] = _join(self.sum[rows], self.low[rows])  # float32 to bfloat16, to nearest
+        self.low = None
+        return self.sum
+
+
+_NO_FLOAT_OUT: set[str] = set()  # device types whose half-precision matmul cannot write float32
+
+
+def _float_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32 (or wider) from half-precision matrices, without rounding it to half precision
+    (as one autograd matmul over every token would not): a CUDA matmul writes float32 itself
+    (``out_dtype``); elsewhere, or where that fails, both are upcast first (a slice of rows and one chunk)."""
+    if a.dtype not in _HALF:
+        return torch.mm(a, b)
+    kind = a.device.type
+    if kind in ("cuda", "meta") and kind not in _NO_FLOAT_OUT:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError):  # an older GPU or build: upcast from now on
+            _NO_FLOAT_OUT.add(kind)
+    return torch.mm(a.float(), b.float())
+
+
+def _join(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The float32 numbers whose top two bytes are ``high`` (bfloat16) and third byte ``low`` (uint8)."""
+    out = high.float()  # bfloat16 to float32: the same bits, shifted up by two bytes
+    out.view(torch.int32).bitwise_or_(low.to(torch.int32).bitwise_left_shift_(8))
+    return out
+
+
+def _add_split(high: torch.Tensor, low: torch.Tensor, product: torch.Tensor) -> None:
+    """``(high, low) += product`` in float32, rounded to the nearest 24-bit number (to 16 significant bits)."""
+    bits = _join(high, low).add_(product).view(torch.int32)
+    bits.add_(128)  # to nearest: a half unit of the dropped byte carries into the kept ones
+    high.view(torch.int16).copy_(bits >> 16)
+    low.copy_(bits.bitwise_right_shift_(8).bitwise_and_(255))
+
+
 def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None):
     """The gradients w.r.t. ``h``, ``weight``, ``bias`` (None where not ``needs``) of ``sum_i scale_i *
     loss_i``, one chunk of tokens at a time; each token's loss written into ``losses`` if given.
 
     ``dtype`` (default ``h``'s): what the matmuls run in (:func:`compute_dtype`). In half precision they
     are autocast's: the logits in half precision, upcast to float32 for the softmax and the loss (as a
-    Hugging Face model's ``logits.float()``), the logits' gradient rounded back to half precision for the
-    two gradient products (as autograd's backward through that upcast); the weight's and the bias's
-    gradients are summed over chunks in float32.
+    Hugging Face model's ``logits.float()``; :func:`_chunk_grad_half`, a slice of columns at a time), the
+    logits' gradient rounded back to half precision for the two gradient products (as autograd's backward
+    through that upcast); the weight's and the bias's gradients are summed over chunks in float32 (a
+    bfloat16 weight's in 24 bits: :class:`_WeightGradient`).
     """
     chunk, dtype = opts[3], dtype or h.dtype
     low = dtype in _HALF
@@ -363,31 +515,30 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None):
     w = weight.to(dtype)  # once, not per chunk (autocast caches the same copy of a leaf weight)
     b = None if bias is None else bias.to(dtype)
     dh = torch.empty_like(h) if needs[0] else None
-    dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if needs[1] else None
+    dw = _WeightGradient(weight, acc, _slice(weight.shape[1])) if needs[1] else None
     db = torch.zeros(weight.shape[:1], dtype=acc, device=h.device) if needs[2] else None
     for start in range(0, h.shape[0], chunk):
         part = slice(start, start + chunk)
         hc = h[part].to(dtype)  # (c, H); no copy unless the precision changes
-        loss, dz = _chunk_grad(hc, w, b, y[part], opts, scale[part])  # dz: (c, V), float32 or float64
+        z = torch.matmul(hc, w.t()) if b is None else torch.addmm(b, hc, w.t())  # (c, V), in dtype
+        if low:  # float32 math on half-precision logits; z becomes their gradient, rounded
+            loss, sums = _chunk_grad_half(z, y[part], opts, scale[part], _slice(z.shape[0]))
+        else:
+            loss, z = _chunk_grad(z, y[part], opts, scale[part])
+            sums = z.sum(0) if db is not None else None
         if losses is not None:
             losses[part] = loss
-        if low:  # half-precision products, as autograd's through autocast's linear; sums in float32
-            dz_low = dz.to(dtype)
-            if dh is not None:
-                dh[part] = torch.mm(dz_low, w)
-            if dw is not None:
-                dw.add_(torch.mm(dz_low.t(), hc))
-            del dz_low
-        else:
-            if dh is not None:
-                torch.matmul(dz.to(h.dtype), weight, out=dh[part])
-            if dw is not None:
-                dw.addmm_(dz.t(), hc.to(acc))
+        if dh is not None:
+            if low:
+                dh[part] = torch.mm(z, w)
+            else:
+                torch.matmul(z.to(h.dtype), weight, out=dh[part])
+        if dw is not None:
+            dw.addmm(z, hc if low else hc.to(acc))
         if db is not None:
-            db.add_(dz.sum(0))
-        del dz  # before the next chunk's logits: one chunk at a time
-    cast = lambda g: None if g is None else g.to(weight.dtype)  # noqa: E731
-    return dh, cast(dw), cast(db)
+            db.add_(sums)
+        del z, sums  # before the next chunk's logits: one chunk at a time
+    return dh, None if dw is None else dw.result(), None if db is None else db.to(weight.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -401,23 +552,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # float32 for half-precision inputs (the model's own loss is float32: logits.float()), else h's
         losses = torch.empty(h.shape[0], dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         ctx.opts, ctx.dtype, ctx.ahead = opts, dtype, opts[2] != "none"
-        ones = torch.ones((), dtype=losses.dtype, device=h.device).expand(h.shape[0])
+        count = (y != opts[0]).sum()
+        # A mean's gradients are the sum's divided by the count: each token's weighs 1 / count in the chunks
+        # (every label ignored: the loss is 0/0, NaN, and the gradients zero, as F.cross_entropy's)
+        each = torch.ones((), dtype=losses.dtype, device=h.device)
+        if opts[2] == "mean":
+            each = each / count.clamp(min=1)
         # A scalar loss: every gradient now, while each chunk's logits exist. Per-token losses: in backward.
         with _autocast_off(h):  # the precision is dtype's, chosen once; autocast would re-cast every op
-            grads = _chunks(
-                h, weight, bias, y, opts, ones, needs if ctx.ahead else (False,) * 3, losses, dtype
-            )
-        ctx.grads = grads
+            needs = needs if ctx.ahead else (False,) * 3
+            ctx.grads = _chunks(h, weight, bias, y, opts, each.expand(h.shape[0]), needs, losses, dtype)
         if not ctx.ahead:
             ctx.save_for_backward(h, weight, bias, y)
             return losses
         total = losses.sum()
-        if opts[2] == "sum":
-            return total
-        count = (y != opts[0]).sum()
-        # Every label ignored: the loss is 0/0 (NaN) and the gradients zero, as F.cross_entropy's.
-        ctx.grads = tuple(None if g is None else g.div_(count.clamp(min=1)) for g in ctx.grads)
-        return total / count
+        return total if opts[2] == "sum" else total / count
 
     @staticmethod
     @torch.autograd.function.once_differentiable

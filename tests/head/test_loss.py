@@ -302,11 +302,13 @@ def test_under_autocast_the_loss_is_the_float32_cross_entropy_of_half_precision_
     assert _rel(got[0], exact[0]) > 1e-4  # the gradients are half precision's, as the model's own
 
 
-def test_half_precision_inputs_give_a_float32_loss():
+@pytest.mark.parametrize("chunk_size", [7, 1])
+def test_half_precision_inputs_give_a_float32_loss(chunk_size):
     """bf16 weights and features (``bf16-true``): the loss is float32, not rounded to bf16 (12.1875 where
-    the float32 loss is 12.1696 on the Llama-3 shape); gradients come back in bf16."""
+    the float32 loss is 12.1696 on the Llama-3 shape); gradients come back in bf16, the weight's summed in
+    24 bits over 6 or 40 chunks and within the plain head's rounding."""
     hidden, weight, b, labels = _half_inputs(torch.bfloat16)
-    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=7)
+    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk_size)
     ref = F.cross_entropy(F.linear(hidden, weight, b).float(), labels)
     assert out.dtype == torch.float32
     assert _rel(out, ref) <= 1e-6
@@ -401,3 +403,59 @@ def test_liger_backend_errors_without_cuda_or_liger(monkeypatch):
         ValueError, match=r"backend must be one of \('auto', 'package', 'liger'\), got 'fast'"
     ):
         linear_cross_entropy(hidden, weight, labels, backend="fast")
+
+
+def test_the_24_bit_sum_rounds_to_16_significant_bits():
+    """A bfloat16 weight's gradient is summed as bfloat16 (the top two bytes of a float32) and one more byte,
+    each sum rounded to the nearest number of 16 significant bits."""
+    from lightning_memopt.head.loss import _add_split, _join
+
+    high, low = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.uint8)
+    exact = torch.tensor([1 + 2**-15, -(2**-20) * (1 + 2**-15), 3.0, 0.0])  # 16 significant bits or fewer
+    _add_split(high, low, exact)
+    assert torch.equal(_join(high, low), exact)
+    assert torch.equal(high, exact.bfloat16().where(exact.abs() != 1 + 2**-15, 1.0))  # the top bytes, cut
+    _add_split(high, low, torch.tensor([2**-16 + 2**-22, 0.0, 2**-16, -(2**-30)]))
+    # 1 + 2**-15 + 2**-16 + 2**-22: above the half unit, up; 3 + 2**-16: below half of 3's unit (2**-14)
+    want = torch.tensor([1 + 2**-14, -(2**-20) * (1 + 2**-15), 3.0, -(2**-30)])
+    assert torch.equal(_join(high, low), want)
+
+
+def test_the_24_bit_sum_of_many_chunks_is_within_its_rounding():
+    from lightning_memopt.head.loss import _add_split, _join
+
+    g = torch.Generator().manual_seed(0)
+    parts = torch.randn(64, 10_000, generator=g) * torch.rand(64, 1, generator=g) * 100
+    high, low = torch.zeros(10_000, dtype=torch.bfloat16), torch.zeros(10_000, dtype=torch.uint8)
+    running, bound = torch.zeros(10_000, dtype=torch.float64), torch.zeros(10_000, dtype=torch.float64)
+    for part in parts:
+        _add_split(high, low, part)
+        running += part.double()
+        bound += running.abs() * 2**-16  # each sum rounded by at most half a unit of 16 bits
+    error = (_join(high, low).double() - running).abs()
+    assert bool((error <= bound).all())
+    assert float(error.max()) > 0  # not a float32 sum: the dropped byte shows
+
+
+def test_a_bfloat16_head_holds_its_gradients_and_a_byte_per_weight_element(monkeypatch):
+    """bf16-true: the gradients held from forward to backward are bf16 (hidden's and the weight's), and while
+    the chunks run, one more byte per weight element (the 24-bit sum), one chunk of bf16 logits and a few
+    slices of float32 numbers (SLICE_BYTES), never a float32 chunk or a float32 weight."""
+    from lightning_memopt.head import loss as head_loss
+
+    monkeypatch.setattr(head_loss, "SLICE_BYTES", 4096)
+    n, h, v, c = 256, 16, 512, 32
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(v, h, generator=g).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    with MemoryTracker() as tracker:
+        (hidden.sum(), weight.sum(), labels.sum())  # the inputs are counted before the head runs
+        before = tracker.current
+        tracker.reset_peak()
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=c)
+        assert tracker.current - before == n * h * 2 + v * h * 2 + 4  # the bf16 gradients and the loss
+        floor = n * h * 2 + v * h * 3 + c * v * 2
+        assert floor <= tracker.peak - before <= floor + 6 * 4096
+        assert 6 * 4096 < c * v * 4  # a float32 chunk would not fit
+        del loss
