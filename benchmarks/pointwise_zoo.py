@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.micro_batching_zoo import ARCHS, TASKS, Arch, sweep_table
 from lightning_memopt.checkpointing import ActivationMeter, apply_checkpointing, find_blocks
-from lightning_memopt.checkpointing.apply import _STATE
+from lightning_memopt.checkpointing.written import treatment_state
 
 BATCH = 8
 BAR = 1e-12
@@ -50,7 +50,7 @@ def _recomputed(blocks: list) -> str:
     """The sub-modules the dry runs chose, over all blocks (block prefixes left out)."""
     names: dict[str, bool] = {}
     for _, block in blocks:
-        for found in block.__dict__[_STATE].pointwise.values():
+        for found in treatment_state(block).pointwise.values():
             names.update((n, n in found.rerun) for n in found.names)
     return ", ".join(f"{n} (rerun)" if rerun else n for n, rerun in names.items()) or "no sub-module"
 

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from lightning_memopt.checkpointing import CostModel, Plan, evaluate_plan
-from lightning_memopt.checkpointing.profile import BlockProfile
+from lightning_memopt.checkpointing.costs import BlockProfile
 
 
 def brute_force_plan(

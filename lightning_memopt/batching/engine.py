@@ -17,7 +17,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memopt._patch import patch
-from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.errors import (
     MicroBatchOOMError,
     SplitNotExactError,
@@ -27,7 +26,15 @@ from lightning_memopt.batching.errors import (
 from lightning_memopt.batching.loss import Weigher
 from lightning_memopt.batching.outputs import ChangedOrEvery
 from lightning_memopt.batching.probe import BatchProbes
-from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, choose_regime
+from lightning_memopt.batching.regime import (
+    PeerOutOfMemory,
+    Phase,
+    Regime,
+    Sharding,
+    choose_regime,
+    find_sharding,
+    is_distributed,
+)
 from lightning_memopt.batching.shapes import tokens_per_sample
 from lightning_memopt.batching.sizes import MicroBatchSizes
 from lightning_memopt.batching.sizing import smallest_micro_batch
@@ -165,7 +172,7 @@ class MicroBatchEngine:
             attempt.recover(failure)
             retries += 1
 
-    def choose(self, phase: regimes.Phase, micro_batches: int = 1, size: int = 0) -> Regime:
+    def choose(self, phase: Phase, micro_batches: int = 1, size: int = 0) -> Regime:
         """The regime of one attempt of ``phase`` (:func:`~.regime.choose_regime`)."""
         return choose_regime(
             phase,
@@ -178,10 +185,10 @@ class MicroBatchEngine:
             size=size,
         )
 
-    def sharded(self) -> regimes.Sharding | None:
+    def sharded(self) -> Sharding | None:
         """The model's FSDP2 modules, found once per fit (on the first step: the strategy shards in setup)."""
         if self._sharding is _UNKNOWN:
-            self._sharding = regimes.find_sharding(self.trainer.strategy.model)
+            self._sharding = find_sharding(self.trainer.strategy.model)
         return self._sharding
 
     # ------------------------------------------------------------------ training
@@ -371,7 +378,7 @@ class MicroBatchEngine:
         """The CUDA allocator's cumulative retries, where thrashing is watched: with OOM retry on, on CUDA,
         in one process or with a memory model over shapes (whose per-step agreement on the count lets each
         rank lower its own sizes); None elsewhere."""
-        if not self.retry_on_oom or (regimes.is_distributed() and self.sizes.model is None):
+        if not self.retry_on_oom or (is_distributed() and self.sizes.model is None):
             return None
         memory = self._device_memory()
         return None if memory is None else memory.alloc_retries()

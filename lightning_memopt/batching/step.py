@@ -19,7 +19,6 @@ from lightning.pytorch.utilities.memory import recursive_detach
 
 from lightning_memopt._replay import replaying
 from lightning_memopt.batching import exactness
-from lightning_memopt.batching import regime as regimes
 from lightning_memopt.batching.distributed import any_rank, max_over_ranks_each
 from lightning_memopt.batching.loss import batch_key
 from lightning_memopt.batching.outputs import (
@@ -30,7 +29,7 @@ from lightning_memopt.batching.outputs import (
     reductions,
     warn_inexact,
 )
-from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, drop_attempt
+from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, drop_attempt, is_distributed
 from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import describe_split, micro_batch_sizes, split_batch
 from lightning_memopt.batching.state import OptimizerSnapshot
@@ -122,12 +121,12 @@ class TrainingStep:
 
     def run(self, regime: Regime) -> None:
         engine, key = self.engine, self.key
-        checking = bool(self.checking) and (len(self.sizes) > 1 or regimes.is_distributed())
+        checking = bool(self.checking) and (len(self.sizes) > 1 or is_distributed())
         looking = checking or (self.checking is None and len(self.sizes) > 1 and engine.check_due(key))
         start = engine.capture(self.module) if checking else None
         # In one process a pass whose weights a later micro-batch proves wrong runs again (redo); ranks
         # could disagree on that, so there it is said instead.
-        redo = not checking and not regimes.is_distributed()
+        redo = not checking and not is_distributed()
         with exactness.written_in_place(self.module) if looking else contextlib.nullcontext([]) as written:
             self.result = self.run_pass(regime, self.sizes, self.pad, redo=redo)
         engine.written.update(written)
@@ -324,7 +323,7 @@ class OptimizerStep:
         self.result: Any = None
 
     def run_all(self) -> Any:
-        if regimes.is_distributed():
+        if is_distributed():
             # The micro-batches (and their agreement) first, so every rank reaches the step's agreement
             # from the same place, whether its optimizer's pre-step work or its update ran out of memory.
             self.closure = functools.partial(_return, self.train())
@@ -343,7 +342,7 @@ class OptimizerStep:
         engine = self.engine
         if self.snapshot is not None:
             self.snapshot.restore()  # every rank: undo the update the ranks that did not fail made
-        regimes.drop_attempt(engine.trainer.strategy.model, engine.sharded())
+        drop_attempt(engine.trainer.strategy.model, engine.sharded())
         engine.restore()
         total = engine.sizes.last_total or 1
         floor = smallest_micro_batch(engine.trainer.lightning_module)

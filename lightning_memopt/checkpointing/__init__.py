@@ -8,8 +8,6 @@ does all of it from one measured step: :func:`auto_checkpoint` for a plain train
 """
 
 from lightning_memopt.checkpointing.apply import (
-    CHOICES,
-    Choice,
     apply_checkpointing,
     checkpointed_blocks,
     framework_checkpointing,
@@ -25,6 +23,9 @@ from lightning_memopt.checkpointing.budget import (
     plan_within,
     state_bytes,
 )
+from lightning_memopt.checkpointing.capture import BlockInputs, capture_block_inputs
+from lightning_memopt.checkpointing.costs import CHOICES, BlockProfile, Choice, OptionCost
+from lightning_memopt.checkpointing.meter import ActivationMeter
 from lightning_memopt.checkpointing.planner import (
     MODES,
     CostModel,
@@ -38,15 +39,7 @@ from lightning_memopt.checkpointing.planner import (
     prediction_gap,
     treatments,
 )
-from lightning_memopt.checkpointing.profile import (
-    ActivationMeter,
-    BlockInputs,
-    BlockProfile,
-    OptionCost,
-    capture_block_inputs,
-    profile_blocks,
-    profile_blocks_run,
-)
+from lightning_memopt.checkpointing.profile import profile_blocks, profile_blocks_run
 
 __all__ = [
     "ActivationMeter",

@@ -32,30 +32,31 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import types
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
 from lightning_memopt._compat import selective_checkpoint_contexts
-from lightning_memopt.checkpointing._inputs import storage_key as _storage_key
-from lightning_memopt.checkpointing._inputs import tensors as _tensors
-from lightning_memopt.checkpointing.dry_run import fake_call
+from lightning_memopt.checkpointing.calls import (
+    call_signature,
+    is_kv_cache,
+    storage_key,
+    tensors,
+    without_cache,
+)
+from lightning_memopt.checkpointing.costs import CHOICES
+from lightning_memopt.checkpointing.dry_run import dry_run
 from lightning_memopt.checkpointing.offload import overlapped_offload
 from lightning_memopt.checkpointing.pointwise import Pointwise, pointwise_forward, pointwise_modules
-from lightning_memopt.checkpointing.written import Snapshot
+from lightning_memopt.checkpointing.written import TREATED, Snapshot, treatment_state
 
 __all__ = [
-    "CHOICES",
-    "Choice",
     "apply_checkpointing",
     "remove_checkpointing",
     "checkpointed_blocks",
@@ -63,11 +64,6 @@ __all__ = [
     "is_compute_op",
     "framework_checkpointing",
 ]
-
-Choice = Literal["keep", "selective", "full", "offload", "pointwise"]
-CHOICES: tuple[str, ...] = ("keep", "selective", "full", "offload", "pointwise")
-
-_STATE = "_memopt_checkpoint"  # instance attribute holding a block's _BlockState
 
 # Attention on CPU is not in FlopCounterMode's registry but is as expensive as the matmuls around it.
 _EXTRA_COMPUTE_OPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu}
@@ -154,13 +150,13 @@ class _CountOps(TorchDispatchMode):
             named = dict(zip((arg.name for arg in func._schema.arguments), a)) | kw
             for arg in func._schema.arguments:
                 if arg.alias_info is not None and arg.alias_info.is_write:
-                    for t in _tensors(named.get(arg.name)):
-                        if _storage_key(t) in self.outputs:
-                            self.mutated.add(self.outputs[_storage_key(t)])
+                    for t in tensors(named.get(arg.name)):
+                        if storage_key(t) in self.outputs:
+                            self.mutated.add(self.outputs[storage_key(t)])
         out = func(*a, **kw)
         if is_compute_op(func):
-            for t in _tensors(out):
-                self.outputs[_storage_key(t)] = self.compute
+            for t in tensors(out):
+                self.outputs[storage_key(t)] = self.compute
                 self._keep.append(t)
             self.compute += 1
         return out
@@ -172,10 +168,10 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
     Non-reentrant checkpointing recomputes the forward only until every tensor saved for backward is
     back, so the compute ops after that point never run again and their outputs need no cache. Outputs
     changed in place later in the forward cannot be cached at all. Found by running the forward once on
-    fake tensors (:func:`~lightning_memopt.checkpointing.dry_run.fake_call`). Where the block does not run
+    fake tensors (:func:`~lightning_memopt.checkpointing.dry_run.dry_run`). Where the block does not run
     on fake tensors (a data-dependent op), nothing is cached: recomputing everything is always correct.
     """
-    if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
+    if any(is_kv_cache(v) for v in (*args, *kwargs.values())):
         return _RECOMPUTE_ALL  # a cache the block keeps: a dry run would write fake keys into it
     count = _CountOps()
 
@@ -184,15 +180,8 @@ def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
         return None
 
     try:
-        with (
-            fake_call(block, args, kwargs) as (fargs, fkwargs),
-            torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
-            count,
-        ):
-            fn(*fargs, **fkwargs)
-    except Exception:  # a data-dependent op, an op fake tensors do not support
-        return _RECOMPUTE_ALL
+        if not dry_run(block, fn, args, kwargs, pack=pack, mode=count):
+            return _RECOMPUTE_ALL  # a data-dependent op, an op fake tensors do not support
     finally:
         # The dry run's nodes hold ``pack`` and through it ``count``: the fake outputs it keeps lead back
         # to them (and to the block's parameters): a cycle through C++ no collector frees, emptied here.
@@ -210,11 +199,11 @@ class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, block: nn.Module) -> None:
-        keep = {_storage_key(p) for p in block.parameters()} | {_storage_key(b) for b in block.buffers()}
+        keep = {storage_key(p) for p in block.parameters()} | {storage_key(b) for b in block.buffers()}
         pin = torch.cuda.is_available()
 
         def pack(t: torch.Tensor):
-            if isinstance(t, nn.Parameter) or _storage_key(t) in keep:
+            if isinstance(t, nn.Parameter) or storage_key(t) in keep:
                 return t, None
             cpu = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin and t.is_cuda)
             cpu.copy_(t)  # a copy, even from CPU: see the class docstring
@@ -244,33 +233,14 @@ class _BlockState:
         self.recompute: Snapshot | None = None  # the state a recomputation starts from, where written
 
 
-def _signature(value) -> Hashable:
-    """What the op sequence of a forward may depend on: the inputs' shapes, dtypes and devices, and the
-    other arguments as ``repr`` shows them. It runs on every forward of a block under ``selective`` or
-    ``pointwise``, so plain tuples, lists and dicts are walked here; other containers through pytree."""
-    if isinstance(value, torch.Tensor):
-        return ("T", tuple(value.shape), value.dtype, value.device.type, value.requires_grad)
-    kind = type(value)
-    if kind is tuple or kind is list:
-        return (kind.__name__, *map(_signature, value))
-    if kind is dict:
-        return ("dict", *((k, _signature(v)) for k, v in value.items()))
-    if value is None or kind in (bool, int, float, str):
-        return repr(value)
-    leaves, spec = tree_flatten(value)
-    if len(leaves) == 1 and leaves[0] is value:  # a leaf
-        return repr(value)
-    return (str(spec), *map(_signature, leaves))
-
-
 def _checkpointed_forward(block: nn.Module, *args, **kwargs):
-    state: _BlockState = block.__dict__[_STATE]
+    state: _BlockState = block.__dict__[TREATED]
     fn = state.own_forward if state.own_forward is not None else functools.partial(type(block).forward, block)
     choice = state.choice
     state.calls += 1
     if choice == "keep" or state.unrepeatable or not block.training or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    args, kwargs = _without_cache(block, args, kwargs)
+    args, kwargs = without_cache(block, args, kwargs)
     if choice == "offload":
         # offload.py: on CUDA, copies overlap compute on side streams; elsewhere the plain copy below.
         hooks = overlapped_offload(block, (args, kwargs), functools.partial(_notify, "offloaded"))
@@ -280,9 +250,10 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
     # one that writes state is recomputed from the state it started from, and kept from then on.
     before = None if state.verified else Snapshot(block, values=choice != "pointwise")
     if choice == "pointwise":
-        key = _signature((args, kwargs))
+        key = call_signature((args, kwargs))
         if key not in state.pointwise:
-            state.pointwise[key] = pointwise_modules(block, fn, args, kwargs, is_compute=is_compute_op)
+            run = functools.partial(dry_run, block, fn, args, kwargs)
+            state.pointwise[key] = pointwise_modules(block, run, is_compute=is_compute_op)
         out = pointwise_forward(block, fn, args, kwargs, state.pointwise[key])
     else:
         out = _recomputed(block, state, fn, args, kwargs)
@@ -294,7 +265,7 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
 def _recomputed(block: nn.Module, state: _BlockState, fn, args: tuple, kwargs: dict):
     """``fn`` under non-reentrant checkpointing (``full``, or ``selective``'s cache policy)."""
     if state.choice == "selective":
-        key = _signature((args, kwargs))
+        key = call_signature((args, kwargs))
         if key not in state.cache_policies:
             state.cache_policies[key] = _cache_policy(block, fn, args, kwargs)
         contexts = functools.partial(_selective_contexts, state.cache_policies[key])
@@ -318,37 +289,6 @@ def _watched(block: nn.Module, state: _BlockState, before: Snapshot) -> None:
     shown = ", ".join(written[:4]) + (f", ... ({len(written)} in all)" if len(written) > 4 else "")
     state.unrepeatable = f"its forward writes state ({shown})"  # profile.py says what follows
     state.recompute = before
-
-
-def _is_kv_cache(value) -> bool:
-    """Whether ``value`` is a Hugging Face cache the block writes into (looked up only where transformers is
-    loaded): a ``cache_utils.Cache``, or a model's own cache class (VoxtralRealtime's convolution padding
-    cache is no ``Cache``, and a recomputation read the frames its forward had stored there)."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is None:
-        return False
-    kind = type(value)
-    return isinstance(value, cache_utils.Cache) or (
-        kind.__module__.startswith("transformers.") and kind.__name__.endswith("Cache")
-    )
-
-
-def _without_cache(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The block's inputs with any key/value cache replaced by None and ``use_cache`` off.
-
-    Hugging Face models default to ``use_cache=True``: every block appends its keys and values to a cache
-    object passed in. A recomputation would append them again (the cache grows, attention sees twice the
-    keys), and the cache would keep the very tensors checkpointing frees. Training never reads the cache,
-    so a checkpointed block runs without it, as transformers' own gradient checkpointing does; blocks that
-    declare they only read it (``_can_checkpoint_with_cache``) keep it.
-    """
-    if getattr(block, "_can_checkpoint_with_cache", False):
-        return args, kwargs
-    args = tuple(None if _is_kv_cache(a) else a for a in args)
-    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    return args, kwargs
 
 
 def _noop_contexts():
@@ -427,10 +367,10 @@ def apply_checkpointing(model: nn.Module, plan) -> None:
             )
     for name, choice in choices.items():
         block = modules[name]
-        state = block.__dict__.get(_STATE)
+        state = treatment_state(block)
         if state is None:
             state = _BlockState(choice, block.__dict__.get("forward"))
-            block.__dict__[_STATE] = state
+            block.__dict__[TREATED] = state
             block.__dict__["forward"] = types.MethodType(_checkpointed_forward, block)
         state.choice = choice
 
@@ -438,7 +378,7 @@ def apply_checkpointing(model: nn.Module, plan) -> None:
 def remove_checkpointing(model: nn.Module) -> None:
     """Restore every block of ``model`` that :func:`apply_checkpointing` touched, exactly as it was."""
     for module in model.modules():
-        state = module.__dict__.pop(_STATE, None)
+        state = module.__dict__.pop(TREATED, None)
         if state is None:
             continue
         if state.own_forward is None:
@@ -471,4 +411,4 @@ def framework_checkpointing(model: nn.Module) -> str | None:
 
 def checkpointed_blocks(model: nn.Module) -> dict[str, str]:
     """The blocks of ``model`` that carry a choice, by qualified name: ``{"h.0": "full", ...}``."""
-    return {name: m.__dict__[_STATE].choice for name, m in model.named_modules() if _STATE in m.__dict__}
+    return {name: m.__dict__[TREATED].choice for name, m in model.named_modules() if TREATED in m.__dict__}

@@ -37,6 +37,7 @@ from lightning_memopt.checkpointing.apply import (
 )
 from lightning_memopt.checkpointing.blocks import check_blocks, find_blocks
 from lightning_memopt.checkpointing.budget import PlanPolicy, StepLimit
+from lightning_memopt.checkpointing.meter import ForwardProbe
 from lightning_memopt.checkpointing.planner import (
     CostModel,
     Plan,
@@ -44,7 +45,7 @@ from lightning_memopt.checkpointing.planner import (
     initial_choices,
     prediction_gap,
 )
-from lightning_memopt.checkpointing.profile import ForwardProbe, profile_blocks, profile_blocks_run
+from lightning_memopt.checkpointing.profile import profile_blocks, profile_blocks_run
 from lightning_memopt.checkpointing.ranks import Measured, agree
 from lightning_memopt.checkpointing.shapes import ShapePlans, Signature, full_peak, shape_signature
 from lightning_memopt.head.causal_lm import HeadMode, check_head, take_over_heads

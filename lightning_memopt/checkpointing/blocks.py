@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from lightning_memopt._compat import fsdp_module_type, is_dtensor
-from lightning_memopt.checkpointing.apply import _STATE
+from lightning_memopt.checkpointing.written import treatment_state
 
 __all__ = ["find_blocks", "blocks_run", "candidate_classes", "check_blocks"]
 
@@ -308,7 +308,7 @@ def blocks_run(
     kept: list[tuple[str, nn.Module]] = []
     left: dict[str, list[str]] = {}
     for name, block in blocks:
-        state = block.__dict__.get(_STATE)
+        state = treatment_state(block)
         if name not in seen:
             if state is not None and state.calls > 0:  # its checkpointed forward ran: called as .forward()
                 left.setdefault(f"({type(block).__name__}): {_FORWARD_CALLED}", []).append(name)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_memopt.checkpointing.costs import BlockProfile
 from lightning_memopt.checkpointing.planner import (
     CostModel,
     InfeasibleBudgetError,
@@ -28,7 +29,6 @@ from lightning_memopt.checkpointing.planner import (
     plan_checkpointing,
     treatments,
 )
-from lightning_memopt.checkpointing.profile import BlockProfile
 from lightning_memopt.data.clock import Clock, step_clock
 from lightning_memopt.memory import format_bytes
 from lightning_memopt.memory.budget import MemoryLimit, check_headroom, usable_bytes

@@ -1,25 +1,26 @@
 """Run a block's forward once on fake tensors: what a treatment learns about a block before it runs it.
 
 Selective checkpointing learns which compute ops' outputs are worth caching (``apply.py``), the
-``pointwise`` treatment which sub-modules it can recompute (``pointwise.py``). Both run the block's forward
-on fake tensors: no memory, no FLOPs, no RNG or buffer change, and modes the caller entered (memory
-trackers, FLOP counters) do not see it.
+``pointwise`` treatment which sub-modules it can recompute (``pointwise.py``). Both learn it from one
+:func:`dry_run`: the block's forward on fake tensors, watched by a saved-tensor pack hook and a dispatch
+mode; no memory, no FLOPs, no RNG or buffer change, and modes the caller entered (memory trackers, FLOP
+counters) do not see it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_memopt.checkpointing._inputs import tensors
+from lightning_memopt.checkpointing.calls import tensors
 from lightning_memopt.checkpointing.written import Snapshot
 
-__all__ = ["fake_call"]
+__all__ = ["dry_run", "fake_call"]
 
 
 @contextlib.contextmanager
@@ -66,3 +67,24 @@ def fake_call(block: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tup
             for b, version, saved in buffers:
                 if b._version != version:  # untouched buffers keep their version: no state seen written
                     b.copy_(saved)
+
+
+def dry_run(block: nn.Module, fn: Callable, args: tuple, kwargs: dict, *, pack: Callable, mode) -> bool:
+    """Run ``fn(*args, **kwargs)`` (``block``'s forward) once on fake copies of its inputs
+    (:func:`fake_call`), with gradients on, ``pack`` as the saved-tensor pack hook (what the forward saves
+    for backward) and the dispatch ``mode`` entered (the ops it runs).
+
+    Returns False where the block does not run on fake tensors (a data-dependent op, an op without a fake
+    kernel): the caller then falls back to what is always correct.
+    """
+    try:
+        with (
+            fake_call(block, args, kwargs) as (fargs, fkwargs),
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
+            mode,
+        ):
+            fn(*fargs, **fkwargs)
+    except Exception:
+        return False
+    return True

@@ -50,7 +50,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_memopt.memory import device as cuda
+from lightning_memopt.memory.device import (
+    current_stream,
+    indexed,
+    new_event,
+    new_stream,
+    pinned_empty,
+    use_stream,
+)
 from lightning_memopt.memory.units import parse_bytes
 
 __all__ = [
@@ -96,7 +103,7 @@ class _Pool:
             return free.pop()
         self.pinned_bytes += nbytes
         self.allocations += 1
-        return _Host(cuda.pinned_empty(nbytes))
+        return _Host(pinned_empty(nbytes))
 
     def give(self, host: _Host) -> None:
         self._free[host.buffer.numel()].append(host)
@@ -190,11 +197,11 @@ class Offloader:
         min_bytes: int | str = DEFAULT_MIN_BYTES,
         max_in_flight: int | str = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
-        self.device = cuda.indexed(device)
+        self.device = indexed(device)
         self.min_bytes = 0 if min_bytes == 0 else parse_bytes(min_bytes, name="min_bytes")
         self.max_in_flight = parse_bytes(max_in_flight, name="max_in_flight")
-        self.to_host = cuda.new_stream(self.device)
-        self.to_device = cuda.new_stream(self.device)
+        self.to_host = new_stream(self.device)
+        self.to_device = new_stream(self.device)
         self.pool = _Pool()
         self._in_flight: collections.deque[tuple[Any, torch.Tensor, int]] = collections.deque()
         self.in_flight_bytes = 0
@@ -230,12 +237,12 @@ class Offloader:
             return saved
         nbytes = t.numel() * t.element_size()
         host = self.pool.take(nbytes)
-        self.to_host.wait_stream(cuda.current_stream(self.device))
+        self.to_host.wait_stream(current_stream(self.device))
         if host.read is not None:
             self.to_host.wait_event(host.read)  # the buffer's last copy back must be done
-        with torch.no_grad(), cuda.use_stream(self.to_host):
+        with torch.no_grad(), use_stream(self.to_host):
             host.buffer.view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-            copied = cuda.new_event()
+            copied = new_event()
             copied.record(self.to_host)
         saved = _Saved(group, host, t, copied)
         group.saved.add(saved)
@@ -263,7 +270,7 @@ class Offloader:
         packed.pending -= 1
         if packed.pending <= 0:  # its last use in this backward: autograd alone holds the device tensor now
             packed.on_device, packed.pending = None, packed.uses
-        cuda.current_stream(self.device).wait_event(packed.arrived)
+        current_stream(self.device).wait_event(packed.arrived)
         return t
 
     def _retire(self, *, bound: int) -> None:
@@ -293,12 +300,12 @@ class Offloader:
         # allocator ties the memory to the stream that uses and frees it; the copy stream waits for the
         # compute stream so it never writes memory that queued kernels still read.
         targets = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in saved]
-        self.to_device.wait_stream(cuda.current_stream(self.device))
-        with torch.no_grad(), cuda.use_stream(self.to_device):
+        self.to_device.wait_stream(current_stream(self.device))
+        with torch.no_grad(), use_stream(self.to_device):
             for s, target in zip(saved, targets):
                 self.to_device.wait_event(s.copied)
                 target.copy_(s.host_view(), non_blocking=True)
-            arrived = cuda.new_event()
+            arrived = new_event()
             arrived.record(self.to_device)
         for s, target in zip(saved, targets):
             s.on_device, s.arrived, s.host.read = target, arrived, arrived
@@ -350,7 +357,7 @@ _OFFLOADERS: dict[torch.device, Offloader] = {}
 
 def offloader_for(device: torch.device | str, **options: Any) -> Offloader:
     """The shared :class:`Offloader` of ``device``; ``options`` (those of :class:`Offloader`) replace it."""
-    device = cuda.indexed(device)
+    device = indexed(device)
     if options or device not in _OFFLOADERS:
         if device in _OFFLOADERS:
             _OFFLOADERS[device].release()

@@ -28,10 +28,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from lightning_memopt._checks import check_positive_int
-from lightning_memopt.checkpointing.apply import CHOICES
-from lightning_memopt.checkpointing.profile import BlockProfile, OptionCost
-from lightning_memopt.memory import device as cuda
+from lightning_memopt.checkpointing.costs import CHOICES, BlockProfile, OptionCost
 from lightning_memopt.memory import format_bytes, parse_bytes
+from lightning_memopt.memory.device import indexed, measure_matmul_rate, measure_transfer_rate
 
 __all__ = [
     "Plan",
@@ -495,8 +494,8 @@ def measured_cost_model(device: torch.device | str, base: CostModel | None = Non
     base = base if base is not None else CostModel()
     if torch.device(device).type != "cuda":
         return base
-    device = cuda.indexed(device)
+    device = indexed(device)
     if device not in _MEASURED:
-        _MEASURED[device] = (cuda.measure_transfer_rate(device), cuda.measure_matmul_rate(device))
+        _MEASURED[device] = (measure_transfer_rate(device), measure_matmul_rate(device))
     transfer, flops = _MEASURED[device]
     return base.with_transfer_rate(transfer, flops_per_second=flops)

@@ -70,8 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_memopt._compat import saved_by, saved_tensors_hooks_below, view_base
-from lightning_memopt.checkpointing._inputs import storage_key, tensors
-from lightning_memopt.checkpointing.dry_run import fake_call
+from lightning_memopt.checkpointing.calls import storage_key, tensors
 
 __all__ = ["Pointwise", "pointwise_modules", "pointwise_forward"]
 
@@ -138,15 +137,16 @@ class Pointwise:
         return bool(self.names)
 
 
-def pointwise_modules(
-    block: nn.Module, fn: Callable, args: tuple, kwargs: dict, *, is_compute: Callable
-) -> Pointwise:
-    """The sub-modules of ``block`` the ``pointwise`` treatment recomputes when ``fn(*args, **kwargs)``
-    runs its forward (the rule: this module's docstring).
+def pointwise_modules(block: nn.Module, dry_run: Callable[..., bool], *, is_compute: Callable) -> Pointwise:
+    """The sub-modules of ``block`` the ``pointwise`` treatment recomputes (the rule: this module's
+    docstring), learnt from one run of its forward on fake tensors.
 
-    ``is_compute(op)`` tells a compute-heavy op (:func:`~lightning_memopt.checkpointing.apply.is_compute_op`).
-    Found on fake tensors; where the block does not run on them, none (the treatment then drops only the
-    functional activations' outputs).
+    ``dry_run(pack=, mode=)`` runs the forward once with ``pack`` as its saved-tensor pack hook and the
+    dispatch ``mode`` entered, and says whether it ran
+    (:func:`~lightning_memopt.checkpointing.dry_run.dry_run`, the block and its inputs bound). Where the
+    block does not run on fake tensors, none (the treatment then drops only the functional activations'
+    outputs). ``is_compute(op)`` tells a compute-heavy op
+    (:func:`~lightning_memopt.checkpointing.apply.is_compute_op`).
     """
     stack: list[_Seen] = []
     seen: dict[str, _Seen] = {}
@@ -183,14 +183,8 @@ def pointwise_modules(
             handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
             handles.append(module.register_forward_hook(post, with_kwargs=True))
     try:
-        with (
-            fake_call(block, args, kwargs) as (fargs, fkwargs),
-            torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
-            watch,
-        ):
-            fn(*fargs, **fkwargs)
-        del fargs, fkwargs
+        if not dry_run(pack=pack, mode=watch):  # a data-dependent op, an op fake tensors do not support
+            return Pointwise()
         own = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
         chosen = [n for n, s in seen.items() if _qualifies(s, saved, own)]
         # A module whose input only it would hold gives way to its own parts that qualify: they recompute
@@ -202,8 +196,6 @@ def pointwise_modules(
         ]
         names = tuple(n for n in chosen if not any(n.startswith(c + ".") for c in chosen))
         return Pointwise(names, tuple(n for n in names if not _holds_little(seen[n], own)))
-    except Exception:  # a data-dependent op, an op fake tensors do not support: no sub-module
-        return Pointwise()
     finally:
         for h in handles:
             h.remove()

@@ -27,238 +27,22 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_memopt._compat import in_backward
-from lightning_memopt._replay import is_replaying
-from lightning_memopt.checkpointing.apply import (
-    _STATE,
-    CHOICES,
-    _storage_key,
-    _tensors,
-    _without_cache,
-    apply_checkpointing,
-    observe_saved,
-    remove_checkpointing,
-)
-from lightning_memopt.checkpointing.apply import (
-    _signature as _signature_of,
-)
+from lightning_memopt.checkpointing.apply import apply_checkpointing, observe_saved, remove_checkpointing
+from lightning_memopt.checkpointing.calls import call_signature, storage_key, tensors
+from lightning_memopt.checkpointing.capture import BlockInputs, capture_block_inputs
+from lightning_memopt.checkpointing.costs import CHOICES, BlockProfile, OptionCost
 from lightning_memopt.checkpointing.flops import OpCounter
 from lightning_memopt.checkpointing.timing import time_treatments
-from lightning_memopt.checkpointing.written import Snapshot, detach_state
+from lightning_memopt.checkpointing.written import Snapshot, detach_state, treatment_state
 from lightning_memopt.data.clock import Clock
 from lightning_memopt.memory import MemoryTracker
 
-__all__ = [
-    "OptionCost",
-    "BlockProfile",
-    "BlockInputs",
-    "capture_block_inputs",
-    "record_block_inputs",
-    "profile_blocks",
-    "profile_blocks_run",
-    "UnprofilableBlockError",
-    "ActivationMeter",
-    "ForwardProbe",
-]
-
-
-@dataclass
-class OptionCost:
-    """What one treatment of one block holds and costs. Bytes and FLOPs are per training step."""
-
-    internal_bytes: int
-    """Bytes held for backward, other than the block's primary input and output."""
-    saves_input: bool
-    """Whether the block's primary input (its first tensor argument) is held for backward."""
-    saves_output: bool
-    """Whether the block's primary output (its first output tensor) is held for backward."""
-    recompute_flops: int = 0
-    """Compute-heavy FLOPs run again in backward."""
-    recompute_bytes: int = 0
-    """Bytes read and written by the other (pointwise, memory-bound) ops run again in backward."""
-    transfer_bytes: int = 0
-    """Bytes copied to CPU in forward (and back in backward)."""
-    seconds: float | None = None
-    """Measured seconds this treatment adds to the block's forward and backward over ``keep`` (median of
-    paired rounds, :mod:`~lightning_memopt.checkpointing.timing`); None where not timed."""
-
-
-@dataclass
-class BlockProfile:
-    """One block's profile: sizes of its boundary tensors and the cost of every treatment."""
-
-    name: str
-    forward_flops: int
-    input_bytes: int
-    output_bytes: int
-    chained: bool
-    """Whether the block's primary input is the previous block's primary output (the same storage)."""
-    options: dict[str, OptionCost] = field(default_factory=dict)
-    input_held: bool = False
-    """Whether an op outside the blocks already holds the primary input for backward (a ReLU before the
-    first block saves its output): then keeping the input costs the block nothing."""
-    seconds: float | None = None
-    """Measured seconds of the block's forward and backward, kept (median); None where not timed."""
-    note: str | None = None
-    """Why the block can only keep its activations (its recomputation would not reproduce its forward);
-    then ``options`` holds ``keep`` alone. None for a block every treatment applies to."""
-
-    def activation_bytes(self, choice: str) -> int:
-        """Bytes the block alone holds for backward under ``choice`` (boundaries included)."""
-        o = self.options[choice]
-        return o.internal_bytes + self.input_bytes * o.saves_input + self.output_bytes * o.saves_output
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> BlockProfile:
-        d = dict(d)
-        d["options"] = {k: OptionCost(**v) for k, v in d["options"].items()}
-        return cls(**d)
-
-
-@dataclass
-class BlockInputs:
-    """A block's inputs from one forward of the model, detached, and whether it chains to the last."""
-
-    args: tuple
-    kwargs: dict
-    chained: bool
-    input_held: bool = False
-    shared: tuple[int, ...] = ()
-    """Positions (in ``_tensors((args, kwargs))`` order, the primary input excluded) of inputs that an
-    earlier block also took, or that autograd already holds (an attention mask, T5's position bias, an
-    encoder's output fed to every decoder block): held once, they are counted in the first block only."""
-    grad_inputs: tuple[int, ...] | None = None
-    """Positions (in ``_tensors((args, kwargs))`` order) of inputs that required grad in the model's
-    forward; None where unknown (captured without gradients): then every floating-point input does. A
-    stem's input (the batch) needs none, and autograd saves less when it does not."""
-    same_shape: bool = True
-    """Whether the block's primary output had the shape of its primary input (a layer of a stack maps the
-    hidden state to the hidden state: ``find_blocks``' rule 6)."""
-
-
-def _detach(value):
-    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
-
-
-@contextlib.contextmanager
-def record_block_inputs(
-    blocks: Iterable[tuple[str, nn.Module]], is_held: Callable[[torch.Tensor], bool] | None = None
-) -> Iterator[dict[str, BlockInputs]]:
-    """Keep each block's inputs (detached) from the forwards run while entered; yields the dict it fills.
-
-    The last forward call of each block is kept, never a recomputation in backward nor a replay
-    (:mod:`lightning_memopt._replay`): when a micro-batching engine runs probes, then the real
-    micro-batches, then its one-time check in one step, the profile is of the micro-batch size that
-    training uses. ``is_held(tensor)`` tells whether
-    autograd already holds a tensor (used for a block's input that is not the previous block's output).
-    Used by :func:`capture_block_inputs` and, around a real training step, by ``AutoCheckpoint``.
-    """
-    captured: dict[str, BlockInputs] = {}
-    last_output: list[torch.Tensor | None] = [None]  # a reference, so its storage key cannot be reused
-    taken: set[int | None] = set()  # storages of inputs taken by earlier blocks (referenced in `captured`)
-
-    def pre_hook(name):
-        def hook(module, a, kw):
-            if not in_backward() and not is_replaying():
-                first = next(iter(_tensors((a, kw))), None)
-                last = last_output[0]
-                chained = first is not None and last is not None and _storage_key(first) == _storage_key(last)
-                held = first is not None and not chained and is_held is not None and is_held(first)
-                # Without the key/value cache: the block runs again on these inputs, and a cache would grow.
-                a, kw = _without_cache(module, a, kw)
-                others = list(enumerate(_tensors((a, kw))))[1:]
-                shared = tuple(
-                    i for i, t in others if _storage_key(t) in taken or (is_held is not None and is_held(t))
-                )
-                taken.update(_storage_key(t) for _, t in others)
-                grads = None  # under no_grad nothing requires grad: profile as if every input did
-                if torch.is_grad_enabled():
-                    grads = tuple(i for i, t in enumerate(_tensors((a, kw))) if t.requires_grad)
-                captured[name] = BlockInputs(_detach(a), _detach(kw), chained, held, shared, grads)
-
-        return hook
-
-    def post_hook(name):
-        def hook(module, a, kw, out):
-            if not in_backward() and not is_replaying():
-                last_output[0] = first = next(iter(_tensors(out)), None)
-                primary = next(iter(_tensors((a, kw))), None)
-                if name in captured and first is not None and primary is not None:
-                    captured[name].same_shape = first.shape == primary.shape
-
-        return hook
-
-    handles = []
-    for name, block in blocks:
-        handles.append(block.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
-        handles.append(block.register_forward_hook(post_hook(name), with_kwargs=True))
-    try:
-        yield captured
-    finally:
-        last_output[0] = None
-        for h in handles:
-            h.remove()
-
-
-def capture_block_inputs(
-    model: nn.Module,
-    blocks: Iterable[tuple[str, nn.Module]],
-    *args,
-    context: Callable[[], contextlib.AbstractContextManager] | None = None,
-    **kwargs,
-) -> dict[str, BlockInputs]:
-    """Run ``model(*args, **kwargs)`` once and keep each block's inputs (detached).
-
-    ``context`` (e.g. an autocast) is entered around the run. The global RNG state and the model's
-    buffers are as they were afterwards.
-    """
-    blocks = list(blocks)
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    # Autograd records the graph but the blocks' saved tensors are dropped (pack returns nothing): memory
-    # as without gradients plus what ops outside the blocks save, and we learn which storages those hold.
-    # Outside ops' saved tensors stay referenced for the run: a freed storage's key could be reused.
-    held: dict[int | None, torch.Tensor] = {}
-    depth = [0]
-
-    def pack(t):
-        if depth[0] == 0:
-            held[_storage_key(t)] = t
-
-    def enter(*_):
-        depth[0] += 1
-
-    def leave(*_):
-        depth[0] -= 1
-
-    handles = [
-        h for _, b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))
-    ]
-    try:
-        # Leave no trace: RNG and buffers (BatchNorm statistics) are restored after the run.
-        with (
-            record_block_inputs(blocks, lambda t: _storage_key(t) in held) as captured,
-            torch.random.fork_rng(devices=[]),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
-            (context or contextlib.nullcontext)(),
-        ):
-            model(*args, **kwargs)
-    finally:
-        held.clear()
-        for h in handles:
-            h.remove()
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-    return captured
+__all__ = ["UnprofilableBlockError", "profile_blocks", "profile_blocks_run"]
 
 
 def profile_blocks(
@@ -385,7 +169,7 @@ def _take_off(blocks: list[nn.Module]) -> None:
 
 def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
-    inputs = _signature_of((captured.args, captured.kwargs))
+    inputs = call_signature((captured.args, captured.kwargs))
     return (type(block), repr(block), block.training, params, inputs, captured.shared, captured.grad_inputs)
 
 
@@ -413,7 +197,7 @@ def _gathered(block: nn.Module) -> Iterator[Callable]:
 
 
 def _profile_block(name, block, call, captured: BlockInputs, choices, context, clock) -> BlockProfile:
-    state = block.__dict__.get(_STATE)
+    state = treatment_state(block)
     before = state.choice if state is not None else None
     fake_model = nn.Module()  # apply_checkpointing works on a model; give the block a one-entry tree
     fake_model.add_module("b", block)
@@ -495,10 +279,10 @@ def _fresh_inputs(captured: BlockInputs) -> tuple[tuple, dict, list[torch.Tensor
     args, kwargs = tree_map(
         lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (captured.args, captured.kwargs)
     )
-    for i, t in enumerate(_tensors((args, kwargs))):
+    for i, t in enumerate(tensors((args, kwargs))):
         if t.is_floating_point() and (captured.grad_inputs is None or i in captured.grad_inputs):
             t.requires_grad_(True)
-    return args, kwargs, [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    return args, kwargs, [t for t in tensors((args, kwargs)) if t.requires_grad]
 
 
 def _time_options(fake_model, call, captured: BlockInputs, context, options: dict, clock) -> float:
@@ -515,7 +299,7 @@ def _time_options(fake_model, call, captured: BlockInputs, context, options: dic
 
         def run():
             with (context or contextlib.nullcontext)():
-                outs = [t for t in _tensors(call(*args, **kwargs)) if t.requires_grad]
+                outs = [t for t in tensors(call(*args, **kwargs)) if t.requires_grad]
             if outs:
                 torch.autograd.grad(sum(o.float().sum() for o in outs), leaves + params, allow_unused=True)
 
@@ -536,7 +320,7 @@ def _time_options(fake_model, call, captured: BlockInputs, context, options: dic
 
 def _run(block, call, captured: BlockInputs, context):
     args, kwargs, leaves = _fresh_inputs(captured)
-    primary_in = next(iter(_tensors((args, kwargs))), None)
+    primary_in = next(iter(tensors((args, kwargs))), None)
     tracker = MemoryTracker(block)
     offloaded = [0]
 
@@ -549,8 +333,8 @@ def _run(block, call, captured: BlockInputs, context):
     counter = OpCounter()
     with tracker, observe_saved(seen), counter, (context or contextlib.nullcontext)():
         out = call(*args, **kwargs)
-    outs = [t for t in _tensors(out) if t.requires_grad]
-    primary_out = next(iter(_tensors(out)), None)
+    outs = [t for t in tensors(out) if t.requires_grad]
+    primary_out = next(iter(tensors(out)), None)
     acts = tracker.current_breakdown["activations"]
     saves_in = primary_in is not None and tracker.category_of(primary_in) == "activations"
     saves_out = primary_out is not None and tracker.category_of(primary_out) == "activations"
@@ -559,11 +343,11 @@ def _run(block, call, captured: BlockInputs, context):
     if (
         primary_in is not None
         and primary_out is not None
-        and _storage_key(primary_in) == _storage_key(primary_out)
+        and storage_key(primary_in) == storage_key(primary_out)
     ):
         saves_out = False  # one storage: count it once, as the input
     internal = acts - in_bytes * saves_in - out_bytes * saves_out
-    inputs = _tensors((args, kwargs))
+    inputs = tensors((args, kwargs))
     internal -= sum(  # inputs held once for several blocks count in the first (see BlockInputs.shared)
         inputs[i].untyped_storage().nbytes()
         for i in captured.shared
@@ -579,102 +363,3 @@ def _run(block, call, captured: BlockInputs, context):
         with bwd_counter:
             torch.autograd.grad(loss, leaves + params, allow_unused=True)
     return cost, counter.flops, (bwd_counter.flops, bwd_counter.bytes), (in_bytes, out_bytes)
-
-
-class ActivationMeter:
-    """Measure, with a :class:`~lightning_memopt.memory.MemoryTracker`, the bytes each block makes autograd
-    hold during a forward: the growth of the tracker's ``activations`` while the block runs (so a boundary
-    tensor counts in the block that holds it first, as in :class:`~lightning_memopt.checkpointing.Plan`).
-
-    Tensors cached by selective checkpointing are marked as activations (they bypass saved-tensor hooks);
-    tensors offloaded to CPU are not counted (they leave the device; on a CPU-only machine they are
-    ``other`` bytes of the same memory).
-
-    Args:
-        model: The model; its parameters are categorized as such.
-        blocks: ``(name, module)`` pairs to attribute bytes to.
-        optimizers: Optimizers whose state the tracker should categorize, optional.
-
-    Example::
-
-        >>> from lightning_memopt.checkpointing import find_blocks
-        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)])
-        >>> with ActivationMeter(model, find_blocks(model)) as meter:
-        ...     loss = model(torch.randn(4, 8)).sum()
-        >>> meter.block_bytes
-        {'0': 256, '1': 256}
-    """
-
-    def __init__(self, model: nn.Module, blocks: Iterable[tuple[str, nn.Module]], optimizers=None) -> None:
-        self.blocks = list(blocks)
-        self.tracker = MemoryTracker(model, optimizers)
-        self.block_bytes: dict[str, int] = {}
-        self._stack = contextlib.ExitStack()
-
-    @property
-    def total(self) -> int:
-        """Bytes held by all blocks together."""
-        return sum(self.block_bytes.values())
-
-    def _mark(self, kind: str, t: torch.Tensor) -> None:
-        if kind == "cached":
-            self.tracker.mark(t, "activations")
-
-    def __enter__(self) -> ActivationMeter:
-        start: dict[str, int] = {}
-
-        def pre(name):
-            def hook(module, args):
-                if torch.is_grad_enabled() and not in_backward():  # the last forward counts, as above
-                    start[name] = self.tracker.current_breakdown["activations"]
-
-            return hook
-
-        def post(name):
-            def hook(module, args, out):
-                if name in start:
-                    self.block_bytes[name] = self.tracker.current_breakdown["activations"] - start.pop(name)
-
-            return hook
-
-        for name, block in self.blocks:
-            self._stack.callback(block.register_forward_pre_hook(pre(name)).remove)
-            self._stack.callback(block.register_forward_hook(post(name)).remove)
-        self._stack.enter_context(self.tracker)
-        self._stack.enter_context(observe_saved(self._mark))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
-
-class ForwardProbe:
-    """Around one training step's forward: the blocks' activation bytes (:class:`ActivationMeter`), the
-    activations held outside the blocks, and (``record=True``) each block's inputs for profiling.
-
-    Call :meth:`forward_done` when the forward ends (before backward) and :meth:`close` after the step;
-    ``close`` is safe to call twice and after an exception.
-    """
-
-    def __init__(self, model: nn.Module, blocks: Iterable[tuple[str, nn.Module]], *, record: bool) -> None:
-        self._stack = contextlib.ExitStack()
-        self.meter = self._stack.enter_context(ActivationMeter(model, blocks))
-        self.inputs: dict[str, BlockInputs] | None = None
-        self.outside_bytes = 0
-        """Activations autograd holds at the end of the forward outside the blocks (embeddings, head, loss)."""
-        self.open = True
-        if record:
-            held = lambda t: self.meter.tracker.category_of(t) == "activations"  # noqa: E731
-            self.inputs = self._stack.enter_context(record_block_inputs(self.meter.blocks, held))
-
-    def forward_done(self) -> None:
-        """Stop measuring: backward runs untracked. Under a micro-batching engine the micro-batches'
-        backwards already ran and nothing is held now: the blocks' bytes were taken as they ran, and what
-        is held outside them is read from the most activations held at once (the last forward's end)."""
-        if self.open:
-            self.outside_bytes = max(0, self.meter.tracker.most_activations - self.meter.total)
-        self.close()
-
-    def close(self) -> None:
-        self.open = False
-        self._stack.close()

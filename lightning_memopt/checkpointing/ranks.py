@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.checkpointing.profile import BlockProfile, OptionCost
+from lightning_memopt.checkpointing.costs import BlockProfile, OptionCost
 from lightning_memopt.checkpointing.shapes import Signature
 
 __all__ = ["AgreedMeasures", "Measured", "agree", "gather_over_ranks", "largest_profiles", "most_over_ranks"]

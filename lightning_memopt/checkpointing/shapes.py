@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 from torch.utils._pytree import tree_flatten
 
+from lightning_memopt.checkpointing.costs import BlockProfile
 from lightning_memopt.checkpointing.planner import Plan, evaluate_plan
-from lightning_memopt.checkpointing.profile import BlockProfile
 from lightning_memopt.memory.units import format_bytes
 
 Signature = tuple[tuple[int, ...], ...]

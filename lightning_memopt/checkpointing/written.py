@@ -12,7 +12,8 @@ values, or other shapes (torch's ``CheckpointError``).
 their tensors' version counters and, where asked, copies of their values) and the random generators' states;
 :meth:`Snapshot.written` names what differs afterwards; :meth:`Snapshot.restore` puts it back.
 BatchNorm's running statistics are left out: a training-mode BatchNorm's output does not depend on them,
-and a recomputation does not update them (``apply.py`` freezes them while it runs).
+and a recomputation does not update them (``apply.py`` freezes them while it runs). So is the one attribute
+this package writes on a block it treats (:data:`TREATED`, read with :func:`treatment_state`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from torch import nn
 
 from lightning_memopt._rng import RngState
 
-__all__ = ["Snapshot", "detach_state"]
+__all__ = ["TREATED", "Snapshot", "detach_state", "treatment_state"]
+
+TREATED = "_memopt_checkpoint"
+"""The instance attribute in which ``apply.py`` keeps a treated block's state (its treatment, its calls)."""
 
 # A module's own bookkeeping (hooks, registries), the same on every instance: not state a forward writes.
 _INTERNALS = frozenset(vars(nn.Module()))
-_SKIP = frozenset({"forward", "_memopt_checkpoint", "training"})  # this package's and train()'s
+_SKIP = frozenset({"forward", TREATED, "training"})  # this package's and train()'s
 _BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -53,6 +57,11 @@ def _entries(block: nn.Module) -> list[tuple[dict, str, Any]]:
         stats = _BN_STATS if isinstance(module, nn.modules.batchnorm._BatchNorm) else ()
         out += [(module._buffers, k, b) for k, b in module._buffers.items() if k not in stats]
     return out
+
+
+def treatment_state(block: nn.Module) -> Any:
+    """The state ``apply.py`` keeps on ``block`` while a treatment is installed on it; None where none is."""
+    return block.__dict__.get(TREATED)
 
 
 def detach_state(block: nn.Module) -> None:

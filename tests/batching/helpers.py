@@ -96,3 +96,13 @@ def oom(where: str) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(
         f"CUDA out of memory. Tried to allocate 2.00 MiB (test injection in {where})"
     )
+
+
+def patch_regime(monkeypatch, name: str, value) -> None:
+    """Replace ``lightning_memopt.batching.regime``'s ``name`` with ``value``, also where the engine's
+    modules imported it by name (``is_distributed``, ``find_sharding``, ``drop_attempt``)."""
+    from lightning_memopt.batching import engine, regime, step
+
+    for module in (regime, engine, step):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)

@@ -16,6 +16,7 @@ from lightning_memopt.batching.regime import (
     Unagreed,
     choose_regime,
 )
+from tests.batching.helpers import patch_regime
 
 
 def strategy(ddp: bool = False) -> types.SimpleNamespace:
@@ -28,7 +29,7 @@ def strategy(ddp: bool = False) -> types.SimpleNamespace:
 @pytest.fixture
 def distributed(monkeypatch):
     agreements = []
-    monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
+    patch_regime(monkeypatch, "is_distributed", lambda: True)
     monkeypatch.setattr(regime_module, "any_rank", lambda flag, device=None: agreements.append(flag) or flag)
     return agreements
 

@@ -5,7 +5,7 @@ import torch
 from lightning_memopt import AutoAccumulation, MicroBatchOOMError, OOMBackoff
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import OOMInjector
-from tests.batching.helpers import Net, assert_params_close, fit, oom
+from tests.batching.helpers import Net, assert_params_close, fit, oom, patch_regime
 
 
 def injector(model: Net, max_size: int, phase: str = "forward") -> OOMInjector:
@@ -103,9 +103,7 @@ def test_oom_in_optimizer_step_retries(tmp_path, monkeypatch, distributed):
     """Distributed: one process posing as a rank; the first step at a size agrees after the optimizer step
     and retries (the 2-process tests in test_distributed.py check that the ranks stay equal)."""
     if distributed:
-        import lightning_memopt.batching.regime as regime_module
-
-        monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
+        patch_regime(monkeypatch, "is_distributed", lambda: True)
     base = Net()
     fit(base, tmp_path=tmp_path)
     model = Net()
@@ -317,7 +315,7 @@ def test_overlap_mode_oom_in_the_last_micro_batch_raises(tmp_path, monkeypatch):
 
     import lightning_memopt.batching.regime as regime_module
 
-    monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
+    patch_regime(monkeypatch, "is_distributed", lambda: True)
     monkeypatch.setattr(regime_module, "any_rank", lambda flag, device=None: bool(flag))
     monkeypatch.setattr(regime_module, "ddp_module", lambda strategy: types.SimpleNamespace())
     model = Net()
@@ -340,11 +338,9 @@ def test_fsdp2_overlap_mode_oom_raises(tmp_path, monkeypatch):
     import lightning_memopt.batching.regime as regime_module
 
     agreements = []
-    monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
+    patch_regime(monkeypatch, "is_distributed", lambda: True)
     monkeypatch.setattr(regime_module, "any_rank", lambda flag, device=None: agreements.append(flag) or flag)
-    monkeypatch.setattr(
-        regime_module, "find_sharding", lambda model: regime_module.Sharding([torch.nn.Linear(1, 1)])
-    )
+    patch_regime(monkeypatch, "find_sharding", lambda model: regime_module.Sharding([torch.nn.Linear(1, 1)]))
     model = Net()
     with (
         OOMInjector(model.net[-1], steps={1}, step_fn=lambda: model.trainer.global_step),
@@ -366,9 +362,8 @@ def test_training_step_returning_none_is_refused(tmp_path):
 
 
 def test_distributed_optimizer_step_oom_once_stable_raises(tmp_path, monkeypatch):
-    import lightning_memopt.batching.regime as regime_module
 
-    monkeypatch.setattr(regime_module, "is_distributed", lambda: True)
+    patch_regime(monkeypatch, "is_distributed", lambda: True)
     model = Net()
     with (
         OOMInjector(phase="step", steps={2}, step_fn=lambda: model.trainer.global_step),

@@ -9,7 +9,7 @@ from lightning_memopt.batching.engine import MicroBatchEngine
 from lightning_memopt.callbacks._micro_batching import engine_of
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.testing import OOMInjector
-from tests.batching.helpers import Net, assert_params_close, fit
+from tests.batching.helpers import Net, assert_params_close, fit, patch_regime
 from tests.memory.fake_cuda import FakeCuda
 
 
@@ -96,9 +96,8 @@ def test_an_out_of_memory_retry_is_not_thrashing(tmp_path, fake):
 
 
 def test_distributed_runs_do_not_watch(tmp_path, fake, monkeypatch):
-    import lightning_memopt.batching.regime as regime_module
 
-    monkeypatch.setattr(regime_module, "is_distributed", lambda: True)  # one process posing as a rank
+    patch_regime(monkeypatch, "is_distributed", lambda: True)  # one process posing as a rank
     model = Retrying(fake, steps={0, 1, 2, 3})
     callback = OOMBackoff()
     trainer = fit(model, [callback], steps=4, tmp_path=tmp_path)

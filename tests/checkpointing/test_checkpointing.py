@@ -720,7 +720,7 @@ def test_checkpointed_blocks_run_without_the_key_value_cache(choice):
 def test_forward_probe_reads_whats_held_outside_the_blocks_after_micro_batches_ran_backward():
     """Under micro-batching each micro-batch's backward runs before the step's forward is over: the bytes
     held outside the blocks (embeddings, head, loss) are those at the most, not what is left (nothing)."""
-    from lightning_memopt.checkpointing.profile import ForwardProbe
+    from lightning_memopt.checkpointing.meter import ForwardProbe
 
     torch.manual_seed(0)
     model = TinyGPT(2)

@@ -230,8 +230,8 @@ def test_measured_cost_model(fake, monkeypatch):
 
     calls = []
     monkeypatch.setattr(planner, "_MEASURED", {})
-    monkeypatch.setattr(planner.cuda, "measure_transfer_rate", lambda d: calls.append(d) or 2e10)
-    monkeypatch.setattr(planner.cuda, "measure_matmul_rate", lambda d: 4e14)
+    monkeypatch.setattr(planner, "measure_transfer_rate", lambda d: calls.append(d) or 2e10)
+    monkeypatch.setattr(planner, "measure_matmul_rate", lambda d: 4e14)
     base = CostModel(pointwise_flops_per_byte=7.0)
     assert planner.measured_cost_model("cpu", base) is base  # offload stays out of CPU plans
     for _ in range(2):

@@ -3,6 +3,7 @@ holds (exact, MemoryTracker), and gradients equal to the plain run's, on the tes
 third-party models (tests/zoo)."""
 
 import copy
+import functools
 import inspect
 
 import pytest
@@ -16,15 +17,17 @@ from lightning_memopt.checkpointing import (
     profile_blocks,
     remove_checkpointing,
 )
-from lightning_memopt.checkpointing.apply import _STATE, is_compute_op
+from lightning_memopt.checkpointing.apply import is_compute_op
+from lightning_memopt.checkpointing.dry_run import dry_run
 from lightning_memopt.checkpointing.pointwise import Pointwise, pointwise_modules
+from lightning_memopt.checkpointing.written import treatment_state
 from tests.checkpointing.helpers import live_tensors
 from tests.checkpointing.models import TinyGPT
 
 
 def _found(block: nn.Module, *args) -> tuple:
     fn = lambda *a: type(block).forward(block, *a)  # noqa: E731
-    return pointwise_modules(block, fn, args, {}, is_compute=is_compute_op)
+    return pointwise_modules(block, functools.partial(dry_run, block, fn, args, {}), is_compute=is_compute_op)
 
 
 def _no_cache(model) -> dict:
@@ -105,7 +108,7 @@ def test_pointwise_holds_exact_bytes_and_gradients_equal_on_the_tests_gpt():
     # Predicted = measured bytes for plans with pointwise blocks: test_checkpointing.py's profile test.
     apply_checkpointing(model, dict.fromkeys((n for n, _ in blocks), "pointwise"))
     got = _grads(model, idx)
-    assert model.h[0].__dict__[_STATE].pointwise.popitem()[1] == Pointwise(("ln_1", "ln_2"))
+    assert treatment_state(model.h[0]).pointwise.popitem()[1] == Pointwise(("ln_1", "ln_2"))
     assert all(torch.equal(got[n], ref[n]) for n in ref)
 
 
@@ -136,7 +139,7 @@ def test_pointwise_holds_what_selective_holds_on_vit_and_its_peak():
     # its last reader's backward, not with the whole block's graph (328,124 while the block's hooks
     # still reached every recipe).
     assert peaks == {"keep": 402780, "selective": 330972, "pointwise": 315740}
-    names = model.vit.layers[0].__dict__[_STATE].pointwise.popitem()[1].names
+    names = treatment_state(model.vit.layers[0]).pointwise.popitem()[1].names
     assert names == ("layernorm_before", "layernorm_after", "mlp.activation_fn")
 
 
@@ -169,8 +172,8 @@ def test_pointwise_gradients_equal_the_plain_run_on_the_zoo(name):
     found = [
         names
         for m in model.modules()
-        if _STATE in m.__dict__
-        for names in m.__dict__[_STATE].pointwise.values()
+        if treatment_state(m) is not None
+        for names in treatment_state(m).pointwise.values()
     ]
     # Every model has norms or activations the treatment recomputes, but Mixtral: its experts' routing
     # (nonzero) does not run on fake tensors, so the dry run finds nothing and the treatment equals keep.
@@ -456,7 +459,7 @@ def test_pointwise_drops_the_copies_autocast_makes_of_an_output(name):
     with autocast():  # the plain run without a key/value cache, as the treated blocks run (see the zoo test)
         ref, got = _grads(plain, *args, **kwargs, **_no_cache(plain)), _grads(model, *args, **kwargs)
     assert all(torch.equal(got[n], ref[n]) for n in ref)
-    found = next(iter(model.get_submodule(blocks[-1][0]).__dict__[_STATE].pointwise.values()))
+    found = next(iter(treatment_state(model.get_submodule(blocks[-1][0])).pointwise.values()))
     assert {"ln_1", "ln_2"} <= set(found.names)
     if name == "gpt2":  # batch 4 x 16 tokens, width 32, bf16: the tanh GELU's four (64, 128) tensors and
         # the two norms' copies of (64, 32), which Conv1D casts as a view (64 x 32): 65536 + 8192 bytes

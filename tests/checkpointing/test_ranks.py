@@ -1,7 +1,7 @@
 import torch
 
 from lightning_memopt.checkpointing import evaluate_plan
-from lightning_memopt.checkpointing.profile import BlockProfile, OptionCost
+from lightning_memopt.checkpointing.costs import BlockProfile, OptionCost
 from lightning_memopt.checkpointing.ranks import Measured, agree, gather_over_ranks, most_over_ranks
 
 

@@ -193,7 +193,7 @@ def test_blocks_run_keeps_what_the_forward_ran():
 
 
 def _seen(model, blocks, x):
-    from lightning_memopt.checkpointing.profile import record_block_inputs
+    from lightning_memopt.checkpointing.capture import record_block_inputs
 
     with record_block_inputs(blocks) as seen:
         model(x)

@@ -14,6 +14,7 @@ import itertools
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_memopt.checkpointing import offload
 from lightning_memopt.memory import device as device_module
 
 _REAL_CUDA = torch.cuda
@@ -134,4 +135,5 @@ def install(monkeypatch) -> FakeCuda:
     fake = FakeCuda()
     monkeypatch.setattr(device_module.torch, "cuda", fake)
     monkeypatch.setattr(device_module, "pinned_empty", fake.pinned_empty)
+    monkeypatch.setattr(offload, "pinned_empty", fake.pinned_empty)  # imported by name there
     return fake
