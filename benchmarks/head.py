@@ -4,6 +4,7 @@ Run: python benchmarks/head.py            # GPT2Config() (12 layers, h=768, voca
      python benchmarks/head.py --small    # 2 layers, h=128, GPT-2's vocabulary, 2 x 512: about 2 minutes
      python benchmarks/head.py --shapes   # the head alone at GPT-2, Llama 3 and Gemma 2 shapes (below)
      python benchmarks/head.py --shapes --device cuda   # the same on a GPU, bf16, 16,384 tokens
+     python benchmarks/head.py --shapes --compile   # and the chunks compiled (backend="compiled")
      python benchmarks/head.py --bound    # Llama 3's head at 16,384 tokens, bf16: peak bytes, 24-bit sum
 
 ``--shapes`` prints, for the heads of GPT-2 (50,257 x 768), Llama 3 (128,256 x 2,048 and x 4,096) and
@@ -300,14 +301,19 @@ def bound() -> None:
     )
 
 
-def head_shapes(device: torch.device, dtype: torch.dtype, reps: int) -> None:
-    """The table of ``--shapes`` (module docstring)."""
+def _compiled(hidden, weight, labels):
+    return linear_cross_entropy(hidden, weight, labels, backend="compiled")
+
+
+def head_shapes(device: torch.device, dtype: torch.dtype, reps: int, compile: bool = False) -> None:
+    """The table of ``--shapes`` (module docstring); with ``compile``, the chunks compiled
+    (``backend="compiled"``) timed too, their ratio to the plain head in the last column."""
     print(f"the head alone, forward + backward, {dtype} inputs on {device}, median of {reps} rounds\n")
     print(
         "| head | tokens | chunk | plain ms | chunked ms | chunked / plain | plain peak | chunked peak "
-        "| plain loss vs float64 | chunked loss vs float64 |"
+        "| plain loss vs float64 | chunked loss vs float64 |" + (" compiled / plain |" if compile else "")
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if compile else ""))
     for name, vocab, width, cpu_tokens, cuda_tokens in SHAPES:
         tokens = cuda_tokens if device.type == "cuda" else cpu_tokens
         g = torch.Generator().manual_seed(0)
@@ -316,7 +322,7 @@ def head_shapes(device: torch.device, dtype: torch.dtype, reps: int) -> None:
         labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
         with torch.no_grad():  # the same (rounded) inputs in float64 (chunked: exact to 1e-12 there, tested)
             reference = float(linear_cross_entropy(hidden.double(), weight.double(), labels))
-        ways = {"plain": _plain, "chunked": _chunked}
+        ways = {"plain": _plain, "chunked": _chunked} | ({"compiled": _compiled} if compile else {})
         losses = {k: float(_head_step(fn, hidden, weight, labels)) for k, fn in ways.items()}  # warm-up
         times: dict[str, list[float]] = {k: [] for k in ways}
         for _ in range(reps):  # alternated: a burst of load on the machine hits both
@@ -327,14 +333,19 @@ def head_shapes(device: torch.device, dtype: torch.dtype, reps: int) -> None:
                 _sync(device)
                 times[key].append(time.perf_counter() - start)
         ratio = statistics.median(c / p for c, p in zip(times["chunked"], times["plain"]))
-        peaks = {k: _peak_above_inputs(fn, hidden, weight, labels) for k, fn in ways.items()}
+        peaks = {k: _peak_above_inputs(ways[k], hidden, weight, labels) for k in ("plain", "chunked")}
         rel = {k: abs(v - reference) / abs(reference) for k, v in losses.items()}
         chunk = default_chunk_size(tokens, vocab, width, device)
         print(
             f"| {name}, {vocab:,} x {width:,} | {tokens:,} | {chunk:,} "
             f"| {statistics.median(times['plain']) * 1e3:,.1f} | {statistics.median(times['chunked']) * 1e3:,.1f} "
             f"| {ratio:.3f} | {peaks['plain'] / MiB:,.1f} MiB | {peaks['chunked'] / MiB:,.1f} MiB "
-            f"| {rel['plain']:.1e} | {rel['chunked']:.1e} |",
+            f"| {rel['plain']:.1e} | {rel['chunked']:.1e} |"
+            + (
+                f" {statistics.median(c / p for c, p in zip(times['compiled'], times['plain'])):.3f} |"
+                if compile
+                else ""
+            ),
             flush=True,
         )
         del hidden, weight, labels
@@ -353,6 +364,9 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="for --shapes: cpu (default) or cuda")
     parser.add_argument(
+        "--compile", action="store_true", help="for --shapes: time backend='compiled' too (compiled on a CPU)"
+    )
+    parser.add_argument(
         "--dtype", default=None, help="for --shapes: float32 (CPU default) or bfloat16 (CUDA)"
     )
     args = parser.parse_args()
@@ -365,7 +379,7 @@ def main() -> None:
         device = torch.device(args.device)
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-        head_shapes(device, dtype, args.reps)
+        head_shapes(device, dtype, args.reps, args.compile)
         return
     if args.small:
         config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=512)

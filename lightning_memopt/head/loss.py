@@ -35,7 +35,9 @@ bf16) the head then holds 992 MiB above its inputs where a float32 sum held 1,56
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -49,9 +51,14 @@ from lightning_memopt.memory.tracker import open_head
 __all__ = ["linear_cross_entropy", "default_chunk_size", "compute_dtype"]
 
 _REDUCTIONS = ("mean", "sum", "none")
-Backend = Literal["auto", "package", "liger"]
+Backend = Literal["auto", "package", "compiled", "eager", "liger"]
 """Who computes :func:`linear_cross_entropy`: ``"auto"`` (Liger Kernel where it applies, else the
-package's chunks), ``"package"``, ``"liger"`` (see its ``backend`` argument)."""
+package's chunks), ``"package"`` (the chunks), ``"compiled"`` (the chunks, their per-chunk work compiled on
+any device), ``"eager"`` (the chunks, never compiled), ``"liger"`` (see its ``backend`` argument)."""
+COMPILES_BY_DEFAULT = ("cuda",)
+"""Device types where ``"auto"`` and ``"package"`` compile the per-chunk work: on a GPU each of its eager
+elementwise passes reads and writes a chunk's logits from memory, which compiled kernels fuse into a few;
+on a CPU a chunk is already a few large matmuls and compiling takes seconds (``"compiled"`` asks for it)."""
 _HALF = (torch.float16, torch.bfloat16)
 CHUNKS = 16  # the default number of chunks: one chunk's logits are 1/16 of the whole logits
 # A weight larger than a device's caches is read from memory by each chunk's three matmuls: below this many
@@ -145,7 +152,12 @@ def linear_cross_entropy(
         backend: ``"auto"`` (default): Liger Kernel's fused linear cross-entropy where it is installed
             (``pip install liger-kernel``), the features are on a CUDA device and it computes this call
             (``reduction`` "mean" or "sum", no ``logit_scale``; ``chunk_size`` is then Liger's own), else
-            the chunks above; ``"package"``: the chunks above always; ``"liger"``: Liger or an error.
+            the chunks above; ``"package"``: the chunks above always; ``"liger"``: Liger or an error. The
+            chunks' softmax and gradient (and a bfloat16 weight's 24-bit sum) are compiled with
+            ``torch.compile`` on CUDA (:data:`COMPILES_BY_DEFAULT`), not on a CPU; ``"compiled"``: the
+            chunks, compiled on any device; ``"eager"``: the chunks, never compiled. Not compiled under a
+            dispatch mode (MemoryTracker, fake tensors) nor inside a region being compiled. Where compiling
+            or a compiled call fails, one warning names the cause and the chunks run eagerly from then on.
 
     Returns:
         The loss: a scalar, or ``labels``-shaped for ``reduction="none"``.
@@ -203,8 +215,55 @@ def linear_cross_entropy(
             return _liger_loss(fused, h, weight, bias, y, opts, dtype)
         if backend == "liger":
             raise ValueError(f"backend='liger': {why_not}; pass backend='auto' to fall back to the chunks")
-    loss = _LinearCrossEntropy.apply(h, weight, bias, y, opts, dtype)
+    loss = _LinearCrossEntropy.apply(h, weight, bias, y, opts, dtype, _compiles(backend, h))
     return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def _compiles(backend: str, h: torch.Tensor) -> bool:
+    """Whether the chunks' per-chunk work is compiled (see ``backend`` in :func:`linear_cross_entropy`)."""
+    if backend == "eager" or (backend != "compiled" and h.device.type not in COMPILES_BY_DEFAULT):
+        return False
+    # Under a dispatch mode (MemoryTracker, FakeTensorMode) what runs is measured or predicted, op by op;
+    # inside a compiled region the caller's compile traces the chunks itself
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    traced = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    return not (traced or isinstance(h, FakeTensor) or h.device.type == "meta")
+
+
+class _Compiled:
+    """The per-chunk functions compiled with ``torch.compile``, each once; after a failure, eager."""
+
+    def __init__(self):
+        self.functions: dict[Callable, Callable] = {}
+        self.failure: str | None = None
+
+    def __call__(self, fn: Callable, *args, again: Callable[[], tuple] | None = None):
+        """``fn(*args)`` compiled; if compiling or the compiled call fails, warns once naming why and calls
+        ``fn`` eagerly on ``again()`` (arguments made anew: a failed call may have written into them)."""
+        if self.failure is None:
+            try:
+                compiled = self.functions.get(fn)
+                if compiled is None:
+                    compiled = self.functions[fn] = torch.compile(fn, dynamic=None)
+                return compiled(*args)
+            except Exception as error:  # any failure of torch.compile's stack: the eager chunks are correct
+                cause = (str(error).strip().splitlines() or [""])[0]
+                self.failure = f"{type(error).__name__}: {cause}"
+                warnings.warn(
+                    f"linear_cross_entropy computes its chunks eagerly: torch.compile failed ({self.failure}); "
+                    "pass backend='eager' to not try",
+                    stacklevel=2,
+                )
+                args = again() if again is not None else args
+        return fn(*args)
+
+
+_COMPILED = _Compiled()
+
+
+def _eager(fn: Callable, *args, again=None):
+    return fn(*args)
 
 
 def _liger_import() -> Callable[..., Any] | None:
@@ -349,11 +408,11 @@ def _chunk_grad(z, y, opts, scale):
     return loss.masked_fill(~counted, 0), z
 
 
-def _chunk_grad_half(z, y, opts, scale, width):
+def _chunk_grad_half(z, y, opts, scale, width, want_sums=True):
     """:func:`_chunk_grad` for half-precision logits ``z (c, V)``: the same float32 losses ``(c,)`` and
     gradient, computed ``width`` vocabulary columns at a time and rounded into ``z`` in place (what autograd's
     backward through ``logits.float()`` hands the matmuls), and the gradient's float32 column sums ``(V,)``
-    (the bias's gradient).
+    (the bias's gradient; None unless ``want_sums``).
 
     Nothing float32 of the chunk's whole size exists: one chunk holds its half-precision logits and one
     slice of float32 numbers, half of what float32 logits would hold (at the Llama-3 shape under bf16 that
@@ -390,7 +449,7 @@ def _chunk_grad_half(z, y, opts, scale, width):
     if smoothing:
         loss = loss + smoothing * (lse - summed / vocab)
     weights = counted.float() * scale.float()  # (c,)
-    sums = torch.zeros(vocab, dtype=torch.float32, device=z.device)
+    sums = torch.zeros(vocab, dtype=torch.float32, device=z.device) if want_sums else None
 
     def through_cap(g, x):  # g: the gradient w.r.t. the capped logits x; returns it w.r.t. the matmul's
         if softcap is not None:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh^2, tanh = capped / softcap
@@ -404,14 +463,16 @@ def _chunk_grad_half(z, y, opts, scale, width):
         if smoothing:
             g.sub_((smoothing / vocab) * weights[:, None])
         g = through_cap(g, x)
-        sums[start : start + width] += g.sum(0)
+        if sums is not None:
+            sums[start : start + width] += g.sum(0)
         part.copy_(g)
         del x, g
     # Each token's target column, from float32 numbers (rounded once, like every other column)
     soft = (picked - lse).exp() - smoothing / vocab - (1 - smoothing)
     at_target = through_cap((soft * weights)[:, None], picked[:, None])  # (c, 1)
     z.scatter_(1, target[:, None], at_target.to(z.dtype))
-    sums.index_add_(0, target, through_cap((-(1 - smoothing) * weights)[:, None], picked[:, None])[:, 0])
+    if sums is not None:
+        sums.index_add_(0, target, through_cap((-(1 - smoothing) * weights)[:, None], picked[:, None])[:, 0])
     return loss.masked_fill(~counted, 0), sums
 
 
@@ -435,8 +496,8 @@ class _WeightGradient:
     SPLIT = (torch.bfloat16,)
     """The weight dtypes whose gradient is summed in 24 bits (``()``: every one in float32, to compare)."""
 
-    def __init__(self, weight: torch.Tensor, acc: torch.dtype, rows: int):
-        self.dtype, self.rows = weight.dtype, rows
+    def __init__(self, weight: torch.Tensor, acc: torch.dtype, rows: int, run=_eager):
+        self.dtype, self.rows, self.run = weight.dtype, rows, run
         self.split = weight.dtype in self.SPLIT
         shape, device = weight.shape, weight.device
         self.sum = torch.zeros(shape, dtype=torch.bfloat16 if self.split else acc, device=device)
@@ -451,7 +512,7 @@ class _WeightGradient:
             rows = slice(start, start + self.rows)
             product = _float_mm(dz[:, rows].t(), hc)  # (rows, H), float32 (float64 for float64 inputs)
             if self.split:
-                _add_split(self.sum[rows], self.low[rows], product)
+                self.run(_add_split, self.sum[rows], self.low[rows], product)
             else:
                 self.sum[rows] += product
 
@@ -498,7 +559,18 @@ def _add_split(high: torch.Tensor, low: torch.Tensor, product: torch.Tensor) -> 
     low.copy_(bits.bitwise_right_shift_(8).bitwise_and_(255))
 
 
-def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None):
+def _logits(hc, w, b):
+    return torch.matmul(hc, w.t()) if b is None else torch.addmm(b, hc, w.t())
+
+
+def _anew(args, hc, w, b):
+    """``args`` with their first, the chunk's logits, computed again (a failed compiled call may have written
+    into them)."""
+    args[0].copy_(_logits(hc, w, b))
+    return args
+
+
+def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None, run=_eager):
     """The gradients w.r.t. ``h``, ``weight``, ``bias`` (None where not ``needs``) of ``sum_i scale_i *
     loss_i``, one chunk of tokens at a time; each token's loss written into ``losses`` if given.
 
@@ -507,7 +579,9 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None):
     Hugging Face model's ``logits.float()``; :func:`_chunk_grad_half`, a slice of columns at a time), the
     logits' gradient rounded back to half precision for the two gradient products (as autograd's backward
     through that upcast); the weight's and the bias's gradients are summed over chunks in float32 (a
-    bfloat16 weight's in 24 bits: :class:`_WeightGradient`).
+    bfloat16 weight's in 24 bits: :class:`_WeightGradient`). ``run(fn, *args)`` calls the per-chunk
+    functions: eagerly, or compiled (:class:`_Compiled`: each chunk's softmax is then one slice, the whole
+    vocabulary, which the compiled kernels go through without a float32 copy).
     """
     chunk, dtype = opts[3], dtype or h.dtype
     low = dtype in _HALF
@@ -515,16 +589,20 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None):
     w = weight.to(dtype)  # once, not per chunk (autocast caches the same copy of a leaf weight)
     b = None if bias is None else bias.to(dtype)
     dh = torch.empty_like(h) if needs[0] else None
-    dw = _WeightGradient(weight, acc, _slice(weight.shape[1])) if needs[1] else None
+    dw = _WeightGradient(weight, acc, _slice(weight.shape[1]), run) if needs[1] else None
     db = torch.zeros(weight.shape[:1], dtype=acc, device=h.device) if needs[2] else None
     for start in range(0, h.shape[0], chunk):
         part = slice(start, start + chunk)
         hc = h[part].to(dtype)  # (c, H); no copy unless the precision changes
-        z = torch.matmul(hc, w.t()) if b is None else torch.addmm(b, hc, w.t())  # (c, V), in dtype
+
+        z = _logits(hc, w, b)  # (c, V), in dtype
         if low:  # float32 math on half-precision logits; z becomes their gradient, rounded
-            loss, sums = _chunk_grad_half(z, y[part], opts, scale[part], _slice(z.shape[0]))
+            width = z.shape[1] if run is not _eager else _slice(z.shape[0])
+            args = (z, y[part], opts, scale[part], width, db is not None)
+            loss, sums = run(_chunk_grad_half, *args, again=functools.partial(_anew, args, hc, w, b))
         else:
-            loss, z = _chunk_grad(z, y[part], opts, scale[part])
+            args = (z, y[part], opts, scale[part])
+            loss, z = run(_chunk_grad, *args, again=functools.partial(_anew, args, hc, w, b))
             sums = z.sum(0) if db is not None else None
         if losses is not None:
             losses[part] = loss
@@ -537,21 +615,23 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None):
             dw.addmm(z, hc if low else hc.to(acc))
         if db is not None:
             db.add_(sums)
-        del z, sums  # before the next chunk's logits: one chunk at a time
+        del z, sums, args  # before the next chunk's logits: one chunk at a time
     return dh, None if dw is None else dw.result(), None if db is None else db.to(weight.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """``h (N, H)``, ``weight (V, H)``, ``bias (V,)``, ``y (N,)``; ``opts``: (ignore_index, smoothing,
-    reduction, chunk, logit_scale, softcap); ``dtype``: the matmuls' (:func:`compute_dtype`). See the module
-    docstring for what is held between forward and backward."""
+    reduction, chunk, logit_scale, softcap); ``dtype``: the matmuls' (:func:`compute_dtype`); ``compiled``:
+    whether the per-chunk work is compiled (:func:`_compiles`). See the module docstring for what is held
+    between forward and backward."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, opts, dtype):
+    def forward(ctx, h, weight, bias, y, opts, dtype, compiled):
         needs = ctx.needs_input_grad[:3]
         # float32 for half-precision inputs (the model's own loss is float32: logits.float()), else h's
         losses = torch.empty(h.shape[0], dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         ctx.opts, ctx.dtype, ctx.ahead = opts, dtype, opts[2] != "none"
+        ctx.run = _COMPILED if compiled else _eager
         count = (y != opts[0]).sum()
         # A mean's gradients are the sum's divided by the count: each token's weighs 1 / count in the chunks
         # (every label ignored: the loss is 0/0, NaN, and the gradients zero, as F.cross_entropy's)
@@ -561,7 +641,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # A scalar loss: every gradient now, while each chunk's logits exist. Per-token losses: in backward.
         with _autocast_off(h):  # the precision is dtype's, chosen once; autocast would re-cast every op
             needs = needs if ctx.ahead else (False,) * 3
-            ctx.grads = _chunks(h, weight, bias, y, opts, each.expand(h.shape[0]), needs, losses, dtype)
+            each = each.expand(h.shape[0])
+            ctx.grads = _chunks(h, weight, bias, y, opts, each, needs, losses, dtype, ctx.run)
         if not ctx.ahead:
             ctx.save_for_backward(h, weight, bias, y)
             return losses
@@ -580,6 +661,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             with _autocast_off(h):
                 scale = grad.reshape(-1)
                 dh, dw, db = _chunks(
-                    h, weight, bias, y, ctx.opts, scale, ctx.needs_input_grad[:3], None, ctx.dtype
+                    h, weight, bias, y, ctx.opts, scale, ctx.needs_input_grad[:3], None, ctx.dtype, ctx.run
                 )
-        return dh, dw, db, None, None, None
+        return dh, dw, db, None, None, None, None

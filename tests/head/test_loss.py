@@ -400,7 +400,8 @@ def test_liger_backend_errors_without_cuda_or_liger(monkeypatch):
         "its Triton kernels run on CUDA devices, the features are on meta"
     )
     with pytest.raises(
-        ValueError, match=r"backend must be one of \('auto', 'package', 'liger'\), got 'fast'"
+        ValueError,
+        match=r"backend must be one of \(.auto., .package., .compiled., .eager., .liger.\), got .fast.",
     ):
         linear_cross_entropy(hidden, weight, labels, backend="fast")
 
@@ -459,3 +460,73 @@ def test_a_bfloat16_head_holds_its_gradients_and_a_byte_per_weight_element(monke
         assert floor <= tracker.peak - before <= floor + 6 * 4096
         assert 6 * 4096 < c * v * 4  # a float32 chunk would not fit
         del loss
+
+
+def test_compiled_chunks_equal_the_eager_ones():
+    """backend="compiled" on a CPU: torch.compile of the bf16 softmax and the 24-bit sum (one chunk: one
+    shape to compile) gives the eager chunks' loss and gradients."""
+    hidden, weight, _, labels = _half_inputs(torch.bfloat16, bias=False, n=12, h=8, v=20)
+    kw = dict(chunk_size=12, label_smoothing=0.1, softcap=3.0)
+    results = []
+    for backend in ("eager", "compiled"):
+        loss = linear_cross_entropy(hidden, weight, labels, backend=backend, **kw)
+        results.append((loss, *torch.autograd.grad(loss, (hidden, weight))))
+    for eager, compiled in zip(*results, strict=True):
+        assert compiled.dtype == eager.dtype
+        assert _rel(compiled.float(), eager.float()) <= 1e-6
+
+
+def test_a_failed_compile_warns_once_and_the_chunks_run_eagerly(monkeypatch):
+    """Compiling fails (here: the compiled function raises after writing into the chunk's logits): one
+    warning naming the cause, then eager chunks on logits computed anew, equal to backend="eager"'s."""
+    from lightning_memopt.head import loss as head_loss
+
+    def broken(fn, **kwargs):
+        def call(z, *args):
+            z.fill_(float("nan"))
+            raise RuntimeError("InductorError: no C++ compiler\nthe rest of the traceback")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(head_loss, "_COMPILED", head_loss._Compiled())
+    hidden, weight, b, labels = _inputs(bias=True)
+    want = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=4, backend="eager")
+    with pytest.warns(UserWarning) as record:
+        got = [linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=4, backend="compiled")]
+        got.append(linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=4, backend="compiled"))
+    assert [str(w.message) for w in record] == [
+        "linear_cross_entropy computes its chunks eagerly: torch.compile failed (RuntimeError: "
+        "InductorError: no C++ compiler); pass backend='eager' to not try"
+    ]
+    want_grads = _grads(want, (hidden, weight, b))
+    for loss in got:
+        assert torch.equal(loss, want)
+        for a, w in zip(_grads(loss, (hidden, weight, b)), want_grads, strict=True):
+            assert torch.equal(a, w)
+
+
+def test_nothing_is_compiled_by_default_on_a_cpu(monkeypatch):
+    from lightning_memopt.head.loss import _compiles
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(fn) or fn)
+    hidden, weight, b, labels = _inputs(bias=True)
+    for backend in ("auto", "package", "eager"):
+        linear_cross_entropy(hidden, weight, labels, bias=b, backend=backend).backward()
+    assert calls == []
+
+    class _Cuda:  # _compiles reads .device.type
+        device = torch.device("cuda")
+
+    cuda = _Cuda()
+    assert [_compiles(b, cuda) for b in ("auto", "package", "compiled", "eager")] == [True, True, True, False]
+    assert [_compiles(b, hidden) for b in ("auto", "package", "compiled", "eager")] == [
+        False,
+        False,
+        True,
+        False,
+    ]
+    with MemoryTracker():  # a dispatch mode measures the eager chunks
+        assert not _compiles("compiled", hidden) and not _compiles("auto", cuda)
+    assert not _compiles("compiled", hidden.to("meta"))
