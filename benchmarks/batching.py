@@ -32,7 +32,7 @@ curves of ``tests/batching/curves.py`` (affine, convex, strongly convex with a q
 times the per-sample part at the true maximum, kinked where the peak moves to a 1.5-6 times steeper phase,
 kinked convex; true maximum 1 to ~5000; the batch at the true maximum or above it; headroom 0 or 0.1):
 how many reach 97% of the true maximum, the worst ratio and the mean number of probes, per kind. Seed 0's
-1,500 curves are the ones ``tests/batching/test_sizing.py`` asserts on.
+1,500 curves are the ones ``tests/batching/test_size_search.py`` asserts on.
 
 Overhead: the time of a training step with the engine installed at k=1 (``AutoAccumulation`` with
 ``micro_batch_size`` = the batch size; ``OOMBackoff`` alone; ``AutoAccumulation`` with the engine's metric
@@ -155,7 +155,7 @@ def ours_direct(capacity: int, headroom: float) -> tuple[int, int, int]:
         headroom=headroom,
         max_probes=6,
     )
-    truth = largest(lambda n: peak(n) <= result.budget, BATCH)
+    truth = largest(lambda n: peak(n) <= result.usable, BATCH)
     return result.size, len(result.probes), truth
 
 
@@ -216,8 +216,8 @@ def print_sizing_only() -> None:
 class _Truth(Callback):
     """After AutoAccumulation probed, bisect with the engine's own probe for the true maximum."""
 
-    def __init__(self, callback: AutoAccumulation, budget: int) -> None:
-        self.callback, self.budget, self.truth = callback, budget, None
+    def __init__(self, callback: AutoAccumulation, usable: int) -> None:
+        self.callback, self.usable, self.truth = callback, usable, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.truth is not None:
@@ -226,7 +226,7 @@ class _Truth(Callback):
 
         def fits(n):
             measured = engine.probes(batch).peak(n)
-            return measured is not None and measured <= self.budget
+            return measured is not None and measured <= self.usable
 
         self.truth = largest(fits, BATCH)
 

@@ -26,7 +26,7 @@ attention included); ``time x``: median [q25-q75] step-time ratio; ``pred x``: t
 ratio, ``1 + plan.seconds / t`` where ``t`` is the median no-checkpointing step (the profile's per-block
 timings summed; for auto plans the error against the measured median is given). Plans read ``K`` keep,
 ``S`` selective, ``F`` full, ``P`` pointwise. An auto plan is *dominated* by a simple plan that fits the
-same budget (the plan's predicted peak of the blocks), holds no more memory (measured peak) and is
+same share (the plan's predicted peak of the blocks), holds no more memory (measured peak) and is
 measurably faster. The blocks' activation bytes each plan predicts are checked against MemoryTracker's.
 
 Run from the repository root (about 10 minutes on 2 cores; ``--quick``: three small models)::
@@ -57,7 +57,7 @@ from torch import nn
 
 from lightning_memopt.checkpointing import (
     ActivationMeter,
-    InfeasibleBudgetError,
+    NoPlanFitsError,
     apply_checkpointing,
     evaluate_plan,
     find_blocks,
@@ -326,14 +326,14 @@ class Spread:
 class Row:
     label: str
     choices: list[str]
-    budget: int | None = None  # auto plans: the blocks' budget in bytes
+    share: int | None = None  # auto plans: the blocks' share in bytes
     simple: bool = False
     acts: int = 0
     peak: int = 0
     flops: int = 0
     times: Spread | None = None
     predicted: float = 0.0
-    block_peak: int = 0  # the plan's predicted peak of the blocks' activations (what a budget bounds)
+    block_peak: int = 0  # the plan's predicted peak of the blocks' activations (what a share bounds)
 
 
 def summary(choices) -> str:
@@ -358,14 +358,14 @@ def configurations(names, profiles) -> list[Row]:
         rows.append(Row("offload every block", ["offload"] * n, simple=True))
     baseline = evaluate_plan(profiles, ["keep"] * n).activation_bytes
     for frac in BUDGETS:
-        budget = int(frac * baseline)
+        share = int(frac * baseline)
         try:
-            plan = plan_checkpointing(profiles, budget, allowed=DEVICE.treatments)
-        except InfeasibleBudgetError as err:
-            print(f"   auto {frac:.0%} budget: infeasible, the least peak is {err.minimum / 1e6:.1f} MB")
+            plan = plan_checkpointing(profiles, share, allowed=DEVICE.treatments)
+        except NoPlanFitsError as err:
+            print(f"   auto {frac:.0%} share: infeasible, the least peak is {err.minimum / 1e6:.1f} MB")
             continue
         choices = list(plan.choices.values())
-        rows.append(Row(f"auto {frac:.0%} budget ({summary(choices)})", choices, budget))
+        rows.append(Row(f"auto {frac:.0%} share ({summary(choices)})", choices, share))
     return rows
 
 
@@ -435,13 +435,13 @@ def run_model(bench: Bench, clock, reps: int) -> list[Row]:
 
 
 def dominated(rows: list[Row]) -> dict[str, list[str]]:
-    """Per auto row: the simple plans that dominate it (fit its budget, hold no more memory, measurably
+    """Per auto row: the simple plans that dominate it (fit its share, hold no more memory, measurably
     faster), and those that tie (fit, no more memory, faster median inside the spread), marked ``~``."""
     out = {}
-    for auto in (r for r in rows if r.budget is not None):
+    for auto in (r for r in rows if r.share is not None):
         found = []
         for simple in (r for r in rows if r.simple):
-            fits = simple.block_peak <= auto.budget and simple.peak <= auto.peak
+            fits = simple.block_peak <= auto.share and simple.peak <= auto.peak
             if fits and simple.times.faster_than(auto.times):
                 found.append(simple.label)
             elif fits and simple.times.median < auto.times.median:
@@ -457,7 +457,7 @@ def report(name: str, rows: list[Row], lines: list[str]) -> None:
     print(f"   {'plan':<34} {'peak x':>6} {'FLOPs x':>7} {'time x [IQR]':>19} {'pred x':>6}  note")
     for row in rows:
         note = ""
-        if row.budget is not None:
+        if row.share is not None:
             hard = [d for d in doms[row.label] if not d.startswith("~")]
             ties = [d[1:] for d in doms[row.label] if d.startswith("~")]
             note = f"pred {row.predicted / row.times.median - 1:+.0%}"
@@ -476,7 +476,7 @@ def report(name: str, rows: list[Row], lines: list[str]) -> None:
 
 def goals(results: dict[str, list[Row]]) -> None:
     """The issue's numbers, from the rows measured."""
-    autos = [(name, r) for name, rows in results.items() for r in rows if r.budget is not None]
+    autos = [(name, r) for name, rows in results.items() for r in rows if r.share is not None]
     errors = [r.predicted / r.times.median - 1 for _, r in autos]
     fifty = [
         f"{name.split()[0]} {r.times}"
@@ -487,10 +487,10 @@ def goals(results: dict[str, list[Row]]) -> None:
         any(not d.startswith("~") for d in dominated(rows)[r.label])
         for rows in results.values()
         for r in rows
-        if r.budget is not None
+        if r.share is not None
     )
     print("\n## Goals (issue 23)\n")
-    print(f"- auto 50% budget on the GPT models (goal <= 1.12x): {'; '.join(fifty)}")
+    print(f"- auto 50% share on the GPT models (goal <= 1.12x): {'; '.join(fifty)}")
     print(f"- auto plans dominated by a simpler plan (goal 0): {dominated_count} of {len(autos)}")
     worst = max(errors, key=abs) if errors else 0.0
     within = sum(abs(e) <= 0.10 for e in errors)

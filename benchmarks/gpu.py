@@ -52,7 +52,7 @@ from torch import nn
 
 from lightning_memopt import AutoAccumulation, MemoryMonitor, OOMBackoff
 from lightning_memopt.checkpointing import (
-    InfeasibleBudgetError,
+    NoPlanFitsError,
     apply_checkpointing,
     capture_block_inputs,
     evaluate_plan,
@@ -200,7 +200,7 @@ def plans_table(name: str, model: nn.Module, idx: torch.Tensor, reps: int) -> li
             plans[f"planned {share:.0%}"] = plan_checkpointing(
                 profiles, int(share * keep_plan.peak_bytes), cost_model=cost_model
             )
-        except InfeasibleBudgetError as e:  # below what any plan reaches: plan at that smallest peak
+        except NoPlanFitsError as e:  # below what any plan reaches: plan at that smallest peak
             plans[f"planned {share:.0%}: min"] = plan_checkpointing(
                 profiles, e.minimum, cost_model=cost_model
             )

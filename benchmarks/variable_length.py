@@ -1,4 +1,4 @@
-"""Variable-length data: padding with token-budget batching, and what today's callbacks do when shapes vary.
+"""Variable-length data: padding with max-tokens batching, and what today's callbacks do when shapes vary.
 
 Run from the repository root (a few minutes on 2 CPU cores; never run by the test suite)::
 
@@ -28,7 +28,7 @@ run's batches: about half the batches fit whole, the others need 2 or more micro
 - ``OOMBackoff`` alone (default: never grows back; and ``grow_after=10``: doubles the micro-batch again
   after 10 clean steps), and ``AutoAccumulation(max_memory=capacity) + OOMBackoff`` (per-batch sizing
   from its memory model over shapes; with the default ``headroom=0.1`` and with ``0.05``), also against
-  the fewest that fit its budget (the capacity less the headroom): out-of-memory errors
+  the fewest that fit its share (the capacity less the headroom): out-of-memory errors
   (failed attempts) per 1,000 steps, in all steps and after the first 10; micro-batches per step against
   the fewest that fit that batch. "Fewest that fit" is probed for each batch shape outside the fit: the
   smallest k whose step (k micro-batches of ``ceil(B / k)`` samples, the whole batch alive, then the
@@ -36,8 +36,8 @@ run's batches: about half the batches fit whole, the others need 2 or more micro
   it may be 1 lower than what the cap allows at a boundary; ratios are means and maxima over steps.
 - ``AutoCheckpoint(max_memory=capacity, headroom=0)`` alone (no cap, so nothing fails): it plans per
   batch shape (a batch longer than every planned one runs every block full and is planned for); each
-  step's blocks' activation bytes (``ActivationMeter``, end of forward) over the blocks' budget of the
-  plan made for it (``Plan.budget``, read after the step), max over steps; and how many plans were made.
+  step's blocks' activation bytes (``ActivationMeter``, end of forward) over the blocks' share of the
+  plan made for it (``Plan.max_bytes``, read after the step), max over steps; and how many plans were made.
 """
 
 from __future__ import annotations
@@ -134,13 +134,13 @@ class Recorder(Callback):
 
 class BlockMeter(Callback):
     """Per step, the bytes the blocks hold at the end of the forward (``ActivationMeter``) and the blocks'
-    budget of ``auto``'s plan after the step (a step that profiled runs every block full: the plan made
+    share of ``auto``'s plan after the step (a step that profiled runs every block full: the plan made
     on it)."""
 
     def __init__(self, auto: AutoCheckpoint) -> None:
         self.auto = auto
         self.bytes: list[int] = []
-        self.budgets: list[int] = []
+        self.shares: list[int] = []
         self._meter: ActivationMeter | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -152,7 +152,7 @@ class BlockMeter(Callback):
         self.bytes.append(meter.total)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.budgets.append(self.auto.plan.budget)
+        self.shares.append(self.auto.plan.max_bytes)
 
 
 def loader(samples, steps: int, batch_size: int) -> DataLoader:
@@ -294,15 +294,15 @@ def measure_today(steps: int, batch_size: int, max_len: int, *, padding_only: bo
         report_sizing(name, rec, cap, fewest, time.perf_counter() - start)
         if isinstance(callbacks[0], AutoAccumulation):
             auto = callbacks[0]
-            budget = int(capacity * (1 - auto.headroom))
-            within = [probe.fewest(len(b), t, budget) or len(b) for b, t in zip(batches, padded_len)]
+            share = int(capacity * (1 - auto.headroom))
+            within = [probe.fewest(len(b), t, share) or len(b) for b, t in zip(batches, padded_len)]
             ratios = [m / f for m, f in zip(rec.micro, within)]
             print(
                 f"   probed {auto.probes} on the first batch {rec.shapes[0]}; then one probe per length the model "
                 f"did not know: {[(w, n) for w, n, _ in auto.engine.sizes.shape_probes]} (tokens, samples)"
             )
             print(
-                f"   vs the fewest within its budget ({format_bytes(budget)}: the capacity less headroom "
+                f"   vs the fewest within its share ({format_bytes(share)}: the capacity less headroom "
                 f"{auto.headroom}): mean {statistics.fmean(ratios):.2f}x, max {max(ratios):.1f}x, "
                 f"steps over: {sum(r > 1 for r in ratios)}"
             )
@@ -320,21 +320,21 @@ def checkpoint_today(samples, batches, *, steps: int, batch_size: int, max_len: 
     meter = BlockMeter(auto)
     try:
         fit(samples, [auto, meter], steps=steps, batch_size=batch_size, block_size=max_len, capacity=None)
-    except MisconfigurationException as err:  # a batch no plan fits: said, not run over the budget
+    except MisconfigurationException as err:  # a batch no plan fits: said, not run over the share
         print(
-            f"## AutoCheckpoint(max_memory={format_bytes(capacity)}, headroom=0) raised at step {len(meter.budgets)}:"
+            f"## AutoCheckpoint(max_memory={format_bytes(capacity)}, headroom=0) raised at step {len(meter.shares)}:"
         )
         print(f"   {err}")
-        print(f"   steps 0-{len(meter.budgets) - 1}: over budget: ", end="")
+        print(f"   steps 0-{len(meter.shares) - 1}: over share: ", end="")
         print(
-            sum(m > b for m, b in zip(meter.bytes, meter.budgets)),
-            f"/{len(meter.budgets)}; again with twice the limit:",
+            sum(m > b for m, b in zip(meter.bytes, meter.shares)),
+            f"/{len(meter.shares)}; again with twice the limit:",
         )
         return checkpoint_today(
             samples, batches, steps=steps, batch_size=batch_size, max_len=max_len, capacity=2 * capacity
         )
     lengths = [len(samples[i]) for i in batches[0]]
-    ratios = [m / b for m, b in zip(meter.bytes, meter.budgets)]
+    ratios = [m / b for m, b in zip(meter.bytes, meter.shares)]
     worst = max(range(len(ratios)), key=ratios.__getitem__)
     longest = [signature[0][1] for signature in auto.shape_plans.plans]  # input_ids: (B, T)
     print(
@@ -343,11 +343,11 @@ def checkpoint_today(samples, batches, *, steps: int, batch_size: int, max_len: 
         f"lengths {longest}; the last: {dict(auto.plan.choices)}"
     )
     print(
-        f"   blocks' budgets in the plans {format_bytes(min(meter.budgets))}-{format_bytes(max(meter.budgets))}"
+        f"   blocks' shares in the plans {format_bytes(min(meter.shares))}-{format_bytes(max(meter.shares))}"
     )
     print(
-        f"   steps 0-{steps - 1}: block activations / budget of the plan made for the step: max "
-        f"{ratios[worst]:.2f} (step {worst}), mean {statistics.fmean(ratios):.2f}; steps over budget: "
+        f"   steps 0-{steps - 1}: block activations / share of the plan made for the step: max "
+        f"{ratios[worst]:.2f} (step {worst}), mean {statistics.fmean(ratios):.2f}; steps over share: "
         f"{sum(r > 1 for r in ratios)}/{len(ratios)}"
     )
 

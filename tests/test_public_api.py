@@ -63,7 +63,7 @@ def test_unknown_attribute_is_an_attribute_error():
 def test_plain_torch_cores_do_not_import_lightning():
     code = (
         "import sys; import lightning_memopt.memory, lightning_memopt.norm, lightning_memopt.checkpointing, "
-        "lightning_memopt.batching.split, lightning_memopt.batching.sizing, lightning_memopt.data, "
+        "lightning_memopt.batching.split, lightning_memopt.batching.size_search, lightning_memopt.data, "
         "lightning_memopt.head, lightning_memopt.head.causal_lm, lightning_memopt.batching.loss; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
     )

@@ -35,9 +35,9 @@ from lightning_memopt.batching.regime import (
     find_sharding,
     is_distributed,
 )
-from lightning_memopt.batching.shapes import tokens_per_sample
+from lightning_memopt.batching.shape_model import tokens_per_sample
+from lightning_memopt.batching.size_search import smallest_micro_batch
 from lightning_memopt.batching.sizes import MicroBatchSizes
-from lightning_memopt.batching.sizing import smallest_micro_batch
 from lightning_memopt.batching.split import batch_size, micro_batch_sizes
 from lightning_memopt.batching.state import StepState, local_tensor
 from lightning_memopt.batching.step import Attempt, EvalStep, OptimizerStep, TrainingStep

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_memopt._compat import is_dtensor, tree_flatten
 from lightning_memopt.batching.outputs import LogRecorder, loss_of
 from lightning_memopt.batching.regime import no_sync
-from lightning_memopt.batching.sizing import smallest_micro_batch
+from lightning_memopt.batching.size_search import smallest_micro_batch
 from lightning_memopt.batching.split import split_batch
 from lightning_memopt.batching.state import StepState
 from lightning_memopt.data.clock import step_clock

@@ -26,9 +26,9 @@ from lightning_memopt.batching.distributed import (
     min_over_ranks,
 )
 from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
-from lightning_memopt.batching.shapes import ShapeModel
-from lightning_memopt.batching.sizing import NoSizeFits, find_micro_batch_size
-from lightning_memopt.memory.budget import usable_bytes
+from lightning_memopt.batching.shape_model import ShapeModel
+from lightning_memopt.batching.size_search import NoSizeFits, find_micro_batch_size
+from lightning_memopt.memory.limit import usable_bytes
 
 __all__ = ["MicroBatchSizes", "Probes", "Recompute"]
 
@@ -223,7 +223,7 @@ class MicroBatchSizes:
         """The first batch: find the largest size that fits, and the model of its peaks."""
         self.probed = True
         device = probes.device
-        # The smallest device decides; every rank searches with the same budget and, at the longest width
+        # The smallest device decides; every rank searches with the same usable bytes and, at the longest width
         # over ranks (the largest peaks), takes the same path: the same probes, the same collectives.
         limit = min_over_ranks(self.max_memory, device)
         self.probed_width = max_over_ranks(width, device)
@@ -233,13 +233,13 @@ class MicroBatchSizes:
             size = self.decide(probes, whole, limit)
         else:
             size = self._find(probes, whole, limit, probes.floor, evaluation=False)
-        budget = usable_bytes(limit, self.headroom, None)
+        usable = usable_bytes(limit, self.headroom, None)
         self.model = ShapeModel.from_probes(
             self.probes,
             width=self.probed_width,
             size=size,
             whole=size == whole,
-            budget=budget,
+            usable=usable,
             limit=limit,
             held=held,
         )

@@ -30,7 +30,7 @@ from lightning_memopt.batching.outputs import (
     warn_inexact,
 )
 from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, drop_attempt, is_distributed
-from lightning_memopt.batching.sizing import smallest_micro_batch
+from lightning_memopt.batching.size_search import smallest_micro_batch
 from lightning_memopt.batching.split import describe_split, micro_batch_sizes, split_batch
 from lightning_memopt.batching.state import OptimizerSnapshot
 from lightning_memopt.memory.device import is_out_of_memory

@@ -57,7 +57,7 @@ class ThrashWatch:
                 counter). Zero or less is a step without retries: a counter that fell was reset by
                 someone (``torch.cuda.reset_accumulated_memory_stats``).
             size: The micro-batch size the step ran at, in any unit that changes exactly when the size
-                does (the engine passes its budget in padded tokens). A new value starts a new window.
+                does (the engine passes its size in padded tokens). A new value starts a new window.
         """
         if size != self._size:
             self.reset(size)

@@ -12,8 +12,8 @@ from typing_extensions import override
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.batching.engine import Exactness
 from lightning_memopt.callbacks._micro_batching import MicroBatching
-from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory, usable_bytes
 from lightning_memopt.memory.device import device_memory
+from lightning_memopt.memory.limit import MemoryLimit, check_headroom, check_max_memory, usable_bytes
 from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["AutoAccumulation"]
@@ -24,7 +24,7 @@ class AutoAccumulation(MicroBatching):
 
     The DataLoader batch is the optimizer batch: the effective batch never changes (unlike Lightning's
     ``BatchSizeFinder``). Before the first step a few probes find the largest micro-batch whose peak fits
-    ``max_memory * (1 - headroom)`` (:func:`~lightning_memopt.batching.sizing.find_micro_batch_size`); later
+    ``max_memory * (1 - headroom)`` (:func:`~lightning_memopt.batching.size_search.find_micro_batch_size`); later
     batches are sized for their own length. Each micro-batch's loss is weighted by its share of what the
     batch's loss divides by, learned from the loss functions ``training_step`` calls, and the first split
     of each batch structure is checked against another split (``exactness``). How:
@@ -36,7 +36,7 @@ class AutoAccumulation(MicroBatching):
             separately (evaluation keeps no activations for backward, so it fits larger), up to the
             training batch size; the whole batch when nothing is probed.
         max_memory: The memory one step may use: bytes (int), a string like ``"6GiB"``, or a float in
-            (0, 1], a fraction of the device's capacity (see :mod:`lightning_memopt.memory.budget`).
+            (0, 1], a fraction of the device's capacity (see :mod:`lightning_memopt.memory.limit`).
             Default None: the CUDA device's capacity. Bytes are required to probe on CPU (there is no
             device limit to ask); without them the CPU run is not split. Not with ``micro_batch_size``.
         headroom: Fraction of ``max_memory`` kept free for what probes cannot see (optimizer state
@@ -51,7 +51,7 @@ class AutoAccumulation(MicroBatching):
             Shared with ``OOMBackoff``.
         length_fn: ``length_fn(batch) -> int``, the length every sample of the batch is padded to (the
             dimension its memory grows with), for batches where it is not dim 1 of the batch's tensors.
-            Default None: :func:`~lightning_memopt.batching.shapes.tokens_per_sample`. Shared with
+            Default None: :func:`~lightning_memopt.batching.shape_model.tokens_per_sample`. Shared with
             ``OOMBackoff``.
         exactness: ``"warn"`` (default): check once per batch structure that a split step gives the
             unsplit gradient and warn with the cause when it does not; ``"raise"``: raise

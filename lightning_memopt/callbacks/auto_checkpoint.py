@@ -20,10 +20,10 @@ from lightning_memopt._checks import check_bool
 from lightning_memopt.callbacks._hooks import ReleasingCallback, wrap_instance_hook
 from lightning_memopt.callbacks._micro_batching import engine_of
 from lightning_memopt.callbacks._output import info
-from lightning_memopt.checkpointing import CostModel, InfeasibleBudgetError
+from lightning_memopt.checkpointing import CostModel, NoPlanFitsError
 from lightning_memopt.checkpointing.auto import AutoCheckpointer, NoBlockError
 from lightning_memopt.checkpointing.ranks import gather_over_ranks, most_over_ranks
-from lightning_memopt.checkpointing.shapes import step_signature
+from lightning_memopt.checkpointing.shape_plans import step_signature
 
 __all__ = ["AutoCheckpoint"]
 
@@ -48,7 +48,7 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
     When (details on the docs page): installed after ``configure_model``, before the strategy wraps the
     model; profiled and planned after the first batch, whose successor is measured against the plan (a
     warning past 10%); under a limit, again after each batch larger than all planned ones (by shape:
-    :class:`~lightning_memopt.checkpointing.shapes.ShapePlans`), which runs every block full; a resumed run
+    :class:`~lightning_memopt.checkpointing.shape_plans.ShapePlans`), which runs every block full; a resumed run
     takes the plans from the checkpoint. Under DDP/FSDP every rank runs the same plan, made on each figure's
     largest over ranks (:mod:`~lightning_memopt.checkpointing.ranks`, which counts the collectives). Where the model checkpoints itself (transformers'
     ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``, FSDPStrategy's
@@ -183,7 +183,7 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
                 gather=lambda mine: gather_over_ranks(trainer.strategy, mine),
                 signature=ran,
             )
-        except (InfeasibleBudgetError, NoBlockError) as err:
+        except (NoPlanFitsError, NoBlockError) as err:
             raise MisconfigurationException(f"AutoCheckpoint: {err}") from err
         for note in outcome.notes:
             rank_zero_warn(f"AutoCheckpoint: {note}")

@@ -44,7 +44,7 @@ class OOMBackoff(MicroBatching):
             Default None. Shared with ``AutoAccumulation``.
         length_fn: ``length_fn(batch) -> int``, the length every sample of the batch is padded to (the
             dimension its memory grows with), for batches where it is not dim 1 of the batch's tensors.
-            Default None: :func:`~lightning_memopt.batching.shapes.tokens_per_sample`. Shared with
+            Default None: :func:`~lightning_memopt.batching.shape_model.tokens_per_sample`. Shared with
             ``AutoAccumulation``.
         exactness: ``"warn"``, ``"raise"`` or ``"off"``: the one-time check of ``AutoAccumulation``'s
             ``exactness``. Shared with ``AutoAccumulation``.

@@ -1,8 +1,8 @@
-"""Activation checkpointing under a memory budget (plain torch; no Lightning import).
+"""Activation checkpointing under a memory limit (plain torch; no Lightning import).
 
 Find the repeated blocks (and the stem before them), profile each treatment (bytes held for backward,
-recompute cost), choose the cheapest plan that fits a budget (exactly; a training step's limit becomes
-the blocks' budget in ``budget.py``), apply it without changing the model's module tree. ``auto.py``
+recompute cost), choose the cheapest plan that fits a bound on the blocks' bytes (exactly; a training step's limit becomes
+the blocks' share in ``step_limit.py``), apply it without changing the model's module tree. ``auto.py``
 does all of it from one measured step: :func:`auto_checkpoint` for a plain training loop, and the
 ``AutoCheckpoint`` callback.
 """
@@ -16,20 +16,13 @@ from lightning_memopt.checkpointing.apply import (
 )
 from lightning_memopt.checkpointing.auto import AutoCheckpointer, StepOutcome, auto_checkpoint
 from lightning_memopt.checkpointing.blocks import blocks_run, candidate_classes, check_blocks, find_blocks
-from lightning_memopt.checkpointing.budget import (
-    PlanPolicy,
-    StepLimit,
-    plan_step,
-    plan_within,
-    state_bytes,
-)
 from lightning_memopt.checkpointing.capture import BlockInputs, capture_block_inputs
 from lightning_memopt.checkpointing.costs import CHOICES, BlockProfile, Choice, OptionCost
 from lightning_memopt.checkpointing.meter import ActivationMeter
 from lightning_memopt.checkpointing.planner import (
     MODES,
     CostModel,
-    InfeasibleBudgetError,
+    NoPlanFitsError,
     Plan,
     check_mode,
     evaluate_plan,
@@ -40,6 +33,13 @@ from lightning_memopt.checkpointing.planner import (
     treatments,
 )
 from lightning_memopt.checkpointing.profile import profile_blocks, profile_blocks_run
+from lightning_memopt.checkpointing.step_limit import (
+    PlanPolicy,
+    StepLimit,
+    plan_step,
+    plan_within,
+    state_bytes,
+)
 
 __all__ = [
     "ActivationMeter",
@@ -49,7 +49,7 @@ __all__ = [
     "BlockProfile",
     "Choice",
     "CostModel",
-    "InfeasibleBudgetError",
+    "NoPlanFitsError",
     "MODES",
     "OptionCost",
     "Plan",

@@ -12,7 +12,7 @@ shapes, and take everything off again. The Lightning callback calls it from its 
     handle.remove()  # the model as it was
 
 One step is measured like this: :meth:`AutoCheckpointer.start_step` opens a
-:class:`~lightning_memopt.checkpointing.profile.ForwardProbe` (activation bytes, block inputs),
+:class:`~lightning_memopt.checkpointing.meter.ForwardProbe` (activation bytes, block inputs),
 :meth:`~AutoCheckpointer.forward_done` closes it before backward, :meth:`~AutoCheckpointer.finish_step`
 profiles and plans (the first time) or compares the plan with what was measured (the next time).
 """
@@ -36,7 +36,6 @@ from lightning_memopt.checkpointing.apply import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing.blocks import check_blocks, find_blocks
-from lightning_memopt.checkpointing.budget import PlanPolicy, StepLimit
 from lightning_memopt.checkpointing.meter import ForwardProbe
 from lightning_memopt.checkpointing.planner import (
     CostModel,
@@ -47,11 +46,12 @@ from lightning_memopt.checkpointing.planner import (
 )
 from lightning_memopt.checkpointing.profile import profile_blocks, profile_blocks_run
 from lightning_memopt.checkpointing.ranks import Measured, agree
-from lightning_memopt.checkpointing.shapes import ShapePlans, Signature, full_peak, shape_signature
+from lightning_memopt.checkpointing.shape_plans import ShapePlans, Signature, full_peak, shape_signature
+from lightning_memopt.checkpointing.step_limit import PlanPolicy, StepLimit
 from lightning_memopt.head.causal_lm import HeadMode, check_head, take_over_heads
 from lightning_memopt.memory import MemoryTracker
-from lightning_memopt.memory.budget import MemoryLimit, check_headroom, check_max_memory
 from lightning_memopt.memory.device import device_memory
+from lightning_memopt.memory.limit import MemoryLimit, check_headroom, check_max_memory
 from lightning_memopt.memory.tracker import state_bytes
 
 __all__ = ["AutoCheckpointer", "NoBlockError", "StepOutcome", "auto_checkpoint"]
@@ -215,7 +215,7 @@ class AutoCheckpointer:
         return None
 
     def start_step(self, signature: Signature, most: Most = _same) -> None:
-        """Before a step on a batch of ``signature`` (:func:`~lightning_memopt.checkpointing.shapes.step_signature`):
+        """Before a step on a batch of ``signature`` (:func:`~lightning_memopt.checkpointing.shape_plans.step_signature`):
         under a limit, switch to the plan made for its shapes (a batch larger than all planned runs every
         block ``full`` and is profiled); open the probe where the step is to be measured."""
         if not self.active:
@@ -277,7 +277,7 @@ class AutoCheckpointer:
             signature: The shapes the blocks really ran (the last micro-batch's), if not the batch's.
 
         Raises:
-            InfeasibleBudgetError: Under a limit, if no plan fits.
+            NoPlanFitsError: Under a limit, if no plan fits.
             NoBlockError: For a forced ``mode`` that no block takes (each block's reason in the message).
         """
         probe, self._probe = self._probe, None
@@ -475,7 +475,7 @@ def auto_checkpoint(
         TypeError: For a ``model`` that is not an ``nn.Module`` or an ``example_batch`` of another kind.
         ValueError: For a bad option, ``blocks`` that match nothing, an ``example_batch`` callable that
             runs backward, or a fraction of an unknown capacity.
-        InfeasibleBudgetError: If no plan fits ``max_memory`` (the message says what the step must hold);
+        NoPlanFitsError: If no plan fits ``max_memory`` (the message says what the step must hold);
             the model is left as it was.
 
     Example::

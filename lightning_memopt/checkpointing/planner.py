@@ -1,4 +1,4 @@
-"""Choose a treatment per block: the least recompute cost whose activation bytes fit a budget.
+"""Choose a treatment per block: the least recompute cost whose activation bytes fit a bound (``max_bytes``).
 
 The problem is a multiple-choice knapsack along a chain. Each block takes one treatment; its activation
 bytes and its cost add up, except for one interaction: a block's input is the previous block's output
@@ -37,7 +37,7 @@ __all__ = [
     "CostModel",
     "plan_checkpointing",
     "evaluate_plan",
-    "InfeasibleBudgetError",
+    "NoPlanFitsError",
     "keep_where_no_gain",
     "MODES",
     "check_mode",
@@ -49,8 +49,8 @@ __all__ = [
 ]
 
 
-class InfeasibleBudgetError(ValueError):
-    """The budget is below the smallest peak activation bytes any plan can reach."""
+class NoPlanFitsError(ValueError):
+    """``max_bytes`` is below the smallest peak activation bytes any plan can reach."""
 
     def __init__(self, message: str, minimum: int) -> None:
         super().__init__(message)
@@ -120,7 +120,7 @@ class Plan:
     boundary tensor counted once, in the block that first holds it), ``baseline_bytes`` the same with
     every block kept. ``peak_bytes`` is the most the blocks hold at any time: at the end of the forward,
     or in backward while a checkpointed block runs its backward with everything it saved recomputed (or
-    brought back), the blocks before it still holding theirs. The budget bounds ``peak_bytes``.
+    brought back), the blocks before it still holding theirs. ``max_bytes`` bounds ``peak_bytes``.
     Activations outside the blocks (embeddings, head, loss) are not included.
     """
 
@@ -131,7 +131,7 @@ class Plan:
     extra_pointwise_bytes: int
     transfer_bytes: int
     cost: float
-    budget: int | None = None
+    max_bytes: int | None = None
     block_bytes: dict[str, int] = field(default_factory=dict)
     predicted: bool = True
     """False for a plan whose blocks were not profiled: its byte and cost figures are unknown (zero)."""
@@ -161,7 +161,7 @@ class Plan:
         rows.append(
             (
                 "total",
-                f"budget {format_bytes(self.budget)}" if self.budget else "",
+                f"max_bytes {format_bytes(self.max_bytes)}" if self.max_bytes else "",
                 f"{format_bytes(self.activation_bytes)} ({ratio:.2f}x)",
                 f"{self.extra_flops / 1e9:.3f}",
                 format_bytes(self.extra_pointwise_bytes),
@@ -207,7 +207,10 @@ def _backward_peak(profile: BlockProfile, choice: str, prev_holds_output: bool, 
 
 
 def evaluate_plan(
-    profiles: Sequence[BlockProfile], choices: Sequence[str], cost_model: CostModel | None = None, budget=None
+    profiles: Sequence[BlockProfile],
+    choices: Sequence[str],
+    cost_model: CostModel | None = None,
+    max_bytes=None,
 ) -> Plan:
     """The :class:`Plan` of an explicit treatment per block (in the order of ``profiles``).
 
@@ -247,7 +250,7 @@ def evaluate_plan(
         pw,
         transfer,
         cost,
-        budget,
+        max_bytes,
         block_bytes,
         peak_bytes=max(peak, total),
         seconds=seconds if cost_model.use_time else None,
@@ -296,16 +299,16 @@ def _pareto(entries: list[tuple[int, float, tuple]]) -> list[tuple[int, float, t
 
 def plan_checkpointing(
     profiles: Sequence[BlockProfile],
-    budget: int | str,
+    max_bytes: int | str,
     *,
     allowed: Sequence[str] | None = None,
     cost_model: CostModel | None = None,
 ) -> Plan:
-    """The plan of least recompute cost whose blocks' peak activation bytes fit in ``budget``.
+    """The plan of least recompute cost whose blocks' peak activation bytes fit in ``max_bytes``.
 
     Args:
         profiles: One :class:`BlockProfile` per block, in forward order (from ``profile_blocks``).
-        budget: Bytes the blocks may hold at most (``Plan.peak_bytes``: at the end of the forward, or
+        max_bytes: Bytes the blocks may hold at most (``Plan.peak_bytes``: at the end of the forward, or
             while a checkpointed block recomputes in backward): an int or a string like ``"6GiB"``.
         allowed: Treatments to choose from (``keep``, ``selective``, ``full``, ``offload``,
             ``pointwise``); default: every treatment all profiles carry. Leave out ``offload`` where the
@@ -317,8 +320,8 @@ def plan_checkpointing(
         The optimal :class:`Plan` (exact: a dynamic program over Pareto frontiers, not greedy).
 
     Raises:
-        ValueError: If ``budget`` is not a positive byte size or ``allowed`` names an unknown treatment.
-        InfeasibleBudgetError: (a ``ValueError``) If no plan fits; the message gives the smallest
+        ValueError: If ``max_bytes`` is not a positive byte size or ``allowed`` names an unknown treatment.
+        NoPlanFitsError: (a ``ValueError``) If no plan fits; the message gives the smallest
             achievable bytes and what else to try.
 
     Example::
@@ -326,7 +329,7 @@ def plan_checkpointing(
         >>> plan = plan_checkpointing(profile_blocks(model, find_blocks(model), x), "200MB")  # doctest: +SKIP
         >>> print(plan.table())  # doctest: +SKIP
     """
-    budget = parse_bytes(budget, name="budget")
+    max_bytes = parse_bytes(max_bytes, name="max_bytes")
     allowed = list(dict.fromkeys(allowed if allowed is not None else _profiled(profiles)))
     for choice in allowed:
         if choice not in CHOICES:
@@ -337,17 +340,17 @@ def plan_checkpointing(
     if missing:
         raise ValueError(f"profiles lack the treatments {missing}; profile them or leave them out of allowed")
     cost_model = (cost_model or CostModel()).for_profiles(profiles)
-    best = _search(profiles, allowed, cost_model, budget)
+    best = _search(profiles, allowed, cost_model, max_bytes)
     if best is None:
         minimum = _smallest_feasible(profiles, allowed, cost_model)
         hint = "allow 'offload', " if "offload" not in allowed else ""
-        raise InfeasibleBudgetError(
-            f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest peak activation bytes "
-            f"reachable with {allowed}: {format_bytes(minimum)} ({minimum} bytes). Raise the budget, "
+        raise NoPlanFitsError(
+            f"max_bytes {format_bytes(max_bytes)} ({max_bytes} bytes) is below the smallest peak activation bytes "
+            f"reachable with {allowed}: {format_bytes(minimum)} ({minimum} bytes). Raise max_bytes, "
             f"{hint}or use a smaller micro-batch (e.g. AutoAccumulation).",
             minimum,
         )
-    return _simplest_tie(profiles, evaluate_plan(profiles, best, cost_model, budget), allowed, cost_model)
+    return _simplest_tie(profiles, evaluate_plan(profiles, best, cost_model, max_bytes), allowed, cost_model)
 
 
 def simple_plans(n: int, allowed: Sequence[str]) -> list[list[str]]:
@@ -366,14 +369,14 @@ def simple_plans(n: int, allowed: Sequence[str]) -> list[list[str]]:
 
 
 def _simplest_tie(profiles, plan: Plan, allowed, cost_model: CostModel) -> Plan:
-    """``plan``, or the fastest hand-written plan that fits its budget and ties with it (``CostModel.tie``)."""
+    """``plan``, or the fastest hand-written plan that fits its ``max_bytes`` and ties with it (``CostModel.tie``)."""
     if not cost_model.use_time or plan.seconds is None:
         return plan
     margin = cost_model.tie * sum(p.seconds or 0.0 for p in profiles)
     candidates = (
-        evaluate_plan(profiles, c, cost_model, plan.budget) for c in simple_plans(len(profiles), allowed)
+        evaluate_plan(profiles, c, cost_model, plan.max_bytes) for c in simple_plans(len(profiles), allowed)
     )
-    ties = [c for c in candidates if c.peak_bytes <= plan.budget and c.cost <= plan.cost + margin]
+    ties = [c for c in candidates if c.peak_bytes <= plan.max_bytes and c.cost <= plan.cost + margin]
     return min(ties, key=lambda c: (c.cost, c.activation_bytes), default=plan)
 
 
@@ -450,7 +453,7 @@ def _profiled(profiles: Sequence[BlockProfile]) -> list[str]:
 
 
 def _smallest_feasible(profiles, allowed, cost_model) -> int:
-    """The smallest budget any plan fits (peak bytes), by bisection over the search's feasibility."""
+    """The smallest ``max_bytes`` any plan fits (peak bytes), by bisection over the search's feasibility."""
     lo, hi = 0, evaluate_plan(profiles, [allowed[0]] * len(profiles)).peak_bytes  # that plan fits hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -461,7 +464,7 @@ def _smallest_feasible(profiles, allowed, cost_model) -> int:
     return hi
 
 
-def _search(profiles, allowed, cost_model, budget):
+def _search(profiles, allowed, cost_model, max_bytes):
     states: dict[bool, list] = {False: [(0, 0.0, ())]}
     for p in profiles:
         new: dict[bool, list] = defaultdict(list)
@@ -473,7 +476,7 @@ def _search(profiles, allowed, cost_model, budget):
                 for b, cost, chosen in entries:
                     # Feasible if the chain still fits with this block, and so does its backward. Both
                     # grow with the prefix's bytes, so a dominated prefix stays dominated: still exact.
-                    if budget is None or max(b + add, b + extra) <= budget:
+                    if max_bytes is None or max(b + add, b + extra) <= max_bytes:
                         new[o.saves_output].append((b + add, cost + c, (*chosen, choice)))
         states = {k: _pareto(v) for k, v in new.items()}
     final = [e for v in states.values() for e in v]

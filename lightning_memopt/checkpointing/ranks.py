@@ -12,7 +12,7 @@ outside the blocks) and every process plans on the same figures, :func:`agree`: 
 processes. The plan then bounds the blocks on every process's batch (a plan's bytes grow with each figure),
 every process computes the same plan (planning is deterministic), and a limit too small fails on every
 process at once. The plan is kept under every process's shapes
-(:meth:`~lightning_memopt.checkpointing.shapes.ShapePlans.add`); at each later step one all-reduce (a flag
+(:meth:`~lightning_memopt.checkpointing.shape_plans.ShapePlans.add`); at each later step one all-reduce (a flag
 per plan made: does it not cover my batch?) picks the cheapest plan that covers every process's batch.
 
 AutoCheckpoint's collectives (none in one process; tested exactly in
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from lightning_memopt.checkpointing.costs import BlockProfile, OptionCost
-from lightning_memopt.checkpointing.shapes import Signature
+from lightning_memopt.checkpointing.shape_plans import Signature
 
 __all__ = ["AgreedMeasures", "Measured", "agree", "gather_over_ranks", "largest_profiles", "most_over_ranks"]
 
@@ -46,7 +46,7 @@ class Measured:
     """What one process measured on a batch it profiled."""
 
     signature: Signature
-    """The batch's shapes (:func:`~lightning_memopt.checkpointing.shapes.shape_signature`)."""
+    """The batch's shapes (:func:`~lightning_memopt.checkpointing.shape_plans.shape_signature`)."""
     profiles: list[BlockProfile]
     """One profile per block, in forward order."""
     states: int

@@ -42,7 +42,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from lightning_memopt.data.pickling import worker_start_method
-from lightning_memopt.data.rng import preserved_rng
+from lightning_memopt.data.preserved_rng import preserved_rng
 from lightning_memopt.data.stall import StepTimes
 
 __all__ = ["LoaderSettings", "Fix", "Diagnosis", "diagnose", "batch_cost", "cores_per_rank"]

@@ -1,9 +1,9 @@
-"""Token-budget batching: batches of similar-length samples, each filled up to a budget of padded tokens.
+"""Max-tokens batching: batches of similar-length samples, each filled up to ``max_tokens`` padded tokens.
 
 A fixed number of samples per batch makes the memory of a step follow the longest sample in it: with
 lengths from 16 to 2,048 tokens, one batch of 32 holds 512 padded tokens and the next 65,536. What
 memory sees is the *padded* batch, ``samples x longest sample``, so this module keeps that constant
-instead: :class:`TokenBudgetBatchSampler` groups samples of similar length (little padding) and adds
+instead: :class:`MaxTokensBatchSampler` groups samples of similar length (little padding) and adds
 samples to a batch while ``len(batch) * max(length in batch) <= max_tokens``. Short samples come many to
 a batch, long ones few: the effective batch in *padded tokens* is what stays (roughly) constant, not the
 sample count. With a loss that is a mean over tokens, pass the token count to
@@ -26,7 +26,7 @@ from torch.utils.data import Sampler
 
 from lightning_memopt._checks import check_positive_int
 
-__all__ = ["TokenBudgetBatchSampler", "pad_collate", "padding_tokens"]
+__all__ = ["MaxTokensBatchSampler", "pad_collate", "padding_tokens"]
 
 
 def _check_lengths(lengths: Any) -> list[int]:
@@ -62,15 +62,15 @@ def _check_lengths(lengths: Any) -> list[int]:
     return out
 
 
-class TokenBudgetBatchSampler(Sampler[list[int]]):
+class MaxTokensBatchSampler(Sampler[list[int]]):
     """Yield batches of dataset indices of similar length, each holding at most ``max_tokens`` padded tokens.
 
-    The budget is on **padded** tokens, what a step's memory sees: a batch is full when adding the next
+    The bound is on **padded** tokens, what a step's memory sees: a batch is full when adding the next
     sample would make ``len(batch) * max(lengths[i] for i in batch)`` exceed ``max_tokens``. So the padded
-    tokens per batch stay roughly constant (each batch is within one sample of the budget) while the
+    tokens per batch stay roughly constant (each batch is within one sample of the bound) while the
     number of samples varies: many short samples, or a few long ones. A sample longer than ``max_tokens``
-    cannot meet the bound; it gets a batch of its own (the only batches over the budget), and the
-    constructor warns once with how many there are and the longest, so that the user can raise the budget
+    cannot meet the bound; it gets a batch of its own (the only batches over the bound), and the
+    constructor warns once with how many there are and the longest, so that the user can raise the bound
     or truncate.
 
     How an epoch is built, the same on every rank: the indices are shuffled (seeded with
@@ -100,7 +100,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     Args:
         lengths: Token count of each sample of the dataset (positive ints; a list or a 1-D int tensor).
-        max_tokens: The budget of padded tokens per batch (``samples x longest``).
+        max_tokens: The most padded tokens per batch (``samples x longest``).
         shuffle: Shuffle which samples share a chunk and the order of batches. Default True.
         seed: Seed of the shuffles; the same on every rank. Default 0.
         num_replicas: Number of ranks. Default: ``torch.distributed``'s world size when it is initialized,
@@ -118,8 +118,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     Example::
 
-        >>> from lightning_memopt.data.token_batching import TokenBudgetBatchSampler
-        >>> sampler = TokenBudgetBatchSampler([5, 60, 7, 64, 6, 8], max_tokens=128, shuffle=False)
+        >>> from lightning_memopt.data.token_batching import MaxTokensBatchSampler
+        >>> sampler = MaxTokensBatchSampler([5, 60, 7, 64, 6, 8], max_tokens=128, shuffle=False)
         >>> list(sampler)  # 4 short samples padded to 8 tokens, 2 long ones padded to 64
         [[0, 4, 2, 5], [1, 3]]
     """
@@ -163,14 +163,14 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         oversized = [n for n in self.lengths if n > self.max_tokens]
         if oversized:
             warnings.warn(
-                f"TokenBudgetBatchSampler: {len(oversized)} sample(s) are longer than max_tokens="
+                f"MaxTokensBatchSampler: {len(oversized)} sample(s) are longer than max_tokens="
                 f"{self.max_tokens} (the longest: {max(oversized)} tokens); each gets a batch of its own, "
-                "over the budget. Raise max_tokens or truncate those samples.",
+                "over max_tokens. Raise max_tokens or truncate those samples.",
                 stacklevel=2,
             )
 
     @property
-    def sampler(self) -> TokenBudgetBatchSampler:
+    def sampler(self) -> MaxTokensBatchSampler:
         """This sampler: where Lightning looks (``batch_sampler.sampler``) for ``set_epoch``."""
         return self
 
@@ -244,7 +244,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         missing = {"seed", "epoch", "batches_done"} - set(state_dict)
         if missing:
             raise ValueError(
-                f"the state misses {sorted(missing)}; pass what TokenBudgetBatchSampler.state_dict() returned"
+                f"the state misses {sorted(missing)}; pass what MaxTokensBatchSampler.state_dict() returned"
             )
         if state_dict["seed"] != self.seed:
             raise ValueError(
@@ -270,7 +270,7 @@ def _fill(sorted_indices: list[int], lengths: list[int], max_tokens: int) -> lis
         if batch and (len(batch) + 1) * lengths[i] > max_tokens:
             batches.append(batch)
             batch = []
-        batch.append(i)  # alone in a batch, a sample over the budget still gets one
+        batch.append(i)  # alone in a batch, a sample over max_tokens still gets one
     if batch:
         batches.append(batch)
     return batches

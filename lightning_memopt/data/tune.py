@@ -1,7 +1,7 @@
 """Measure the training DataLoader alone at a few ``num_workers`` values and pick the fastest.
 
 Each candidate is a fresh DataLoader over the *same* dataset, sampler (or batch sampler) and collate
-function, iterated for the first ``batches`` batches under :func:`~lightning_memopt.data.rng.preserved_rng`,
+function, iterated for the first ``batches`` batches under :func:`~lightning_memopt.data.preserved_rng.preserved_rng`,
 so every candidate, and the training that follows, sees the same samples in the same order as without
 tuning. An ``IterableDataset`` may be a one-shot stream, so it is not tuned.
 """
@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.data.diagnosis import cores_per_rank
-from lightning_memopt.data.rng import preserved_rng
+from lightning_memopt.data.preserved_rng import preserved_rng
 
 __all__ = ["TuneRow", "TuneResult", "tune_num_workers", "worker_candidates"]
 

@@ -45,7 +45,7 @@ from typing import Any
 
 from lightning_memopt.batching.split import batch_size
 from lightning_memopt.memory import CATEGORIES, format_bytes, parse_bytes
-from lightning_memopt.memory.budget import check_headroom, usable_bytes
+from lightning_memopt.memory.limit import check_headroom, usable_bytes
 from lightning_memopt.memory.report import PHASES
 from lightning_memopt.planning.build import FakeBuildError, fake_mode, module_context
 from lightning_memopt.planning.config import PlanInput, load_input

@@ -27,7 +27,7 @@ from torch import nn
 from lightning_memopt.batching.split import batch_size, micro_batch_sizes, split_batch
 from lightning_memopt.checkpointing import (
     CostModel,
-    InfeasibleBudgetError,
+    NoPlanFitsError,
     evaluate_plan,
     find_blocks,
     plan_checkpointing,
@@ -234,15 +234,15 @@ class Planner:
         outside = base.peak_bytes - keep.peak_bytes  # what the step holds besides the blocks' activations
         allowed = ["keep", "selective", "full"] + (["offload"] if c.checkpoint == "offload" else [])
         step_flops = 3 * sum(p.forward_flops for p in profiles) or 1
-        budget = self.usable - outside
+        max_bytes = self.usable - outside
         for _ in range(3):  # the planner's model vs the fake run: shrink by the overshoot, at most twice
-            if budget <= 0:
+            if max_bytes <= 0:
                 return Evaluated(
                     c, None, float("inf"), False, note="parameters, gradients and state alone do not fit"
                 )
             try:
-                plan = plan_checkpointing(profiles, budget, allowed=allowed, cost_model=self.cost_model)
-            except InfeasibleBudgetError as exc:
+                plan = plan_checkpointing(profiles, max_bytes, allowed=allowed, cost_model=self.cost_model)
+            except NoPlanFitsError as exc:
                 return Evaluated(
                     c, None, float("inf"), False, note=f"no plan fits: {exc.minimum} bytes at least"
                 )
@@ -256,7 +256,7 @@ class Planner:
             over = prediction.peak_bytes - self.usable
             if over <= 0:
                 break
-            budget -= over
+            max_bytes -= over
         price = cost + plan.cost / step_flops
         return Evaluated(c, prediction, price, over <= 0, plan, plan.extra_flops)
 

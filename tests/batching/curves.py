@@ -1,6 +1,6 @@
 """A seeded family of simulated memory curves (peak bytes vs micro-batch size) for the sizing search.
 
-Shared by ``tests/batching/test_sizing.py`` and ``benchmarks/batching.py`` (plain Python, no torch).
+Shared by ``tests/batching/test_size_search.py`` and ``benchmarks/batching.py`` (plain Python, no torch).
 Each curve is described at a target size ``T`` (1 with probability 4%, else log-uniform in [2, 5000]):
 its peak there (1e5 to 1e10 bytes), the fixed part's share of it (log-uniform in 2-90%) and the quadratic
 part over the per-sample part (0 for affine; 2-50% convex; 0.5-5 times strongly convex). Kinked curves

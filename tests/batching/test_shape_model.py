@@ -12,11 +12,11 @@ from torch.utils.data import DataLoader
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
 from lightning_memopt.batching.engine import MicroBatchEngine
-from lightning_memopt.batching.shapes import ShapeModel
+from lightning_memopt.batching.shape_model import ShapeModel
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import MemoryCap
 from tests.batching.helpers import assert_params_close, quiet_trainer
-from tests.batching.test_shapes import lm_batch
+from tests.batching.test_per_batch_sizing import lm_batch
 from tests.distributed import run_ranks
 
 LENGTHS_BY_RANK = {0: [48, 12, 96, 24, 160, 56], 1: [64, 96, 12, 200, 48, 160]}  # as shapes_worker
@@ -25,7 +25,7 @@ VOCAB = 512
 
 # ------------------------------------------------------------------------------------------ the model
 def test_two_widths_fit_linear_plus_quadratic_exactly():
-    model = ShapeModel(budget=100_000, limit=110_000, workspace=1_000)
+    model = ShapeModel(usable=100_000, limit=110_000, workspace=1_000)
     cost = lambda t: 24 * t + 0.25 * t * t  # noqa: E731  bytes per sample of t tokens
     model.measured(width=64, samples=3, increment=1_000 + 3 * cost(64))
     assert model.samples_for(64) == int(99_000 // cost(64))
@@ -41,7 +41,7 @@ def test_two_widths_fit_linear_plus_quadratic_exactly():
 
 
 def test_between_measured_widths_the_chord_beyond_them_the_fitted_shape():
-    model = ShapeModel(budget=10**6, limit=10**6, workspace=0)
+    model = ShapeModel(usable=10**6, limit=10**6, workspace=0)
     for t, cost in ((16, 100.0), (32, 160.0), (64, 400.0)):  # not on one a*t + b*t^2 curve
         model.add(t, cost)
     for t, cost in ((16, 100.0), (32, 160.0), (64, 400.0)):
@@ -55,14 +55,14 @@ def test_between_measured_widths_the_chord_beyond_them_the_fitted_shape():
 
 
 def test_a_curve_that_bends_down_is_fitted_by_a_line():
-    model = ShapeModel(budget=10**6, limit=10**6, workspace=0)
+    model = ShapeModel(usable=10**6, limit=10**6, workspace=0)
     model.add(10, 100.0)
     model.add(100, 500.0)  # less than linear: the quadratic coefficient would be negative
     assert model.quadratic == 0 and model.linear > 0
 
 
 def test_a_miss_lowers_the_prediction_at_that_length():
-    model = ShapeModel(budget=9_000, limit=10_000, workspace=0)
+    model = ShapeModel(usable=9_000, limit=10_000, workspace=0)
     model.add(32, 100.0)
     model.add(128, 400.0)
     assert model.samples_for(128) == 22
@@ -80,11 +80,11 @@ def test_a_miss_lowers_the_prediction_at_that_length():
 
 def test_from_probes_predicts_the_size_the_search_found():
     probes = [(1, 1_300), (2, 1_600), (7, 3_100), (8, None)]  # 300 bytes a sample, 1,000 fixed
-    model = ShapeModel.from_probes(probes, width=50, size=7, whole=False, budget=3_350, limit=3_500, held=600)
+    model = ShapeModel.from_probes(probes, width=50, size=7, whole=False, usable=3_350, limit=3_500, held=600)
     assert model.workspace == pytest.approx(400)  # the intercept 1,000 less the 600 held
     assert model.samples_for(50) == 7  # 8 would fit the line (3,400 > 3,350? no: 3,400): the search said no
     whole = ShapeModel.from_probes(
-        probes[:3], width=50, size=7, whole=True, budget=3_350, limit=3_500, held=600
+        probes[:3], width=50, size=7, whole=True, usable=3_350, limit=3_500, held=600
     )
     assert whole.samples_for(50) == 7  # (3,350 - 1,000) // 300
     assert whole.samples_for(25) == 15  # one width known: linear in tokens, 150 bytes a sample

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_memopt import AutoCheckpoint, OOMBackoff
-from lightning_memopt.checkpointing import ActivationMeter, budget, checkpointed_blocks, find_blocks
+from lightning_memopt.checkpointing import ActivationMeter, checkpointed_blocks, find_blocks, step_limit
 from lightning_memopt.testing import OOMInjector
 from tests.checkpointing.clocks import WorkClock
 from tests.checkpointing.models import TinyGPT
@@ -64,7 +64,7 @@ class Module(pl.LightningModule):
 
 class Steps(pl.Callback):
     """Per step: the batch shape, the choices the blocks ran, the bytes they held at the end of the
-    forward (under OOMBackoff: the last micro-batch's), and the plan's budget and predicted bytes."""
+    forward (under OOMBackoff: the last micro-batch's), and the plan's max_bytes and predicted bytes."""
 
     def __init__(self, auto: AutoCheckpoint | None) -> None:
         self.auto = auto
@@ -86,7 +86,7 @@ class Steps(pl.Callback):
                 "ran": self._ran,
                 "held": self._meter.total,
                 # After a step that profiled: the plan made on it; else the plan it ran.
-                "budget": plan.budget if plan is not None else None,
+                "max_bytes": plan.max_bytes if plan is not None else None,
                 "predicted": plan.activation_bytes if plan is not None else None,
                 "plans_made": self.auto.shape_plans.made if self.auto is not None else 0,
             }
@@ -186,7 +186,7 @@ def run(kind: str, callbacks, lengths=LENGTHS) -> tuple[torch.Tensor, list[tuple
 def main(out: str) -> None:
     # Plans priced in seconds: time counted as work (as tests/conftest.py does in the tests' own process),
     # so that the plans asserted are the same on every run.
-    budget.step_clock = lambda device: WorkClock()
+    step_limit.step_clock = lambda device: WorkClock()
     rank = int(os.environ["RANK"])
     result = {}
     for kind in ("ddp", "fsdp2"):

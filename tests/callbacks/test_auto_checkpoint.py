@@ -205,8 +205,8 @@ def test_capacity_known_plans_under_capacity(tmp_path, monkeypatch):
     cb = AutoCheckpoint(headroom=0.0)
     trainer = _trainer(tmp_path, [cb], steps=3)
     trainer.fit(module)
-    assert cb.plan.predicted and cb.plan.budget == 40_000
-    assert cb.plan.activation_bytes <= cb.plan.budget < cb.plan.baseline_bytes
+    assert cb.plan.predicted and cb.plan.max_bytes == 40_000
+    assert cb.plan.activation_bytes <= cb.plan.max_bytes < cb.plan.baseline_bytes
     assert "keep" in cb.plan.choices.values() or "selective" in cb.plan.choices.values()
     assert trainer.callback_metrics["checkpoint/activation_bytes_measured"].item() == cb.plan.activation_bytes
 
@@ -363,7 +363,7 @@ def test_configurable_from_yaml_like_arguments():
 
     parser = ArgumentParser()
     parser.add_class_arguments(AutoCheckpoint, "cb")
-    for args, budget in (
+    for args, max_bytes in (
         [["--cb.max_memory=6GiB"], "6GiB"],
         [["--cb.max_memory=0.5"], 0.5],
         [["--cb.max_memory=1000"], 1000],
@@ -374,7 +374,11 @@ def test_configurable_from_yaml_like_arguments():
             if hasattr(parser, "instantiate")
             else parser.instantiate_classes(cfg).cb
         )
-        assert (cb.max_memory, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (budget, ["h.*"], 20.0)
+        assert (cb.max_memory, cb.blocks, cb.cost_model.pointwise_flops_per_byte) == (
+            max_bytes,
+            ["h.*"],
+            20.0,
+        )
 
 
 @pytest.mark.parametrize("checkpoint_first", [True, False])
@@ -511,9 +515,9 @@ class ScriptedClock:
     ],
 )
 def test_plans_are_priced_by_the_time_each_treatment_takes(tmp_path, monkeypatch, durations, chosen, never):
-    from lightning_memopt.checkpointing import budget
+    from lightning_memopt.checkpointing import step_limit
 
-    monkeypatch.setattr(budget, "step_clock", lambda device: ScriptedClock(durations))
+    monkeypatch.setattr(step_limit, "step_clock", lambda device: ScriptedClock(durations))
     module = GPTModule()
     # The blocks get 85 kB: a kept block holds 35,392 bytes, a selective one 22,528, a full one 2,048. Two
     # selective blocks and a kept one fit, or one full block and two kept: which is cheaper is the clock's.

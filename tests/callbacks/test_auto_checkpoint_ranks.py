@@ -6,7 +6,7 @@ rank runs the same plan on every step, and calls the same collectives in the sam
 checkpointed block recomputes its forward in backward and the ranks must not disagree about which blocks do
 (with blocks ``fully_shard``-ed whole, FSDP2's and OOMBackoff's hooks run around a checkpointed forward,
 never inside it, so equal plans give equal collectives; DDP's reducer all-reduces buckets in a fixed
-order); the blocks' bytes on every rank stay within the budget of the plan it ran; parameters are equal on
+order); the blocks' bytes on every rank stay within the max_bytes of the plan it ran; parameters are equal on
 both ranks and equal the training without AutoCheckpoint.
 """
 
@@ -20,7 +20,7 @@ from tests.distributed import run_ranks
 
 FULL = {"model.h.0": "full", "model.h.1": "full", "model.h.2": "full"}
 KEEP = {"model.h.0": "keep", "model.h.1": "keep", "model.h.2": "keep"}
-# made at step 1; pointwise, which drops the block's LayerNorm and functional GELU outputs, fits the budget
+# made at step 1; pointwise, which drops the block's LayerNorm and functional GELU outputs, fits the max_bytes
 # with less work than selective
 PLAN_16 = {"model.h.0": "keep", "model.h.1": "pointwise", "model.h.2": "keep"}
 PLAN_24 = {"model.h.0": "full", "model.h.1": "full", "model.h.2": "keep"}  # made at step 3
@@ -51,7 +51,7 @@ def test_ranks_with_different_shapes_run_the_same_plans_within_budget(results, k
         assert [row["plans_made"] for row in ours[f"{run}_steps"]] == [1, 2, 2, 3, 3, 3]
         plans = ours[f"{run}_plans"]
         assert plans == theirs[f"{run}_plans"]  # the same plans, under the same shapes, on both ranks
-        # With OOMBackoff the micro-batch a plan was profiled on is part of its key (checkpointing/shapes.py
+        # With OOMBackoff the micro-batch a plan was profiled on is part of its key (checkpointing/shape_plans.py
         # step_signature): 4 samples, then 2 from rank 1's out-of-memory error at the 24-token step on.
         micro = {"auto": [[], [], []], "backoff": [[[4]], [[4]], [[2]]]}[run]
         assert [(p["shapes"], p["also"]) for p in plans] == [
@@ -63,7 +63,7 @@ def test_ranks_with_different_shapes_run_the_same_plans_within_budget(results, k
         assert ours[f"{run}_collectives"] == theirs[f"{run}_collectives"]
         for rank, result in enumerate((ours, theirs)):
             for step, row in enumerate(result[f"{run}_steps"]):
-                assert row["held"] <= row["budget"], f"{run}, rank {rank}, step {step}: {row}"
+                assert row["held"] <= row["max_bytes"], f"{run}, rank {rank}, step {step}: {row}"
                 if row["ran"] != FULL:  # a planned step: within the plan's own prediction too
                     assert row["held"] <= row["predicted"], f"{run}, rank {rank}, step {step}: {row}"
     # The plan's figures are the largest over ranks: exact on the rank whose batch was the largest.

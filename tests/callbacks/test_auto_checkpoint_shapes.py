@@ -1,4 +1,4 @@
-"""AutoCheckpoint under a limit, batches that grow (issue 12): a plan per batch shape, never over budget."""
+"""AutoCheckpoint under a limit, batches that grow (issue 12): a plan per batch shape, never over max_bytes."""
 
 import lightning.pytorch as pl
 import pytest
@@ -15,7 +15,7 @@ from tests.checkpointing.models import TinyGPT
 # Padded to each batch's longest sequence: 4 samples of 8, 16, 12, 24 ... tokens; new longest: steps 0, 2, 5.
 LENGTHS = [8, 8, 16, 12, 16, 24, 8, 24]
 # Parameters + SGD gradients take 85.38 KiB and the activations outside the blocks a few more, so the blocks'
-# budget is 273,868 bytes at 8 tokens and 256,460 at 24; every block kept holds 225,024 bytes at 16 tokens and
+# max_bytes is 273,868 bytes at 8 tokens and 256,460 at 24; every block kept holds 225,024 bytes at 16 tokens and
 # 356,544 at 24: the plan made on the first (8-token) batch keeps everything and would overrun at 24 tokens.
 MAX_MEMORY = 370_000
 
@@ -35,7 +35,7 @@ class GPTModule(pl.LightningModule):
 
 class BlockBytes(pl.Callback):
     """Per step: the batch shape, the bytes the blocks hold at the end of the forward (``ActivationMeter``,
-    independent of AutoCheckpoint's own probe) and the blocks' budget of the plan AutoCheckpoint ran."""
+    independent of AutoCheckpoint's own probe) and the blocks' max_bytes of the plan AutoCheckpoint ran."""
 
     def __init__(self, auto: AutoCheckpoint) -> None:
         self.auto = auto
@@ -49,7 +49,7 @@ class BlockBytes(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # After a step that profiled, the plan is the one made for that step's shape (on the same batch).
-        self.rows.append((tuple(batch.shape), self._meter.total, self.auto.plan.budget))
+        self.rows.append((tuple(batch.shape), self._meter.total, self.auto.plan.max_bytes))
 
 
 def _batches(lengths=LENGTHS):
@@ -71,14 +71,16 @@ def test_longer_batches_are_planned_for_and_never_exceed_the_budget(tmp_path):
     auto = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
     meter = BlockBytes(auto)
     module, _ = _fit(tmp_path, [auto, meter])
-    for step, (shape, held, budget) in enumerate(meter.rows):
-        assert held <= budget, f"step {step}, batch {shape}: the blocks held {held} bytes, budget {budget}"
+    for step, (shape, held, max_bytes) in enumerate(meter.rows):
+        assert held <= max_bytes, (
+            f"step {step}, batch {shape}: the blocks held {held} bytes, max_bytes {max_bytes}"
+        )
     # One plan per new longest shape (steps 0, 2, 5), none for the shorter or repeated ones.
     assert auto.shape_plans.made == 3
     assert list(auto.shape_plans.plans) == [((4, 8),), ((4, 16),), ((4, 24),)]
     short, long = auto.shape_plans.plans[((4, 8),)], auto.shape_plans.plans[((4, 24),)]
     assert set(short.choices.values()) == {"keep"} and "full" in long.choices.values()
-    assert [budget for *_, budget in meter.rows] == [273_868] * 2 + [265_164] * 3 + [
+    assert [max_bytes for *_, max_bytes in meter.rows] == [273_868] * 2 + [265_164] * 3 + [
         256_460,
         273_868,
         256_460,
@@ -94,7 +96,7 @@ def test_longer_batches_are_planned_for_and_never_exceed_the_budget(tmp_path):
 
 def test_planning_only_on_the_first_batch_overruns(tmp_path):
     """The test above can fail: planned once on the short first batch (the behaviour before issue 12), the
-    24-token batches hold more than the budget."""
+    24-token batches hold more than the max_bytes."""
 
     class FirstBatchOnly(AutoCheckpoint):
         def setup(self, trainer, pl_module, stage):
@@ -104,7 +106,7 @@ def test_planning_only_on_the_first_batch_overruns(tmp_path):
     auto = FirstBatchOnly(max_memory=MAX_MEMORY, headroom=0.0)
     meter = BlockBytes(auto)
     _fit(tmp_path, [auto, meter])  # silently: the plan is checked on step 1 only, 8 tokens like step 0
-    over = [step for step, (_, held, budget) in enumerate(meter.rows) if held > budget]
+    over = [step for step, (_, held, max_bytes) in enumerate(meter.rows) if held > max_bytes]
     assert over == [5, 7] and meter.rows[5][1] == 356_544 > meter.rows[5][2] == 273_868
 
 
@@ -121,7 +123,7 @@ def test_a_batch_too_large_even_fully_checkpointed_warns_before_it_runs(tmp_path
     with (
         pytest.warns(
             UserWarning,
-            match=r"shapes \[\(4, 512\)\] arrives; .* 154.\d\d MiB, over the blocks. budget 267.45 KiB",
+            match=r"shapes \[\(4, 512\)\] arrives; .* 154.\d\d MiB, over the blocks. share 267.45 KiB",
         ),
         pytest.raises(
             MisconfigurationException, match=r"AutoCheckpoint: max_memory=370000 .* Pass max_memory >="

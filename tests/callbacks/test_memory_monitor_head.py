@@ -72,7 +72,7 @@ def test_chunked_head_line_is_its_chunk_and_held_gradients(tmp_path):
     # Held through the chunks: the hidden states and labels of the shifted positions (copies: the slice
     # is not contiguous), the gradients w.r.t. the hidden states and the weight, the per-token losses and
     # a one-element scale. GPT-2's lm_head has no bias.
-    held = n * H * F32 + n * I64 + n * H * F32 + V * H * F32 + n * F32 + F32
+    held = n * H * F32 + n * I64 + n * H * F32 + V * H * F32 + n * F32 + F32 + I64  # ... and the token count
     # The peak in the chunk's softmax: the chunk's logits and 42 bytes of per-token vectors per token
     # (tests/memory/test_tracker.py names them).
     assert record["forward_head"] == held + chunk * (4 * V + 42)

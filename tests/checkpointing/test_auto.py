@@ -13,7 +13,7 @@ from torch import nn
 from lightning_memopt.checkpointing import (
     AutoCheckpointer,
     CostModel,
-    InfeasibleBudgetError,
+    NoPlanFitsError,
     auto_checkpoint,
     checkpointed_blocks,
 )
@@ -190,7 +190,7 @@ def test_a_callable_that_runs_backward_is_refused_and_the_model_left_alone():
 
 def test_a_limit_too_small_names_what_the_step_needs_and_leaves_the_model_alone():
     model = gpt2()
-    with pytest.raises(InfeasibleBudgetError, match=r"max_memory='100KiB' .* Pass max_memory >="):
+    with pytest.raises(NoPlanFitsError, match=r"max_memory='100KiB' .* Pass max_memory >="):
         auto_checkpoint(model, batches()[0], max_memory="100KiB")
     assert checkpointed_blocks(model) == {}
 

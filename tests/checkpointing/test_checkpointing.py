@@ -14,7 +14,7 @@ from lightning_memopt.checkpointing import (
     ActivationMeter,
     BlockProfile,
     CostModel,
-    InfeasibleBudgetError,
+    NoPlanFitsError,
     OptionCost,
     apply_checkpointing,
     capture_block_inputs,
@@ -493,15 +493,15 @@ def test_dp_equals_brute_force_on_random_instances():
         profiles = _random_profiles(rng, rng.randint(1, 6))
         allowed = ["keep", "selective", "full", "offload"] if trial % 2 else ["keep", "selective", "full"]
         top = evaluate_plan(profiles, ["keep"] * len(profiles)).activation_bytes
-        budget = rng.randint(top // 5, top)
-        brute = brute_force_plan(profiles, budget, allowed=allowed, cost_model=cost_model)
+        max_bytes = rng.randint(top // 5, top)
+        brute = brute_force_plan(profiles, max_bytes, allowed=allowed, cost_model=cost_model)
         if brute is None:
-            with pytest.raises(InfeasibleBudgetError):
-                plan_checkpointing(profiles, budget, allowed=allowed, cost_model=cost_model)
+            with pytest.raises(NoPlanFitsError):
+                plan_checkpointing(profiles, max_bytes, allowed=allowed, cost_model=cost_model)
             continue
-        plan = plan_checkpointing(profiles, budget, allowed=allowed, cost_model=cost_model)
+        plan = plan_checkpointing(profiles, max_bytes, allowed=allowed, cost_model=cost_model)
         assert plan.cost == brute.cost, trial
-        assert plan.activation_bytes <= plan.peak_bytes <= budget
+        assert plan.activation_bytes <= plan.peak_bytes <= max_bytes
 
 
 def test_budget_bounds_the_backward_peak_of_recomputation():
@@ -531,12 +531,12 @@ def test_plan_budget_errors_and_table():
     allowed = ["keep", "selective", "full"]
     minimum = min(evaluate_plan(profiles, c).peak_bytes for c in itertools.product(allowed, repeat=3))
     with pytest.raises(
-        InfeasibleBudgetError, match=rf"smallest peak activation bytes .*\({minimum} bytes\).*allow 'offload'"
+        NoPlanFitsError, match=rf"smallest peak activation bytes .*\({minimum} bytes\).*allow 'offload'"
     ):
         plan_checkpointing(profiles, minimum - 1, allowed=allowed)
     assert plan_checkpointing(profiles, minimum, allowed=allowed).peak_bytes == minimum
     for bad in ["-1GB", "banana", 0]:
-        with pytest.raises(ValueError, match="budget must be"):
+        with pytest.raises(ValueError, match="max_bytes must be"):
             plan_checkpointing(profiles, bad)
     with pytest.raises(ValueError, match="allowed treatments must be among .* got 'cheap'"):
         plan_checkpointing(profiles, 10**6, allowed=["cheap"])

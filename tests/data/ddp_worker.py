@@ -1,4 +1,4 @@
-"""One rank of the DDP fit with TokenBudgetBatchSampler (launched by tests/data/test_token_batching.py)."""
+"""One rank of the DDP fit with MaxTokensBatchSampler (launched by tests/data/test_token_batching.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from lightning_memopt.data.token_batching import TokenBudgetBatchSampler, pad_collate
+from lightning_memopt.data.token_batching import MaxTokensBatchSampler, pad_collate
 from tests.batching.helpers import quiet_trainer
 from tests.data.corpus import long_tailed_lengths, token_sequences
 
@@ -22,7 +22,7 @@ def main(out: str) -> None:
     class Module(TinyLM):
         def train_dataloader(self):
             # Created after Lightning joined the process group: rank and world size come from it.
-            self.sampler = TokenBudgetBatchSampler(LENGTHS, 96, seed=1)
+            self.sampler = MaxTokensBatchSampler(LENGTHS, 96, seed=1)
             data = [t % 32 for t in token_sequences(LENGTHS, vocab=32, seed=2)]
             return DataLoader(data, batch_sampler=self.sampler, collate_fn=pad_collate())
 

@@ -11,24 +11,24 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_memopt import AutoAccumulation
-from lightning_memopt.data.token_batching import TokenBudgetBatchSampler, pad_collate, padding_tokens
+from lightning_memopt.data.token_batching import MaxTokensBatchSampler, pad_collate, padding_tokens
 from tests.data.corpus import long_tailed_lengths, random_batches, token_sequences
 
 LENGTHS = long_tailed_lengths(1000, seed=1)
 
 
-def _sampler(**kwargs) -> TokenBudgetBatchSampler:
+def _sampler(**kwargs) -> MaxTokensBatchSampler:
     kwargs.setdefault("max_tokens", 4096)
     kwargs.setdefault("bucket_size", 256)
-    return TokenBudgetBatchSampler(LENGTHS, **kwargs)
+    return MaxTokensBatchSampler(LENGTHS, **kwargs)
 
 
 def test_example_batches_and_bound():
-    sampler = TokenBudgetBatchSampler([5, 60, 7, 64, 6, 8], max_tokens=128, shuffle=False)
+    sampler = MaxTokensBatchSampler([5, 60, 7, 64, 6, 8], max_tokens=128, shuffle=False)
     assert list(sampler) == [[0, 4, 2, 5], [1, 3]]
     assert len(sampler) == 2
     # 127 tokens: the two long samples no longer fit together (2 x 64 = 128 > 127)
-    assert list(TokenBudgetBatchSampler([5, 60, 7, 64, 6, 8], 127, shuffle=False)) == [[0, 4, 2, 5], [1], [3]]
+    assert list(MaxTokensBatchSampler([5, 60, 7, 64, 6, 8], 127, shuffle=False)) == [[0, 4, 2, 5], [1], [3]]
 
 
 def test_token_bound_holds_on_every_batch_and_batches_are_full():
@@ -120,7 +120,7 @@ def test_resume_mid_epoch_equals_uninterrupted(num_replicas):
 
 def test_oversized_sample_gets_its_own_batch_with_one_warning():
     with pytest.warns(UserWarning, match=r"1 sample\(s\) are longer than max_tokens=100 \(the longest: 300"):
-        sampler = TokenBudgetBatchSampler([10, 300, 20, 30], 100, shuffle=False)
+        sampler = MaxTokensBatchSampler([10, 300, 20, 30], 100, shuffle=False)
     assert list(sampler) == [[0, 2, 3], [1]]
 
 
@@ -184,14 +184,14 @@ def test_pad_collate_bad_samples():
 def test_bad_arguments(kwargs, error, match):
     kwargs = {"lengths": [3, 4], "max_tokens": 8, **kwargs}
     with pytest.raises(error, match=match):
-        TokenBudgetBatchSampler(kwargs.pop("lengths"), kwargs.pop("max_tokens"), **kwargs)
+        MaxTokensBatchSampler(kwargs.pop("lengths"), kwargs.pop("max_tokens"), **kwargs)
 
 
 def test_lengths_as_tensor_or_numpy_ints():
     np = pytest.importorskip("numpy")
-    expected = list(TokenBudgetBatchSampler([3, 9, 4], 12, shuffle=False))
-    assert list(TokenBudgetBatchSampler(torch.tensor([3, 9, 4]), 12, shuffle=False)) == expected
-    assert list(TokenBudgetBatchSampler(np.array([3, 9, 4]), 12, shuffle=False)) == expected
+    expected = list(MaxTokensBatchSampler([3, 9, 4], 12, shuffle=False))
+    assert list(MaxTokensBatchSampler(torch.tensor([3, 9, 4]), 12, shuffle=False)) == expected
+    assert list(MaxTokensBatchSampler(np.array([3, 9, 4]), 12, shuffle=False)) == expected
 
 
 def test_load_state_dict_errors():
@@ -230,7 +230,7 @@ class TinyLM(pl.LightningModule):
 def _fit(callbacks=(), max_steps=2):
     lengths = long_tailed_lengths(64, low=2, high=40, median=8, seed=2)
     data = [t % 32 for t in token_sequences(lengths, vocab=32, seed=2)]
-    sampler = TokenBudgetBatchSampler(lengths, 96, seed=1)
+    sampler = MaxTokensBatchSampler(lengths, 96, seed=1)
     loader = DataLoader(data, batch_sampler=sampler, collate_fn=pad_collate())
     module = TinyLM()
     trainer = pl.Trainer(

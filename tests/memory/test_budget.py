@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_memopt.memory.budget import check_headroom, check_max_memory, usable_bytes
+from lightning_memopt.memory.limit import check_headroom, check_max_memory, usable_bytes
 
 
 @pytest.mark.parametrize(

@@ -290,7 +290,8 @@ def test_chunked_head_counts_its_chunk_and_the_gradients_it_holds():
     chunk = 2
     with MemoryTracker([body, head]) as tracker:  # linear_cross_entropy opens the head itself
         loss = linear_cross_entropy(body(x), head.weight, y, bias=head.bias, chunk_size=chunk)
-        held = N * F32 + F32 + N * H * F32 + V * H * F32 + V * F32  # losses, ones, d hidden, d weight, d bias
+        # losses, the one-element scale, the count of tokens (int64), d hidden, d weight, d bias
+        held = N * F32 + F32 + 8 + N * H * F32 + V * H * F32 + V * F32
         # The peak is at the bias's gradient, db += dz.sum(0): the chunk's logits turned gradient (c, V),
         # their column sum (V,) and the chunk's losses (c,). (Without a bias it is in the chunk's softmax:
         # the logits and 42 bytes of per-token vectors per token.)

@@ -3,7 +3,7 @@ but dropout 0 and 256 positions), random batches of long-tailed lengths padded p
 
 - ``AutoAccumulation(max_memory) + OOMBackoff`` under a memory cap: no step runs out of memory, the
   micro-batch count follows the length, and the parameters equal the unsplit run's (rel 1e-10).
-- ``AutoCheckpoint(max_memory)``: no step's blocks hold more than the budget of the plan it ran.
+- ``AutoCheckpoint(max_memory)``: no step's blocks hold more than the max_bytes of the plan it ran.
 """
 
 import statistics
@@ -99,10 +99,10 @@ def test_bert_variable_lengths_no_failed_attempt_and_exact():
 
 
 class BlockBudget(pl.Callback):
-    """Per step: the blocks' activation bytes at the end of the forward, and the budget of the plan run."""
+    """Per step: the blocks' activation bytes at the end of the forward, and the max_bytes of the plan run."""
 
     def __init__(self, auto: AutoCheckpoint) -> None:
-        self.auto, self.held, self.budgets = auto, [], []
+        self.auto, self.held, self.max_bytes_seen = auto, [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.meter = ActivationMeter(pl_module, find_blocks(pl_module)).__enter__()
@@ -112,7 +112,7 @@ class BlockBudget(pl.Callback):
         self.held.append(self.meter.total)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.budgets.append(self.auto.plan.budget)
+        self.max_bytes_seen.append(self.auto.plan.max_bytes)
 
 
 def test_bert_variable_lengths_autocheckpoint_never_over_its_budget():
@@ -125,7 +125,9 @@ def test_bert_variable_lengths_autocheckpoint_never_over_its_budget():
     model = LongBert()
     quiet_trainer([auto, meter], max_steps=STEPS).fit(model, loader())
     assert auto.shape_plans.made >= 2  # longer batches were planned for again
-    assert all(h <= b for h, b in zip(meter.held, meter.budgets)), list(zip(meter.held, meter.budgets))
+    assert all(h <= b for h, b in zip(meter.held, meter.max_bytes_seen)), list(
+        zip(meter.held, meter.max_bytes_seen)
+    )
     assert_same_training(model, base)
 
 

@@ -1,7 +1,7 @@
 """Plans per batch shape: a plan made for one shape is reused for every batch no larger than it.
 
 A plan's bytes were profiled on one batch; a longer batch (padding to each batch's longest sequence)
-makes every block hold more, so a plan made on a short first batch can break its budget later.
+makes every block hold more, so a plan made on a short first batch can break its bound later.
 :class:`ShapePlans` keeps the plans made so far keyed by the shapes of the batch they were made on and
 says, before a batch runs, whether one of them covers it or the blocks must be profiled again.
 
@@ -164,37 +164,37 @@ class ShapePlans:
         ``most(flags)``: each flag's largest over processes (the flags themselves in one process). Per plan
         made, a flag says whether it does not cover this process's batch; the batch runs the cheapest plan
         that covers every process's batch, the same plan on every process. Where none does, every block
-        runs ``full`` unprofiled, after a warning if that too is estimated over ``current``'s budget
+        runs ``full`` unprofiled, after a warning if that too is estimated over ``current``'s ``max_bytes``
         (:meth:`overrun`), and is profiled on every process.
         """
         uncovered = self._uncovered(signature)
         known = self._cheapest(most(uncovered) if uncovered else [])  # the same plans on every process
         if known is not None:
             return known
-        overrun = self.overrun(signature, current.budget)
+        overrun = self.overrun(signature, current.max_bytes)
         if overrun is not None:
             warnings.warn(overrun, stacklevel=2)
         return Plan.unprofiled(dict.fromkeys(current.choices, "full"))
 
-    def overrun(self, signature: Signature, budget: int | None) -> str | None:
-        """Why a batch of ``signature`` may not fit the blocks' ``budget`` even fully checkpointed, or None.
+    def overrun(self, signature: Signature, max_bytes: int | None) -> str | None:
+        """Why a batch of ``signature`` may not fit the blocks' ``max_bytes`` even fully checkpointed, or None.
 
         The estimate scales the blocks' peak on the largest fully checkpointed batch by the growth of the
         batch's element count times the largest growth of one dimension: a bound for activations up to
         quadratic in one dimension (attention's T x T scores), above the truth for linear ones (a CNN's maps).
         """
-        if self._full is None or budget is None or not _elements(self._full[0]):
+        if self._full is None or max_bytes is None or not _elements(self._full[0]):
             return None
         planned, held = self._full
         growth = [b / p for ps, bs in zip(planned, signature) for p, b in zip(ps, bs) if p]
         longest = max(growth, default=1.0) if _same_ranks(planned, signature) else 1.0
         estimate = int(held * _elements(signature) / _elements(planned) * max(longest, 1.0))
-        if estimate <= budget:
+        if estimate <= max_bytes:
             return None
         return (
             f"AutoCheckpoint: a batch of shapes {list(signature)} arrives; fully checkpointed (the least any "
             f"plan reaches) its blocks' peak may reach {format_bytes(estimate)}, over the "
-            f"blocks' budget {format_bytes(budget)} within the limit. Raise max_memory or lower headroom, or "
+            f"blocks' share {format_bytes(max_bytes)} within the limit. Raise max_memory or lower headroom, or "
             "make batches smaller (shorter sequences, fewer samples, AutoAccumulation)."
         )
 

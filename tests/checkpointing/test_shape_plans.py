@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from lightning_memopt.checkpointing import Plan
-from lightning_memopt.checkpointing.shapes import ShapePlans, covers, shape_signature
+from lightning_memopt.checkpointing.shape_plans import ShapePlans, covers, shape_signature
 
 
-def _plan(cost: float, budget: int = 1000) -> Plan:
-    return Plan({"h.0": "keep"}, 100, 100, 0, 0, 0, cost, budget=budget)
+def _plan(cost: float, max_bytes: int = 1000) -> Plan:
+    return Plan({"h.0": "keep"}, 100, 100, 0, 0, 0, cost, max_bytes=max_bytes)
 
 
 def test_shape_signature_flattens_nested_batches_and_skips_non_tensors():
@@ -43,11 +43,12 @@ def test_next_plan_runs_every_block_full_where_a_batch_is_new_on_any_process():
     profile = plans.next_plan(((4, 8),), known, lambda flags: [1] * len(flags))  # new on another process
     assert not profile.predicted and profile.choices == {"h.0": "full"}
     # 512 bytes at (4, 16): at (4, 32) twice the elements, one dimension twice as long: up to 2,048 bytes,
-    # over the budget of 2,000, said before the batch runs; at (4, 31) 512 * 124/64 * 31/16 = 1,922 bytes.
+    # over the max_bytes of 2,000, said before the batch runs; at (4, 31) 512 * 124/64 * 31/16 = 1,922 bytes.
     with pytest.warns(UserWarning, match=r"shapes \[\(4, 32\)\] arrives; .* peak may reach 2.00 KiB"):
-        plans.next_plan(((4, 32),), _plan(1.0, budget=2000), lambda flags: flags)
+        plans.next_plan(((4, 32),), _plan(1.0, max_bytes=2000), lambda flags: flags)
     assert (
-        plans.overrun(((4, 31),), budget=2000) is None and plans.overrun(((4, 31),), budget=1921) is not None
+        plans.overrun(((4, 31),), max_bytes=2000) is None
+        and plans.overrun(((4, 31),), max_bytes=1921) is not None
     )
 
 
@@ -78,4 +79,7 @@ def test_a_plan_made_on_several_processes_batches_covers_each_and_is_exact_only_
     assert restored.state() == plans.state() and restored.plan_for(((3, 24),)) == both
     assert plans.state()[1]["also"] == [[[4, 24]]]
     # The overrun estimate starts from the plan's largest batch, (4, 24) with 300 bytes fully checkpointed.
-    assert plans.overrun(((4, 24),), budget=299) is not None and plans.overrun(((4, 24),), budget=300) is None
+    assert (
+        plans.overrun(((4, 24),), max_bytes=299) is not None
+        and plans.overrun(((4, 24),), max_bytes=300) is None
+    )

@@ -4,10 +4,10 @@ A step holds the parameters, their gradients and the optimizer state (:func:`sta
 activations outside the blocks (embeddings, head, loss: measured around a real step) and the blocks'
 activations. The blocks get what the limit leaves::
 
-    blocks' budget = max_memory * (1 - headroom) - states - outside
+    blocks' share = max_memory * (1 - headroom) - states - outside
 
-``max_memory * (1 - headroom)`` is resolved by :func:`lightning_memopt.memory.budget.usable_bytes`, the
-one place where a limit becomes bytes. :func:`plan_step` plans under that budget and, when no plan fits,
+``max_memory * (1 - headroom)`` is resolved by :func:`lightning_memopt.memory.limit.usable_bytes`, the
+one place where a limit becomes bytes. :func:`plan_step` plans under that share and, when no plan fits,
 says so in the user's terms: the option as passed, what the step must hold, and the limit that would do.
 """
 
@@ -21,7 +21,7 @@ import torch
 from lightning_memopt.checkpointing.costs import BlockProfile
 from lightning_memopt.checkpointing.planner import (
     CostModel,
-    InfeasibleBudgetError,
+    NoPlanFitsError,
     Plan,
     evaluate_plan,
     keep_where_no_gain,
@@ -31,7 +31,7 @@ from lightning_memopt.checkpointing.planner import (
 )
 from lightning_memopt.data.clock import Clock, step_clock
 from lightning_memopt.memory import format_bytes
-from lightning_memopt.memory.budget import MemoryLimit, check_headroom, usable_bytes
+from lightning_memopt.memory.limit import MemoryLimit, check_headroom, usable_bytes
 from lightning_memopt.memory.tracker import state_bytes
 
 __all__ = ["PlanPolicy", "StepLimit", "plan_step", "plan_within", "state_bytes"]
@@ -89,19 +89,19 @@ def plan_within(
     ``outside`` activations.
 
     Raises:
-        InfeasibleBudgetError: If no plan fits. Its message names each part and the total the step needs;
+        NoPlanFitsError: If no plan fits. Its message names each part and the total the step needs;
             its ``minimum`` is that total (bytes).
     """
     try:  # with nothing left for the blocks, plan for 1 byte: the error says what the blocks need
         return plan_checkpointing(
             profiles, max(usable - states - outside, 1), allowed=allowed, cost_model=cost_model
         )
-    except InfeasibleBudgetError as err:
+    except NoPlanFitsError as err:
         need = states + outside + err.minimum
         what = (
             "does not even hold" if usable < states + outside else "is too small for any plan; it must hold"
         )
-        raise InfeasibleBudgetError(
+        raise NoPlanFitsError(
             f"{what} the parameters, gradients and optimizer state ({format_bytes(states)}), the activations "
             f"outside the blocks ({format_bytes(outside)}) and the blocks' smallest peak "
             f"({format_bytes(err.minimum)}): {format_bytes(need)} in all",
@@ -130,7 +130,7 @@ def plan_step(
 
     Raises:
         ValueError: If ``limit.usable`` is None (nothing to plan under).
-        InfeasibleBudgetError: If no plan fits. The message starts with the limit as the user passed it,
+        NoPlanFitsError: If no plan fits. The message starts with the limit as the user passed it,
             names what the step must hold and the smallest ``max_memory`` that fits; ``minimum`` is that
             limit in bytes.
 
@@ -144,9 +144,9 @@ def plan_step(
         return plan_within(
             profiles, limit.usable, states=states, outside=outside, allowed=allowed, cost_model=cost_model
         )
-    except InfeasibleBudgetError as err:
+    except NoPlanFitsError as err:
         needed = limit.needed(err.minimum)
-        raise InfeasibleBudgetError(
+        raise NoPlanFitsError(
             f"{limit.describe()} (usable with headroom={limit.headroom}: {format_bytes(limit.usable)}) {err}. "
             f"Pass max_memory >= {format_bytes(needed)}, use a smaller micro-batch (AutoAccumulation) or "
             "shard the model (FSDP).",
@@ -216,7 +216,7 @@ class PlanPolicy:
         a limit it is :func:`plan_step` with ``held()`` = (states, outside), called only then.
 
         Raises:
-            InfeasibleBudgetError: Under a limit, if no plan fits (:func:`plan_step`).
+            NoPlanFitsError: Under a limit, if no plan fits (:func:`plan_step`).
         """
         ran = [ran[p.name] for p in profiles] if isinstance(ran, Mapping) else list(ran)
         if self.mode != "auto" or self.limit.usable is None:

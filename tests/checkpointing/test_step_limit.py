@@ -1,5 +1,5 @@
-"""A step's memory limit turned into the blocks' budget, and the plan chosen after the first batch: plain
-torch, no Trainer (checkpointing/budget.py, the mode policy in checkpointing/planner.py)."""
+"""A step's memory limit turned into the blocks' max_bytes, and the plan chosen after the first batch: plain
+torch, no Trainer (checkpointing/step_limit.py, the mode policy in checkpointing/planner.py)."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_memopt.checkpointing import (
     BlockProfile,
-    InfeasibleBudgetError,
+    NoPlanFitsError,
     OptionCost,
     PlanPolicy,
     StepLimit,
@@ -48,7 +48,7 @@ def test_step_limit_resolves_the_users_terms():
 def test_plan_step_gives_the_blocks_the_limit_minus_states_and_outside():
     # usable 2000 - states 500 - outside 300 = 1200 for the blocks: exactly the least peak.
     plan = plan_step(_profiles(), StepLimit.resolve(4000, 0.5, None), states=500, outside=300, allowed=KF)
-    assert (list(plan.choices.values()), plan.budget, plan.peak_bytes) == (["full", "keep"], 1200, 1200)
+    assert (list(plan.choices.values()), plan.max_bytes, plan.peak_bytes) == (["full", "keep"], 1200, 1200)
     assert plan.extra_flops == 100
     assert plan.metrics(measured=1300) == {  # logged by AutoCheckpoint under checkpoint/
         "activation_bytes_predicted": 1200.0,
@@ -60,7 +60,7 @@ def test_plan_step_gives_the_blocks_the_limit_minus_states_and_outside():
 def test_plan_step_errors_say_what_the_step_needs_in_the_users_terms():
     limit = StepLimit.resolve(4000, 0.5, None)
     # One byte short: the step needs 500 + 301 + 1200 = 2001 usable bytes, a limit of 2001 / 0.5 + 1.
-    with pytest.raises(InfeasibleBudgetError) as info:
+    with pytest.raises(NoPlanFitsError) as info:
         plan_step(_profiles(), limit, states=500, outside=301, allowed=KF)
     assert info.value.minimum == 4003
     assert str(info.value) == (
@@ -69,7 +69,7 @@ def test_plan_step_errors_say_what_the_step_needs_in_the_users_terms():
         "the blocks' smallest peak (1.17 KiB): 1.95 KiB in all. Pass max_memory >= 3.91 KiB, use a smaller "
         "micro-batch (AutoAccumulation) or shard the model (FSDP)."
     )
-    with pytest.raises(InfeasibleBudgetError, match=r"^max_memory=4000 \(.*\) does not even hold the param"):
+    with pytest.raises(NoPlanFitsError, match=r"^max_memory=4000 \(.*\) does not even hold the param"):
         plan_step(_profiles(), StepLimit(4000, 0.5, 2000), states=1900, outside=200, allowed=KF)
     with pytest.raises(
         ValueError, match="the capacity leaves no known usable bytes; pass max_memory in bytes"
@@ -96,7 +96,7 @@ def test_plan_policy_per_mode_and_limit():
     assert list(auto.choices.values()) == ["full", "full"] and calls == []
     # Auto under a limit: planned, with held() asked once.
     planned = policy("auto", 4000).choose(profiles, ["full", "full"], held)
-    assert (list(planned.choices.values()), planned.budget, calls) == (["full", "keep"], 1200, [1])
+    assert (list(planned.choices.values()), planned.max_bytes, calls) == (["full", "keep"], 1200, [1])
     # Chosen once: the treatments the mode can choose (offload only where allowed), given the limit.
     resolved = PlanPolicy.for_mode("auto", StepLimit.resolve("1KiB", 0.0, None), offload=True)
     assert resolved.treatments == ("keep", "selective", "full", "pointwise", "offload")
@@ -147,11 +147,11 @@ def test_mode_policy():
 
 
 def test_plan_policy_prices_offload_by_a_copy_timed_on_the_device(monkeypatch):
-    from lightning_memopt.checkpointing import CostModel, budget
+    from lightning_memopt.checkpointing import CostModel, step_limit
 
     timed = CostModel(offload_flops_per_byte=123.0)
     calls = []
-    monkeypatch.setattr(budget, "measured_cost_model", lambda device: calls.append(device) or timed)
+    monkeypatch.setattr(step_limit, "measured_cost_model", lambda device: calls.append(device) or timed)
     limit = StepLimit(None, 0.1, 10**6)
     # auto may offload (a CUDA device): the price comes from the timed copy
     assert PlanPolicy.for_mode("auto", limit, offload=True, device="cuda:0").cost_model is timed

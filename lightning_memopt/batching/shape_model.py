@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.batching.sizing import MemoryModel
+from lightning_memopt.batching.size_search import MemoryModel
 
 __all__ = ["ShapeModel", "tokens_per_sample"]
 
@@ -44,7 +44,7 @@ class ShapeModel:
 
     Example::
 
-        >>> model = ShapeModel(budget=10_000, limit=11_000, workspace=0)
+        >>> model = ShapeModel(usable=10_000, limit=11_000, workspace=0)
         >>> model.measured(width=10, samples=4, increment=4 * 110)  # 110 bytes per sample of 10 tokens
         >>> model.measured(width=40, samples=2, increment=2 * 1_040)
         >>> round(model.linear, 6), round(model.quadratic, 6)  # 110 = 10 a + 100 b, 1,040 = 40 a + 1,600 b
@@ -55,7 +55,7 @@ class ShapeModel:
         (1550.0, True, False)
     """
 
-    budget: int
+    usable: int
     """Bytes a step may peak at: the memory limit less the headroom."""
     limit: int
     """The memory limit itself: what a step that ran out of memory went over."""
@@ -91,9 +91,9 @@ class ShapeModel:
         return self.linear * width + self.quadratic * width * width
 
     def samples_for(self, width: int, *, held: int | None = None) -> int:
-        """The most samples of ``width`` tokens whose micro-step fits the budget (at least 1), with ``held``
+        """The most samples of ``width`` tokens whose micro-step fits the usable bytes (at least 1), with ``held``
         bytes alive besides (None: :attr:`held`)."""
-        room = self.budget - (self.held if held is None else held) - self.workspace
+        room = self.usable - (self.held if held is None else held) - self.workspace
         cost = self.per_sample(width)
         return max(1, int(room // cost)) if cost > 0 else 2**62
 
@@ -146,7 +146,7 @@ class ShapeModel:
     def state(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
         return {
-            "budget": self.budget,
+            "usable": self.usable,
             "limit": self.limit,
             "workspace": self.workspace,
             "points": [[t, s] for t, s in self.points.items()],
@@ -155,7 +155,7 @@ class ShapeModel:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> ShapeModel:
         """The model :meth:`state` saved."""
-        model = cls(budget=state["budget"], limit=state["limit"], workspace=state["workspace"])
+        model = cls(usable=state["usable"], limit=state["limit"], workspace=state["workspace"])
         for t, s in state["points"]:
             model.add(int(t), float(s))
         return model
@@ -165,14 +165,14 @@ class ShapeModel:
         cls, probes: list[tuple[int, int | None]], *, width: int, size: int, whole: bool, **limits: int
     ) -> ShapeModel:
         """The model of the first batch's search: ``probes`` (``(samples, peak or None)``, at ``width``) found
-        ``size`` (``whole``: the whole batch); ``limits``: ``budget``, ``limit`` and ``held``. It predicts
+        ``size`` (``whole``: the whole batch); ``limits``: ``usable``, ``limit`` and ``held``. It predicts
         exactly ``size`` at ``width`` (more only for a whole batch whose probe says more would fit)."""
-        budget, held = limits["budget"], limits["held"]
-        s2, p2 = max((s, p) for s, p in probes if p is not None and p <= budget)
-        line = MemoryModel.through_largest(probes, budget)  # what the search's result reports as its model
+        usable, held = limits["usable"], limits["held"]
+        s2, p2 = max((s, p) for s, p in probes if p is not None and p <= usable)
+        line = MemoryModel.through_largest(probes, usable)  # what the search's result reports as its model
         intercept = held if line is None else line.fixed
-        model = cls(budget=budget, limit=limits["limit"], workspace=intercept - held, held=held)
-        room = budget - held - model.workspace
+        model = cls(usable=usable, limit=limits["limit"], workspace=intercept - held, held=held)
+        room = usable - held - model.workspace
         cost = max(p2 - held - model.workspace, 1.0) / s2  # what the largest fitting probe measured
         if not whole:  # the search ruled out size + 1: predict size, not more
             cost = max(cost, room / (size + 1) * (1 + 1e-9))

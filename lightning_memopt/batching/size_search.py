@@ -1,6 +1,6 @@
 """Find the largest micro-batch that fits in memory, in a handful of probes.
 
-Probe, fit a model of peak bytes vs size, probe the largest size it predicts under the budget, refit.
+Probe, fit a model of peak bytes vs size, probe the largest size it predicts under the usable bytes, refit.
 Peak memory is convex in the size, which bounds the answer (why, and the measured accuracy:
 ``docs/micro_batching.md``, "Sizing"; ``docs/benchmarks.md``, from ``benchmarks/batching.py``).
 """
@@ -15,8 +15,8 @@ from torch import nn
 
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt._compat import BatchNormBase
-from lightning_memopt.memory.budget import check_headroom, usable_bytes
 from lightning_memopt.memory.device import is_out_of_memory
+from lightning_memopt.memory.limit import check_headroom, usable_bytes
 from lightning_memopt.memory.units import parse_bytes
 
 __all__ = ["MemoryModel", "NoSizeFits", "SizingResult", "find_micro_batch_size", "smallest_micro_batch"]
@@ -31,7 +31,7 @@ _JUMP, _STONE = 3, 6
 
 
 class NoSizeFits(RuntimeError):
-    """No probed micro-batch size fitted the budget (a ``RuntimeError`` subclass, so callers can tell it
+    """No probed micro-batch size fitted the usable bytes (a ``RuntimeError`` subclass, so callers can tell it
     from an error raised inside a probe)."""
 
 
@@ -77,32 +77,32 @@ class MemoryModel:
         )
 
     @classmethod
-    def through_largest(cls, probes: Iterable[tuple[int, int | None]], budget: int) -> MemoryModel | None:
-        """The line through the two largest sizes whose peak fitted ``budget`` (None if fewer did).
+    def through_largest(cls, probes: Iterable[tuple[int, int | None]], usable: int) -> MemoryModel | None:
+        """The line through the two largest sizes whose peak fitted ``usable`` (None if fewer did).
 
         Beyond them a convex curve stays above it: no size past its :meth:`largest_fitting` fits.
         """
-        fits = sorted((s, p) for s, p in dict(probes).items() if p is not None and p <= budget)
+        fits = sorted((s, p) for s, p in dict(probes).items() if p is not None and p <= usable)
         return cls.through(fits[-2], fits[-1]) if len(fits) >= 2 else None
 
     def predict(self, size: int) -> float:
         """Predicted peak bytes at ``size``."""
         return self.fixed + self.per_sample * size + self.curvature * size * size
 
-    def largest_fitting(self, budget: float) -> float:
-        """The largest size whose predicted peak is at most ``budget``, on the rising side of the model
+    def largest_fitting(self, usable: float) -> float:
+        """The largest size whose predicted peak is at most ``usable``, on the rising side of the model
         (``inf`` when peaks do not grow, ``-inf`` when no size fits)."""
         if self.curvature <= 0:
             if self.per_sample <= 0:
                 return math.inf
-            return math.floor((budget - self.fixed) / self.per_sample)
-        # the larger root of curvature * s**2 + per_sample * s + fixed - budget = 0
-        discriminant = self.per_sample**2 + 4 * self.curvature * (budget - self.fixed)
+            return math.floor((usable - self.fixed) / self.per_sample)
+        # the larger root of curvature * s**2 + per_sample * s + fixed - usable = 0
+        discriminant = self.per_sample**2 + 4 * self.curvature * (usable - self.fixed)
         if discriminant < 0:
             return -math.inf
         root = math.sqrt(discriminant)
         if self.per_sample > 0:  # the same root, without cancelling two large numbers
-            return math.floor(2 * (budget - self.fixed) / (self.per_sample + root))
+            return math.floor(2 * (usable - self.fixed) / (self.per_sample + root))
         return math.floor((root - self.per_sample) / (2 * self.curvature))
 
 
@@ -111,8 +111,8 @@ class SizingResult:
     """What :func:`find_micro_batch_size` found."""
 
     size: int
-    """The largest micro-batch size that was probed and fitted the budget."""
-    budget: int
+    """The largest micro-batch size that was probed and fitted the usable bytes."""
+    usable: int
     """``capacity * (1 - headroom)`` in bytes: a probe fits when its peak is at most this."""
     probes: list[tuple[int, int | None]] = field(default_factory=list)
     """Every probe in order, as ``(size, peak bytes)``; the peak is None when the probe ran out of memory."""
@@ -156,12 +156,12 @@ def find_micro_batch_size(
             ``max_size`` to try the whole batch first, which costs one probe when it fits.
 
     Returns:
-        A :class:`SizingResult`; ``result.size`` was probed and its peak fitted the budget.
+        A :class:`SizingResult`; ``result.size`` was probed and its peak fitted the usable bytes.
 
     Raises:
         ValueError: If an argument is out of range, or ``probe`` returns something other than a
             positive int or None.
-        NoSizeFits: If even ``min_size`` does not fit the budget, or ``max_probes`` ran out before
+        NoSizeFits: If even ``min_size`` does not fit the usable bytes, or ``max_probes`` ran out before
             any probe fitted (a ``RuntimeError``).
 
     Example::
@@ -174,13 +174,13 @@ def find_micro_batch_size(
         (100, [(1, 1010), (2, 1020), (16, 1160), (40, 1400), (100, 2000)])
     """
     capacity, headroom, start = _check_search(max_size, min_size, max_probes, capacity, headroom, start)
-    budget = usable_bytes(capacity, headroom, None, name="capacity")  # the package's one rule
+    usable = usable_bytes(capacity, headroom, None, name="capacity")  # the package's one rule
     peaks: dict[int, int | None] = {}  # by size, in probe order
     size: int | None = start
     while size is not None and len(peaks) < max_probes:
         peaks[size] = _run(probe, size)
-        if any(p is not None and p <= budget for p in peaks.values()):
-            size = _next_size(peaks, budget, max_size)
+        if any(p is not None and p <= usable for p in peaks.values()):
+            size = _next_size(peaks, usable, max_size)
         elif min_size not in peaks:
             size = min_size  # the first probe was too large: start again from the bottom
         else:
@@ -188,18 +188,18 @@ def find_micro_batch_size(
             raise NoSizeFits(
                 f"even min_size={min_size} does not fit: its probe "
                 + ("ran out of memory" if peak is None else f"peaked at {peak} bytes")
-                + f", over the budget of {budget} bytes (capacity {capacity}, headroom {headroom}); "
+                + f", over the usable {usable} bytes (capacity {capacity}, headroom {headroom}); "
                 "free memory (activation checkpointing, a smaller model) or raise capacity"
             )
     probes = list(peaks.items())
-    fits = [s for s, p in probes if p is not None and p <= budget]
+    fits = [s for s, p in probes if p is not None and p <= usable]
     if not fits:  # max_probes ran out before anything fitted
         raise NoSizeFits(
-            f"no probed size fitted the budget of {budget} bytes within max_probes={max_probes} "
+            f"no probed size fitted the usable {usable} bytes within max_probes={max_probes} "
             f"(probes: {probes}); raise max_probes or free memory"
         )
-    model = MemoryModel.through_largest(probes, budget)
-    return SizingResult(size=max(fits), budget=budget, probes=probes, model=model)
+    model = MemoryModel.through_largest(probes, usable)
+    return SizingResult(size=max(fits), usable=usable, probes=probes, model=model)
 
 
 def _check_search(
@@ -232,28 +232,28 @@ def _run(probe: Callable[[int], int | None], size: int) -> int | None:
     return peak
 
 
-def _next_size(peaks: dict[int, int | None], budget: int, max_size: int) -> int | None:
+def _next_size(peaks: dict[int, int | None], usable: int, max_size: int) -> int | None:
     """The size the probes so far predict to be the largest that fits; None when none is left to try."""
-    fits = sorted(s for s, p in peaks.items() if p is not None and p <= budget)
+    fits = sorted(s for s, p in peaks.items() if p is not None and p <= usable)
     lo = fits[-1]  # the largest size known to fit
     hi = min((s for s in peaks if s not in fits), default=max_size + 1)  # the smallest known not to
     points = {s: (s, p) for s, p in peaks.items()}
     upper = hi - 1
-    line = MemoryModel.through_largest(peaks.items(), budget)
+    line = MemoryModel.through_largest(peaks.items(), usable)
     if line is not None:  # nothing past the line's crossing fits (with slack for the rounding of peaks)
-        upper = min(upper, line.largest_fitting(budget + _ROUNDING))
+        upper = min(upper, line.largest_fitting(usable + _ROUNDING))
     if upper <= lo:
         return None
-    if hi <= max_size and peaks[hi] is not None:  # a peak over the budget: the chord's crossing fits
-        guess = MemoryModel.through(points[lo], points[hi]).largest_fitting(budget)
+    if hi <= max_size and peaks[hi] is not None:  # a peak over the usable: the chord's crossing fits
+        guess = MemoryModel.through(points[lo], points[hi]).largest_fitting(usable)
     else:
         # The model: with one point, peak proportional to size (at least double, to spread the points);
         # with two, the line; with three that bend upwards, the parabola through them.
-        guess = upper if line is not None else max(lo * budget // (peaks[lo] or 1), 2 * lo)
+        guess = upper if line is not None else max(lo * usable // (peaks[lo] or 1), 2 * lo)
         if len(fits) >= 3:
             parabola = MemoryModel.through3(*(points[s] for s in fits[-3:]))
             if parabola.curvature > 0:
-                guess = parabola.largest_fitting(budget)
+                guess = parabola.largest_fitting(usable)
         if hi <= max_size and guess >= hi - 1:  # it ran out of memory where the model says it fits
             guess = (lo + hi) // 2
         elif hi > max_size and _JUMP * lo < guess < math.inf:

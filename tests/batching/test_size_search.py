@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_memopt import AutoAccumulation
-from lightning_memopt.batching import sizing as sizing_module
-from lightning_memopt.batching.sizing import MemoryModel, SizingResult, find_micro_batch_size
+from lightning_memopt.batching import size_search as sizing_module
+from lightning_memopt.batching.size_search import MemoryModel, SizingResult, find_micro_batch_size
 from lightning_memopt.memory import MemoryTracker
 from tests.batching.curves import random_curves
 
@@ -24,18 +24,18 @@ def _device(peak, capacity):
     return probe, calls
 
 
-def _true_max(peak, budget, max_size):
-    return max(s for s in range(1, max_size + 1) if peak(s) <= budget)
+def _true_max(peak, usable, max_size):
+    return max(s for s in range(1, max_size + 1) if peak(s) <= usable)
 
 
 def _check(result, peak, capacity, headroom, max_size, calls):
-    budget = math.floor(capacity * (1 - headroom))
-    assert result.budget == budget
+    usable = math.floor(capacity * (1 - headroom))
+    assert result.usable == usable
     assert result.probes == [(s, peak(s) if peak(s) <= capacity else None) for s in calls]
     assert (result.size, peak(result.size)) in result.probes  # probed, and it did not fail
-    assert peak(result.size) <= budget
+    assert peak(result.size) <= usable
     assert 1 <= result.size <= max_size
-    return result.size / _true_max(peak, budget, max_size)
+    return result.size / _true_max(peak, usable, max_size)
 
 
 @pytest.mark.parametrize("headroom", [0.0, 0.1])
@@ -122,7 +122,7 @@ def test_random_curve_family_within_3_percent_in_6_probes():
         assert result.probes == [(s, curve.probe(s)) for s in calls]
         assert len(calls) <= 6 and len(set(calls)) == len(calls)
         assert (result.size, curve.peak(result.size)) in result.probes
-        assert curve.peak(result.size) <= result.budget
+        assert curve.peak(result.size) <= result.usable
         assert 1 <= result.size <= curve.true
         ratios.setdefault(curve.kind, []).append(result.size / curve.true)
         total_probes += len(calls)
@@ -135,7 +135,7 @@ def test_random_curve_family_within_3_percent_in_6_probes():
 def _run(peak, capacity, headroom, max_size=1000):
     probe, _ = _device(peak, capacity)
     result = find_micro_batch_size(probe, max_size=max_size, capacity=capacity, headroom=headroom)
-    return result.probes, result.size, _true_max(peak, result.budget, max_size)
+    return result.probes, result.size, _true_max(peak, result.usable, max_size)
 
 
 def test_probe_sequences_of_each_step_of_the_loop():
@@ -145,8 +145,8 @@ def test_probe_sequences_of_each_step_of_the_loop():
     probes, size, true = _run(lambda s: 10_000 + 100 * s + s * s, 40_000, 0.0)
     assert probes == [(1, 10_101), (3, 10_309), (48, 17_104), (130, 39_900)] and size == true == 130
 
-    # A kink (the peak moves to a 3x steeper phase past 20 samples), budget 18,000: the parabola through
-    # (1, 2, 26) says 68, measured over the budget but under the capacity; the chord from 26 to 68 lies
+    # A kink (the peak moves to a 3x steeper phase past 20 samples), usable 18,000: the parabola through
+    # (1, 2, 26) says 68, measured over the usable but under the capacity; the chord from 26 to 68 lies
     # above the curve, and its crossing, 66, is the answer.
     probes, size, true = _run(lambda s: max(10_000 + 50 * s, 8_000 + 150 * s), 20_000, 0.1)
     assert probes == [(1, 10_050), (2, 10_100), (26, 11_900), (68, 18_200), (66, 17_900)]
@@ -227,14 +227,14 @@ def test_nothing_fits():
         find_micro_batch_size(lambda s: None, max_size=64, capacity="1GiB", min_size=2)
     with pytest.raises(
         RuntimeError,
-        match=r"even min_size=1 does not fit: its probe peaked at 950 bytes, over the budget of 900",
+        match=r"even min_size=1 does not fit: its probe peaked at 950 bytes, over the usable 900",
     ):
         find_micro_batch_size(lambda s: 950, max_size=64, capacity=1000)
 
 
 def test_max_probes_spent_before_anything_fits():
     with pytest.raises(
-        RuntimeError, match=r"no probed size fitted the budget of 1000 bytes within max_probes=1"
+        RuntimeError, match=r"no probed size fitted the usable 1000 bytes within max_probes=1"
     ):
         find_micro_batch_size(
             lambda s: None, max_size=64, capacity=1000, headroom=0.0, start=64, max_probes=1
@@ -304,11 +304,11 @@ def test_real_mlp_measured_with_memory_tracker(mlp_peak, cap, headroom):
     lo, hi = 0, 4097  # the true maximum, by bisection
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if peak(mid) <= result.budget else (lo, mid)
+        lo, hi = (mid, hi) if peak(mid) <= result.usable else (lo, mid)
     if cap == "300 samples" and headroom == 0.0:
         assert lo == 300
     assert len(result.probes) <= 6
-    assert (result.size, peak(result.size)) in result.probes and peak(result.size) <= result.budget
+    assert (result.size, peak(result.size)) in result.probes and peak(result.size) <= result.usable
     assert result.size >= 0.97 * lo
 
 
@@ -321,9 +321,9 @@ def test_memory_model():
     assert (parabola.fixed, parabola.per_sample, parabola.curvature) == pytest.approx((1000, 10, 2))
     assert parabola.predict(20) == pytest.approx(2000)
     assert (parabola.largest_fitting(2000), parabola.largest_fitting(1999)) == (20, 19)
-    assert parabola.largest_fitting(900) == -math.inf  # even size 0 is over the budget
+    assert parabola.largest_fitting(900) == -math.inf  # even size 0 is over the usable
     assert MemoryModel(fixed=5.0, per_sample=0.0).largest_fitting(10) == math.inf
-    result = SizingResult(size=3, budget=10, probes=[(3, 7), (4, None)])
+    result = SizingResult(size=3, usable=10, probes=[(3, 7), (4, None)])
     assert result.peak == 7
     probes = [(10, 2000), (1, 1100), (2, 1200), (20, None), (15, 2600)]  # 1000 + 100 s up to 10 fits 2000
     assert MemoryModel.through_largest(probes, 2000) == MemoryModel(fixed=1000.0, per_sample=100.0)

@@ -7,7 +7,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_memopt import AutoAccumulation, OOMBackoff
-from lightning_memopt.batching.shapes import tokens_per_sample
+from lightning_memopt.batching.shape_model import tokens_per_sample
 from lightning_memopt.batching.sizes import MicroBatchSizes
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import MemoryCap
