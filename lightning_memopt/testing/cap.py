@@ -19,7 +19,7 @@ from lightning_memopt._checks import check_positive_int
 from lightning_memopt._compat import in_backward
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.memory.units import parse_bytes
-from lightning_memopt.testing.oom import InjectedOOM, _out_of_memory, _rank
+from lightning_memopt.testing.oom import InjectedOOM, injected_error, process_rank
 
 __all__ = ["MemoryCap"]
 
@@ -137,13 +137,13 @@ class MemoryCap:
             return None
         if self.times is not None and self.raised >= self.times:
             return None
-        rank = _rank()
+        rank = process_rank()
         if self.ranks is not None and rank not in self.ranks:
             return None
         phase = "backward" if in_backward() else "forward"
         self.raised += 1
         self.events.append(InjectedOOM(phase, None, live, None, rank))
-        return _out_of_memory(
+        return injected_error(
             rank,
             f"MemoryCap in {func} ({phase})",
             f"live bytes {live} > capacity {self.capacity}",

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.memory.units import format_bytes, parse_bytes
 
-__all__ = ["InjectedOOM", "OOMInjector"]
+__all__ = ["InjectedOOM", "OOMInjector", "injected_error", "process_rank"]
 
 Phase = Literal["forward", "backward", "step"]
 _PHASES = ("forward", "backward", "step")
@@ -56,7 +56,8 @@ class InjectedOOM:
     """The process's rank (0 outside ``torch.distributed``)."""
 
 
-def _rank() -> int:
+def process_rank() -> int:
+    """This process's rank in ``torch.distributed``; 0 outside it."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     return 0
@@ -271,7 +272,7 @@ class OOMInjector:
         self.calls += 1
         if self.times is not None and self.raised >= self.times:
             return
-        rank = _rank()
+        rank = process_rank()
         if self.ranks is not None and rank not in self.ranks:
             return
         step = self.step_fn() if self.step_fn is not None else None
@@ -290,7 +291,7 @@ class OOMInjector:
         self.events.append(InjectedOOM(phase, size, live, step, rank))
         where = f"{phase} of {type(self.module).__name__}" if phase != "step" else "optimizer step"
         over = self.max_bytes is not None and live > self.max_bytes
-        raise _out_of_memory(
+        raise injected_error(
             rank,
             f"OOMInjector in {where}",
             "; ".join(reasons) or "unconditional",
@@ -299,7 +300,7 @@ class OOMInjector:
         )
 
 
-def _out_of_memory(
+def injected_error(
     rank: int, where: str, reason: str, *, over: int | None = None, capacity: int | None = None
 ) -> torch.OutOfMemoryError:
     """The error, with what a CUDA allocator would say: the bytes over the cap, and the cap as capacity."""
