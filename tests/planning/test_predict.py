@@ -217,7 +217,8 @@ def test_causal_lm_head_prediction_equals_measured_step(head):
         backward = 3 * logits + 2 * f32  # log-softmax, its gradient, the logits' gradient; loss and gradient
     else:
         n = b * (t - 1)
-        held = 2 * n * h * f32 + n * i64 + v * h * f32 + n * f32 + f32 + i64  # see test_memory_monitor_head.py
+        # see test_memory_monitor_head.py
+        held = 2 * n * h * f32 + n * i64 + v * h * f32 + n * f32 + f32 + i64
         forward = held + default_chunk_size(n) * (4 * v + 42)
         backward = v * h * f32 + 2 * f32  # the tied weight's head part waiting for the embedding's
     assert (predicted.record["forward_head"], predicted.record["backward_head"]) == (forward, backward)
