@@ -27,7 +27,7 @@ from lightning_memopt.batching.distributed import (
 )
 from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
 from lightning_memopt.batching.shape_model import ShapeModel
-from lightning_memopt.batching.size_search import NoSizeFits, find_micro_batch_size
+from lightning_memopt.batching.size_search import MemoryModel, NoSizeFits, find_micro_batch_size
 from lightning_memopt.memory.limit import usable_bytes
 
 __all__ = ["MicroBatchSizes", "Probes", "Recompute"]
@@ -65,8 +65,10 @@ class Recompute(Protocol):
     def use(self, treatment: str) -> None:
         """Run every block ``"keep"`` or ``"full"`` from now on."""
 
-    def decided(self, treatment: str, why: str) -> None:
-        """The search chose ``treatment`` for the micro-batches to come, for the reason ``why`` (one line)."""
+    def decided(self, treatment: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
+        """The search chose ``treatment`` for the micro-batches to come, for the reason ``why`` (one line);
+        ``kept_peak(samples)``: where recompute won over plain micro-batches that fit, a whole micro-step's
+        peak bytes with every block kept, from the sizes the search measured."""
 
 
 class MicroBatchSizes:
@@ -298,14 +300,15 @@ class MicroBatchSizes:
             f"{-(-whole // full)} of {full} recomputing every block: {full_time:.3g} s"
         )
         if full_time < keep_time:
-            return self._decided("full", full, full_probes, timed, full_time)
+            return self._decided("full", full, full_probes, timed, full_time, kept=plain_probes)
         return self._decided("keep", plain, plain_probes, timed, keep_time)
 
-    def _decided(self, treatment, size, probes, why: str, seconds: float | None = None) -> int:
+    def _decided(self, treatment, size, probes, why: str, seconds: float | None = None, kept=()) -> int:
+        """``kept``: where recompute won over plain micro-batches that fit, the plain search's probes."""
         recompute, self.recompute = self.recompute, None  # decided once: nothing stays attached
         assert recompute is not None
         self.probes, self.step_seconds = probes, seconds
-        recompute.decided(treatment, why)
+        recompute.decided(treatment, why, _peak_at(kept))
         return size
 
     def _find(self, probes: Probes, whole: int, limit: int, floor: int, *, evaluation: bool) -> int:
@@ -455,3 +458,19 @@ class MicroBatchSizes:
                 setattr(self, name, state[name])
         if state.get("model") is not None:
             self.model = ShapeModel.from_state(state["model"])
+
+
+def _peak_at(probes: list[tuple[int, int | None]]) -> Callable[[int], float] | None:
+    """A micro-step's peak bytes at any size from the sizes probed: the measured peak where that size was
+    probed, else the line through the two probed sizes nearest it (None with fewer than two peaks)."""
+    measured = dict(sorted((s, p) for s, p in probes if p is not None))
+    if len(measured) < 2:
+        return None
+
+    def peak(samples: int) -> float:
+        if samples in measured:
+            return measured[samples]
+        a, b = sorted(measured, key=lambda s: (abs(s - samples), s))[:2]
+        return MemoryModel.through((a, measured[a]), (b, measured[b])).predict(samples)
+
+    return peak

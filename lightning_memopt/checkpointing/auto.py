@@ -41,6 +41,7 @@ from lightning_memopt.checkpointing.planner import (
     CostModel,
     Plan,
     check_mode,
+    evaluate_plan,
     initial_choices,
     prediction_gap,
 )
@@ -152,6 +153,7 @@ class AutoCheckpointer:
         self._signature: Signature = ()  # the shapes of the step running
         self._by_shape = False  # whether plans are made per batch shape: auto under a known limit
         self._probe: ForwardProbe | None = None  # measures a step's forward (and records block inputs)
+        self._kept_peak: Callable[[int], float] | None = None  # the size search's kept peaks (decided)
 
     def prepare(self, device: torch.device | str) -> None:
         """Resolve the limit (a fraction of ``device``'s capacity where given so) and the treatments.
@@ -241,10 +243,18 @@ class AutoCheckpointer:
         apply_checkpointing(self._model, choices)
         self.plan = Plan.unprofiled(choices)
 
-    def decided(self, treatment: str, why: str) -> None:
+    def decided(self, treatment: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
         """The size search chose ``treatment``: ``keep`` is final (plain micro-batches are the fastest step
         that fits: nothing to profile or plan, said in one line); after ``full`` the step is measured and
-        the least recompute that fits the chosen micro-batch is planned, as without micro-batching."""
+        the least recompute that fits the chosen micro-batch is planned, as without micro-batching.
+
+        ``kept_peak(samples)``: the peak bytes the search measured for a whole micro-step with every block
+        kept. What the profile does not account for of it at the micro-batch that runs is the transient
+        outside the blocks beside every activation kept, when the forward ends and backward starts (the
+        loss's gradient w.r.t. the logits): the plan holds it beside the activations it keeps
+        (:attr:`~lightning_memopt.checkpointing.Plan.transient`), so it never keeps what the search measured
+        not to fit."""
+        self._kept_peak = kept_peak if treatment == "full" else None
         self.use(treatment)
         if treatment == "keep":
             self._needs_check = self._by_shape = False
@@ -290,8 +300,10 @@ class AutoCheckpointer:
             ran, planned = self.plan.choices, self._plan_from(probe, context, optimizers, gather)
             notes = self._notes
             if planned.choices != ran:
-                apply_checkpointing(self._model, planned)  # the next step runs the new plan: measure that one
-                return StepOutcome(planned=planned, notes=notes)
+                apply_checkpointing(self._model, planned)
+            # The next step runs the plan and is measured: this one may have run other micro-batches (the
+            # size search's, an exactness check's halves) than those the plan is made for.
+            return StepOutcome(planned=planned, notes=notes)
         self._needs_check = False
         total = probe.meter.total
         # A batch smaller than the one planned for holds less: only holding more is then a gap.
@@ -309,15 +321,28 @@ class AutoCheckpointer:
         options.update(discovered=self.blocks is None, profile=profile_blocks)
         self._found, profiles, self._notes = profile_blocks_run(self._model, self._found, **options)
         states = state_bytes(self._model, optimizers) if policy.limit.usable is not None else 0
+        transient = self._transient(profiles, states + probe.outside_bytes)
         # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.
-        agreed = agree(gather(Measured(self._signature, profiles, states, probe.outside_bytes)))
-        held = lambda: (agreed.states, agreed.outside)  # noqa: E731
+        agreed = agree(gather(Measured(self._signature, profiles, states, probe.outside_bytes, transient)))
+        held = lambda: (agreed.states, agreed.outside, agreed.transient)  # noqa: E731
         self.plan = policy.choose(agreed.profiles, self.plan.choices, held)
         self._say_if_idle(self._model)
         if self._by_shape:
             first, *others = agreed.signatures
             self.shape_plans.add(first, self.plan, full_bytes=full_peak(agreed.profiles), also=others)
         return self.plan
+
+    def _transient(self, profiles: list, held: int) -> int:
+        """The transient beside every activation kept (:meth:`decided`): the peak the size search measured
+        with every block kept, at the micro-batch that ran (the line through its probes beyond them), less
+        ``held`` (parameters, gradients, optimizer state, activations outside the blocks) and what the
+        blocks hold kept, as profiled; 0 where no search measured it."""
+        kept_peak, self._kept_peak = self._kept_peak, None
+        if kept_peak is None or not self._signature or len(self._signature[-1]) != 1:
+            return 0
+        ran = self._signature[-1][0]  # step_signature's micro-batch entry: the samples that ran
+        blocks = evaluate_plan(profiles, ["keep"] * len(profiles)).activation_bytes
+        return max(0, int(kept_peak(ran)) - held - blocks)
 
     def _say_if_idle(self, model: nn.Module) -> None:
         """Never a silent no-op: where the plan treats no block, say why in one line (a forced mode that

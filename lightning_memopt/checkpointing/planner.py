@@ -120,8 +120,9 @@ class Plan:
     boundary tensor counted once, in the block that first holds it), ``baseline_bytes`` the same with
     every block kept. ``peak_bytes`` is the most the blocks hold at any time: at the end of the forward,
     or in backward while a checkpointed block runs its backward with everything it saved recomputed (or
-    brought back), the blocks before it still holding theirs. ``max_bytes`` bounds ``peak_bytes``.
-    Activations outside the blocks (embeddings, head, loss) are not included.
+    brought back), the blocks before it still holding theirs; at the end of the forward it counts
+    ``transient`` beside the activations. ``max_bytes`` bounds ``peak_bytes``. Activations outside the
+    blocks (embeddings, head, loss) are not included.
     """
 
     choices: dict[str, str]
@@ -140,6 +141,10 @@ class Plan:
     """Predicted seconds per step beyond keeping every block (each block's timed treatment beyond its
     timed keep); None where the profiles were not timed. A step that took ``t`` seconds with every block
     kept is predicted to take ``t + seconds`` under this plan."""
+    transient: int = 0
+    """Bytes outside the blocks that backward's first ops make beside every activation kept (the loss's
+    gradient w.r.t. the logits): measured where the size search measured the micro-step
+    (``AutoCheckpointer.decided``), else 0."""
 
     @classmethod
     def unprofiled(cls, choices: dict[str, str]) -> Plan:
@@ -211,8 +216,10 @@ def evaluate_plan(
     choices: Sequence[str],
     cost_model: CostModel | None = None,
     max_bytes=None,
+    transient: int = 0,
 ) -> Plan:
-    """The :class:`Plan` of an explicit treatment per block (in the order of ``profiles``).
+    """The :class:`Plan` of an explicit treatment per block (in the order of ``profiles``); ``transient``:
+    :attr:`Plan.transient`.
 
     Example::
 
@@ -252,8 +259,9 @@ def evaluate_plan(
         cost,
         max_bytes,
         block_bytes,
-        peak_bytes=max(peak, total),
+        peak_bytes=max(peak, total + transient),
         seconds=seconds if cost_model.use_time else None,
+        transient=transient,
     )
 
 
@@ -303,6 +311,7 @@ def plan_checkpointing(
     *,
     allowed: Sequence[str] | None = None,
     cost_model: CostModel | None = None,
+    transient: int = 0,
 ) -> Plan:
     """The plan of least recompute cost whose blocks' peak activation bytes fit in ``max_bytes``.
 
@@ -315,6 +324,8 @@ def plan_checkpointing(
             device is the CPU (offloading to the CPU saves nothing there).
         cost_model: How treatments are priced (measured seconds where the profiles were timed);
             :class:`CostModel` defaults.
+        transient: Bytes that backward's first ops hold beside every activation kept, outside the blocks
+            (:attr:`Plan.transient`): the activations at the end of the forward fit ``max_bytes`` with them.
 
     Returns:
         The optimal :class:`Plan` (exact: a dynamic program over Pareto frontiers, not greedy).
@@ -340,9 +351,9 @@ def plan_checkpointing(
     if missing:
         raise ValueError(f"profiles lack the treatments {missing}; profile them or leave them out of allowed")
     cost_model = (cost_model or CostModel()).for_profiles(profiles)
-    best = _search(profiles, allowed, cost_model, max_bytes)
+    best = _search(profiles, allowed, cost_model, max_bytes, transient)
     if best is None:
-        minimum = _smallest_feasible(profiles, allowed, cost_model)
+        minimum = _smallest_feasible(profiles, allowed, cost_model, transient)
         hint = "allow 'offload', " if "offload" not in allowed else ""
         raise NoPlanFitsError(
             f"max_bytes {format_bytes(max_bytes)} ({max_bytes} bytes) is below the smallest peak activation bytes "
@@ -350,7 +361,8 @@ def plan_checkpointing(
             f"{hint}or use a smaller micro-batch (e.g. AutoAccumulation).",
             minimum,
         )
-    return _simplest_tie(profiles, evaluate_plan(profiles, best, cost_model, max_bytes), allowed, cost_model)
+    plan = evaluate_plan(profiles, best, cost_model, max_bytes, transient)
+    return _simplest_tie(profiles, plan, allowed, cost_model)
 
 
 def simple_plans(n: int, allowed: Sequence[str]) -> list[list[str]]:
@@ -374,7 +386,8 @@ def _simplest_tie(profiles, plan: Plan, allowed, cost_model: CostModel) -> Plan:
         return plan
     margin = cost_model.tie * sum(p.seconds or 0.0 for p in profiles)
     candidates = (
-        evaluate_plan(profiles, c, cost_model, plan.max_bytes) for c in simple_plans(len(profiles), allowed)
+        evaluate_plan(profiles, c, cost_model, plan.max_bytes, plan.transient)
+        for c in simple_plans(len(profiles), allowed)
     )
     ties = [c for c in candidates if c.peak_bytes <= plan.max_bytes and c.cost <= plan.cost + margin]
     return min(ties, key=lambda c: (c.cost, c.activation_bytes), default=plan)
@@ -452,19 +465,19 @@ def _profiled(profiles: Sequence[BlockProfile]) -> list[str]:
     return [c for c in CHOICES if all(c in p.options or p.note is not None for p in profiles)]
 
 
-def _smallest_feasible(profiles, allowed, cost_model) -> int:
+def _smallest_feasible(profiles, allowed, cost_model, transient: int = 0) -> int:
     """The smallest ``max_bytes`` any plan fits (peak bytes), by bisection over the search's feasibility."""
-    lo, hi = 0, evaluate_plan(profiles, [allowed[0]] * len(profiles)).peak_bytes  # that plan fits hi
-    while hi - lo > 1:
+    lo, hi = 0, evaluate_plan(profiles, [allowed[0]] * len(profiles), transient=transient).peak_bytes
+    while hi - lo > 1:  # the plan of allowed[0] everywhere fits hi
         mid = (lo + hi) // 2
-        if _search(profiles, allowed, cost_model, mid) is None:
+        if _search(profiles, allowed, cost_model, mid, transient) is None:
             lo = mid
         else:
             hi = mid
     return hi
 
 
-def _search(profiles, allowed, cost_model, max_bytes):
+def _search(profiles, allowed, cost_model, max_bytes, transient: int = 0):
     states: dict[bool, list] = {False: [(0, 0.0, ())]}
     for p in profiles:
         new: dict[bool, list] = defaultdict(list)
@@ -474,9 +487,10 @@ def _search(profiles, allowed, cost_model, max_bytes):
                 add, c = _step(p, o, prev), cost_model.cost(o)
                 extra = _backward_peak(p, choice, prev, 0)  # what the block holds in its backward
                 for b, cost, chosen in entries:
-                    # Feasible if the chain still fits with this block, and so does its backward. Both
-                    # grow with the prefix's bytes, so a dominated prefix stays dominated: still exact.
-                    if max_bytes is None or max(b + add, b + extra) <= max_bytes:
+                    # Feasible if the chain still fits with this block (and the transient backward
+                    # starts with), and so does its backward. Both grow with the prefix's bytes, so a
+                    # dominated prefix stays dominated: still exact.
+                    if max_bytes is None or max(b + add + transient, b + extra) <= max_bytes:
                         new[o.saves_output].append((b + add, cost + c, (*chosen, choice)))
         states = {k: _pareto(v) for k, v in new.items()}
     final = [e for v in states.values() for e in v]

@@ -53,6 +53,8 @@ class Measured:
     """Bytes of parameters, gradients and optimizer state (a shard's, under FSDP)."""
     outside: int
     """Activations held at the end of the forward outside the blocks."""
+    transient: int = 0
+    """Bytes backward's first ops hold beside the activations (:attr:`~lightning_memopt.checkpointing.Plan.transient`)."""
 
 
 @dataclass
@@ -64,6 +66,7 @@ class AgreedMeasures:
     profiles: list[BlockProfile]
     states: int
     outside: int
+    transient: int = 0
 
 
 def _largest(name: str, values: Sequence[Any]) -> Any:
@@ -112,6 +115,7 @@ def agree(measured: Sequence[Measured]) -> AgreedMeasures:
         largest_profiles([m.profiles for m in measured]),
         max(m.states for m in measured),
         max(m.outside for m in measured),
+        max(m.transient for m in measured),
     )
 
 

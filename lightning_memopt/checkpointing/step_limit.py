@@ -81,12 +81,14 @@ def plan_within(
     *,
     states: int,
     outside: int,
+    transient: int = 0,
     allowed: Sequence[str] | None = None,
     cost_model: CostModel | None = None,
 ) -> Plan:
     """:func:`~lightning_memopt.checkpointing.plan_checkpointing` for a whole training step: the blocks get
     ``usable`` minus ``states`` (parameters, gradients, optimizer state: :func:`state_bytes`) minus the
-    ``outside`` activations.
+    ``outside`` activations, and hold ``transient`` beside theirs when backward starts
+    (:attr:`~lightning_memopt.checkpointing.Plan.transient`).
 
     Raises:
         NoPlanFitsError: If no plan fits. Its message names each part and the total the step needs;
@@ -94,7 +96,11 @@ def plan_within(
     """
     try:  # with nothing left for the blocks, plan for 1 byte: the error says what the blocks need
         return plan_checkpointing(
-            profiles, max(usable - states - outside, 1), allowed=allowed, cost_model=cost_model
+            profiles,
+            max(usable - states - outside, 1),
+            allowed=allowed,
+            cost_model=cost_model,
+            transient=transient,
         )
     except NoPlanFitsError as err:
         need = states + outside + err.minimum
@@ -104,7 +110,8 @@ def plan_within(
         raise NoPlanFitsError(
             f"{what} the parameters, gradients and optimizer state ({format_bytes(states)}), the activations "
             f"outside the blocks ({format_bytes(outside)}) and the blocks' smallest peak "
-            f"({format_bytes(err.minimum)}): {format_bytes(need)} in all",
+            + (f"with backward's first {format_bytes(transient)} beside them " if transient else "")
+            + f"({format_bytes(err.minimum)}): {format_bytes(need)} in all",
             need,
         ) from err
 
@@ -115,6 +122,7 @@ def plan_step(
     *,
     states: int,
     outside: int,
+    transient: int = 0,
     allowed: Sequence[str] | None = None,
     cost_model: CostModel | None = None,
 ) -> Plan:
@@ -125,6 +133,7 @@ def plan_step(
         limit: The step's limit (:meth:`StepLimit.resolve`); it must be known (``usable`` not None).
         states: Bytes of parameters, gradients and optimizer state (:func:`state_bytes`).
         outside: Activations held outside the blocks at the end of the forward, in bytes.
+        transient: Bytes backward's first ops hold beside the activations, outside the blocks.
         allowed: Treatments to choose from; ``keep`` among them, so that planning never raises the peak.
         cost_model: Prices of pointwise recompute and offload.
 
@@ -142,7 +151,13 @@ def plan_step(
         raise ValueError(f"{limit.describe()} leaves no known usable bytes; pass max_memory in bytes")
     try:
         return plan_within(
-            profiles, limit.usable, states=states, outside=outside, allowed=allowed, cost_model=cost_model
+            profiles,
+            limit.usable,
+            states=states,
+            outside=outside,
+            transient=transient,
+            allowed=allowed,
+            cost_model=cost_model,
         )
     except NoPlanFitsError as err:
         needed = limit.needed(err.minimum)
@@ -206,14 +221,14 @@ class PlanPolicy:
         self,
         profiles: Sequence[BlockProfile],
         ran: Sequence[str] | Mapping[str, str],
-        held: Callable[[], tuple[int, int]],
+        held: Callable[[], tuple[int, int, int]],
     ) -> Plan:
         """The plan to run once the blocks are profiled, ``ran`` being what the first batch ran (per
         profile, or by block name: blocks the forward did not run are not profiled).
 
         A forced mode keeps ``ran``. ``auto`` without a known limit keeps ``ran`` (every block ``full``)
         except where that lowers neither the bytes held nor the peak (:func:`keep_where_no_gain`); under
-        a limit it is :func:`plan_step` with ``held()`` = (states, outside), called only then.
+        a limit it is :func:`plan_step` with ``held()`` = (states, outside, transient), called only then.
 
         Raises:
             NoPlanFitsError: Under a limit, if no plan fits (:func:`plan_step`).
@@ -222,12 +237,13 @@ class PlanPolicy:
         if self.mode != "auto" or self.limit.usable is None:
             chosen = list(ran) if self.mode != "auto" else keep_where_no_gain(profiles, ran)
             return evaluate_plan(profiles, chosen, self.cost_model)
-        states, outside = held()
+        states, outside, transient = held()
         return plan_step(
             profiles,
             self.limit,
             states=states,
             outside=outside,
+            transient=transient,
             allowed=self.treatments,
             cost_model=self.cost_model,
         )

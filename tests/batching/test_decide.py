@@ -29,9 +29,10 @@ class FakeModel:
         self.treatment = treatment
         self.used.append(treatment)
 
-    def decided(self, treatment: str, why: str) -> None:
+    def decided(self, treatment: str, why: str, kept_peak=None) -> None:
         self.treatment = treatment
         self.said.append((treatment, why))
+        self.kept_peak = kept_peak
 
 
 class FakeProbes:
@@ -89,6 +90,9 @@ def test_recompute_wins_where_larger_micro_batches_run_faster_per_sample():
     assert model.said[0][0] == "full" and sizes.step_seconds == pytest.approx(9.32)
     # every probe of the chosen treatment is kept for the shape model, none of the other's
     assert sizes.probes and all(peak == HELD + 25 * s for s, peak in sizes.probes)
+    # What AutoCheckpoint plans with: the peaks measured with every block kept, and between or beyond them
+    # the line through the two nearest (a sample kept holds 100 bytes here): the peak the fake would measure.
+    assert all(model.kept_peak(s) == HELD + 100 * s for s in [1, 3, 16, 50, 64])
 
 
 def test_the_whole_batch_fitting_kept_is_never_timed_nor_recomputed():

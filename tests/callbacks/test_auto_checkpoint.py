@@ -187,6 +187,47 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     assert measured == cb.plan.activation_bytes > 0
 
 
+class _WideVocab(_Wide):
+    """_Wide with a 512-token vocabulary: the loss's gradient w.r.t. the logits, made when backward starts,
+    is as large as the blocks' activations."""
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = TinyGPT(self.n_layer, vocab=512)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_the_plan_holds_backwards_first_transient_beside_what_it_keeps(tmp_path, monkeypatch, measured):
+    """Recompute wins (a launch cost per micro-step); the plan for the micro-batch that runs holds what the
+    size search measured of the step with every block kept beyond the blocks' profiled bytes (the logits'
+    gradient) beside the activations it keeps: no step runs out of memory. Without it (measured=False) the
+    plan keeps blocks the search measured not to fit, and the step after it does run out of memory."""
+    from lightning_memopt import AutoAccumulation
+    from lightning_memopt.checkpointing import CostModel
+
+    _timed(monkeypatch, 100.0)
+    if not measured:
+        monkeypatch.setattr(ac_module.AutoCheckpointer, "_transient", lambda self, profiles, held: 0)
+    torch.manual_seed(0)
+    module, limit = _WideVocab(n_layer=4), 3_500_000
+    accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
+    cb = AutoCheckpoint(max_memory=limit, headroom=0.0, cost_model=CostModel(use_time=False))
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
+    with warnings.catch_warnings(), MemoryCap(limit, modules=module) as cap:
+        warnings.simplefilter("ignore")
+        if not measured:
+            with pytest.raises(torch.OutOfMemoryError, match="MemoryCap"):
+                trainer.fit(module)
+            assert list(cb.plan.choices.values()).count("keep") >= 2
+            return
+        trainer.fit(module)
+    assert cap.raised == sum(p is None for _, p in accumulation.probes) == 0  # no step ran out of memory
+    assert cb.plan.transient > 0 and cb.plan.peak_bytes == cb.plan.activation_bytes + cb.plan.transient
+    assert cb.plan.peak_bytes <= cb.plan.max_bytes and list(cb.plan.choices.values()).count("keep") == 1
+    measured_bytes = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
+    assert measured_bytes == cb.plan.activation_bytes  # measured on the step that ran the plan
+
+
 def test_capacity_known_plans_under_capacity(tmp_path, monkeypatch):
     param_bytes = sum(p.numel() * 4 for p in TinyGPT(3).parameters())
     # Outside the blocks autograd holds: the embedding's indices (int64), ln_f's input and its stats

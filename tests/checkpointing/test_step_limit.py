@@ -57,6 +57,21 @@ def test_plan_step_gives_the_blocks_the_limit_minus_states_and_outside():
     }
 
 
+def test_backwards_first_transient_sits_beside_the_activations_kept():
+    # 100 bytes beside the activations when backward starts (the loss's gradient w.r.t. the logits):
+    # full+keep would hold 1200 + 100 > 1200 then; full+full holds 200 + 100, and 1200 recomputing block 1.
+    limit = StepLimit.resolve(4000, 0.5, None)
+    plan = plan_step(_profiles(), limit, states=500, outside=300, transient=100, allowed=KF)
+    assert (list(plan.choices.values()), plan.peak_bytes, plan.transient) == (["full", "full"], 1200, 100)
+    # Beside 1100 bytes even full+full's end of forward (200 + 1100) is over: the step needs 1300 for them.
+    with pytest.raises(NoPlanFitsError) as info:
+        plan_step(_profiles(), limit, states=500, outside=300, transient=1100, allowed=KF)
+    assert info.value.minimum == StepLimit(4000, 0.5, 2000).needed(500 + 300 + 1300)
+    assert "the blocks' smallest peak with backward's first 1.07 KiB beside them (1.27 KiB)" in str(
+        info.value
+    )
+
+
 def test_plan_step_errors_say_what_the_step_needs_in_the_users_terms():
     limit = StepLimit.resolve(4000, 0.5, None)
     # One byte short: the step needs 500 + 301 + 1200 = 2001 usable bytes, a limit of 2001 / 0.5 + 1.
@@ -82,7 +97,7 @@ def test_plan_policy_per_mode_and_limit():
 
     def held():
         calls.append(1)
-        return 500, 300
+        return 500, 300, 0
 
     def policy(mode, max_memory):
         return PlanPolicy(mode, StepLimit.resolve(max_memory, 0.5, None), tuple(KF))
