@@ -264,11 +264,13 @@ class MicroBatchSizes:
         assert self.recompute is not None
         floor = probes.floor
 
-        def largest(treatment: str) -> tuple[int | None, list[tuple[int, int | None]]]:
+        def largest(
+            treatment: str, start: int | None = None
+        ) -> tuple[int | None, list[tuple[int, int | None]]]:
             self.recompute.use(treatment)
             self.probes = []
             try:
-                return self._find(probes, whole, limit, floor, evaluation=False), self.probes
+                return self._find(probes, whole, limit, floor, evaluation=False, start=start), self.probes
             except MicroBatchOOMError:
                 return None, self.probes
 
@@ -283,7 +285,8 @@ class MicroBatchSizes:
             return self._decided(
                 "keep", plain, plain_probes, f"the whole batch of {whole} fits without recompute"
             )
-        full, full_probes = largest("full")
+        # Recomputed blocks hold less: the search starts where the kept one ended, not at one sample.
+        full, full_probes = largest("full", start=plain)
         if plain is None and full is None:  # the blocks stay recomputed: the least memory
             self.recompute = None
             raise MicroBatchOOMError(
@@ -311,7 +314,16 @@ class MicroBatchSizes:
         recompute.decided(treatment, why, _peak_at(kept))
         return size
 
-    def _find(self, probes: Probes, whole: int, limit: int, floor: int, *, evaluation: bool) -> int:
+    def _find(
+        self,
+        probes: Probes,
+        whole: int,
+        limit: int,
+        floor: int,
+        *,
+        evaluation: bool,
+        start: int | None = None,
+    ) -> int:
         log = self.eval_probes if evaluation else self.probes
 
         def probe(samples: int) -> int | None:  # the largest peak over ranks, None if any ran out of memory
@@ -328,7 +340,9 @@ class MicroBatchSizes:
                 headroom=self.headroom,
                 min_size=min(floor, whole),
                 max_probes=self.max_probes,
-                start=whole if evaluation else None,  # evaluation keeps no activations: the whole batch first
+                start=whole
+                if evaluation
+                else start,  # evaluation keeps no activations: the whole batch first
             )
         except NoSizeFits as error:
             advice = f"{BATCHNORM_ADVICE}\n" if floor > 1 else ""

@@ -43,9 +43,11 @@ class FakeProbes:
     def __init__(self, model: FakeModel) -> None:
         self.model = model
         self.timed: list[tuple[str, int]] = []
+        self.probed: list[tuple[str, int]] = []
 
     def peak(self, samples: int, evaluation: bool) -> int:
         m = self.model
+        self.probed.append((m.treatment, samples))
         return HELD + samples * (m.kept if m.treatment == "keep" else m.recomputed)
 
     def held(self) -> int:
@@ -72,6 +74,9 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.treatment == "keep"
     assert probes.timed == [("keep", 16), ("full", 64)]
+    # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
+    first_full = next(i for i, (treatment, _) in enumerate(probes.probed) if treatment == "full")
+    assert probes.probed[first_full] == ("full", 16) and len(probes.probed) - first_full < 4
     assert model.said == [
         (
             "keep",

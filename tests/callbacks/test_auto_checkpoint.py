@@ -221,7 +221,7 @@ def test_the_plan_holds_backwards_first_transient_beside_what_it_keeps(tmp_path,
             assert list(cb.plan.choices.values()).count("keep") >= 2
             return
         trainer.fit(module)
-    assert cap.raised == sum(p is None for _, p in accumulation.probes) == 0  # no step ran out of memory
+    assert cap.raised == sum(p is None for _, p in accumulation.probes)  # only probes ran out of memory
     assert cb.plan.transient > 0 and cb.plan.peak_bytes == cb.plan.activation_bytes + cb.plan.transient
     assert cb.plan.peak_bytes <= cb.plan.max_bytes and list(cb.plan.choices.values()).count("keep") == 1
     measured_bytes = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
