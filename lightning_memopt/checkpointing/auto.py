@@ -295,8 +295,8 @@ class AutoCheckpointer:
             return StepOutcome()
         probe.close()
         planned, notes = None, []
+        self._signature = signature or self._signature  # what ran: after a back-off, smaller micro-batches
         if not self.plan.predicted:
-            self._signature = signature or self._signature
             ran, planned = self.plan.choices, self._plan_from(probe, context, optimizers, gather)
             notes = self._notes
             if planned.choices != ran:

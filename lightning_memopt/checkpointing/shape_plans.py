@@ -44,7 +44,7 @@ def step_signature(batch, micro_batch: int | None) -> Signature:
     """:func:`shape_signature` of ``batch``, and where the batch runs as micro-batches (``AutoAccumulation``,
     ``OOMBackoff``), ``(micro_batch,)`` after it, the largest micro-batch's samples: the blocks hold what
     one micro-batch makes them hold, so a plan profiled on one covers steps whose micro-batches are no
-    larger (:func:`covers`).
+    larger, and serves those of other batches (:func:`serves`).
 
     Example::
 
@@ -66,6 +66,25 @@ def covers(planned: Signature, batch: Signature) -> bool:
         (True, False)
     """
     return _same_ranks(planned, batch) and all(x >= y for p, b in zip(planned, batch) for x, y in zip(p, b))
+
+
+def serves(planned: Signature, batch: Signature) -> bool:
+    """Whether a plan made for ``planned`` runs a step of ``batch``: it :func:`covers` it, and it was not
+    made for larger micro-batches of the same batch (:func:`step_signature`'s last entry): after a back-off
+    the smaller micro-batches get a plan of their own, which recomputes no more than they need.
+
+    Example::
+
+        >>> serves(((8, 64), (8,)), ((8, 32), (8,))), serves(((8, 64), (8,)), ((8, 64), (4,)))
+        (True, False)
+    """
+    smaller = (
+        len(planned) == len(batch) > 1
+        and planned[:-1] == batch[:-1]
+        and len(planned[-1]) == len(batch[-1]) == 1
+        and batch[-1][0] < planned[-1][0]
+    )
+    return covers(planned, batch) and not smaller
 
 
 def _same_ranks(planned: Signature, batch: Signature) -> bool:
@@ -93,7 +112,7 @@ class ShapePlans:
     """The plans made so far, each keyed by the shapes of the batches it was profiled on.
 
     :meth:`plan_for` returns, for a batch about to run, the cheapest plan made for shapes that cover it
-    (:func:`covers`), or None when none does: the caller then runs that batch with every block fully
+    (:func:`serves`), or None when none does: the caller then runs that batch with every block fully
     checkpointed (the least memory), profiles it and :meth:`add` s the new plan. Plans for known shapes are
     reused; a new plan is made only for a batch larger than all planned ones in some dimension.
 
@@ -126,8 +145,8 @@ class ShapePlans:
         return {signature: plan for plan, signatures in self._entries for signature in signatures}
 
     def _uncovered(self, signature: Signature) -> list[int]:
-        """Per plan made, 1 where none of its shapes covers ``signature``, 0 where one does."""
-        return [int(not any(covers(k, signature) for k in keys)) for _, keys in self._entries]
+        """Per plan made, 1 where none of its shapes serves ``signature`` (:func:`serves`), 0 where one does."""
+        return [int(not any(serves(k, signature) for k in keys)) for _, keys in self._entries]
 
     def _cheapest(self, uncovered: Sequence[int]) -> Plan | None:
         fitting = [plan for (plan, _), out in zip(self._entries, uncovered) if not out]

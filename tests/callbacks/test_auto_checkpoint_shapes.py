@@ -184,3 +184,29 @@ def test_a_larger_micro_batch_of_the_same_shape_is_planned_for(tmp_path):
     assert not [w for w in caught if "held" in str(w.message) and "predicted" in str(w.message)]
     for p, q in zip(module.parameters(), base.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_a_smaller_micro_batch_of_the_same_shape_gets_its_own_plan(tmp_path):
+    """With OOMBackoff: step 0 trains whole (8 samples) and its plan is made for 8 (two blocks recomputed);
+    step 1 runs out of memory at 8 and trains as 2 x 4. The steps after it run 4 samples a micro-batch: the
+    plan made for 8 recomputes more than they need, so they are profiled and planned for 4 (every block
+    kept), and hold what it predicted."""
+    from lightning_memopt import OOMBackoff
+    from lightning_memopt.testing import OOMInjector
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 32, (8, 16), generator=g) for _ in range(5)]
+    torch.manual_seed(0)
+    module = GPTModule()
+    auto = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
+    trainer = quiet_trainer([auto, OOMBackoff()], max_steps=len(batches))
+    injector = OOMInjector(module.model, max_size=4, steps={1}, step_fn=lambda: trainer.global_step).install()
+    with pytest.warns() as caught:
+        trainer.fit(module, DataLoader(batches, batch_size=None))
+    assert injector.raised == 1  # 8 at step 1
+    plans = auto.shape_plans.plans
+    assert sorted(shape[-1] for shape in plans) == [(4,), (8,)] and auto.shape_plans.made == 2
+    assert auto.plan is plans[((8, 16), (4,))]  # the last steps ran the plan made for their micro-batch
+    assert list(plans[((8, 16), (8,))].choices.values()) == ["full", "full", "keep"]
+    assert set(plans[((8, 16), (4,))].choices.values()) == {"keep"}
+    assert not [w for w in caught if "held" in str(w.message) and "predicted" in str(w.message)]
