@@ -340,9 +340,8 @@ class MicroBatchSizes:
                 headroom=self.headroom,
                 min_size=min(floor, whole),
                 max_probes=self.max_probes,
-                start=whole
-                if evaluation
-                else start,  # evaluation keeps no activations: the whole batch first
+                # evaluation keeps no activations: the whole batch first; training from start (None: 1)
+                start=whole if evaluation else start,
             )
         except NoSizeFits as error:
             advice = f"{BATCHNORM_ADVICE}\n" if floor > 1 else ""
