@@ -11,6 +11,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any, Literal
 
 import torch
@@ -102,6 +103,8 @@ class MicroBatchEngine:
         self._pending_backward = False
         self.state: StepState | None = None  # the step's start, for a retry (None between steps)
         self._metrics = ChangedOrEvery()
+        self._step_end: float | None = None  # when the last training step's backward ended (wall clock)
+        self._timed = (0.0, 0)  # seconds and steps between step ends since the last log
         # optimizer state entries; state_bytes and the state the first optimizer step will create, then
         self.held_at: tuple[int, int, int] | None = None
 
@@ -216,6 +219,10 @@ class MicroBatchEngine:
         if step.loss is None:  # training_step returned None: Lightning skips the step
             return step.output
         step.result.recorder.flush(step.result.losses, step.loss)
+        now = perf_counter()
+        if self._step_end is not None:
+            self._timed = (self._timed[0] + now - self._step_end, self._timed[1] + 1)
+        self._step_end = now
         if self.log_metrics:
             values = {"micro_batch_size": step.size, "num_micro_batches": len(step.sizes)}
             values["oom_retries"] = self.sizes.oom_retries
@@ -223,10 +230,17 @@ class MicroBatchEngine:
                 values["step_seconds_predicted"] = self.sizes.step_seconds
             if before is not None:  # thrashing is watched
                 values["near_misses"] = self.sizes.near_misses
-            self._metrics.log(type(module).log.__get__(module), self.trainer, values)
+            self._metrics.log(type(module).log.__get__(module), self.trainer, values, self._step_seconds)
         self._pending_backward = True
         loss = step.loss.detach().requires_grad_(True)  # a fresh leaf: Lightning's backward only fires hooks
         return loss if step.output is None else {**step.output, "loss": loss}
+
+    def _step_seconds(self) -> dict[str, float]:
+        """The mean wall-clock seconds of the optimizer steps since the last log (from one training step's
+        end to the next: the optimizer, the next batch's loading, its forward and backward), then reset."""
+        seconds, steps = self._timed
+        self._timed = (0.0, 0)
+        return {"step_seconds": seconds / steps} if steps else {}
 
     def zero_grad(self) -> None:
         """Zero the gradients now, through the module's own hook, and skip the call Lightning makes after
@@ -353,6 +367,7 @@ class MicroBatchEngine:
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._step_end = None  # an evaluation between two training steps is not a step's time
         if self.sizes.eval_size is None and not self.retry_on_oom:
             return original(*args, **kwargs)
         attempt = EvalStep(self, hook, original, args, kwargs)

@@ -7,7 +7,7 @@ The rules (``self.log`` by ``reduce_fx``, torchmetrics on step, the output dict'
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -368,14 +368,25 @@ class ChangedOrEvery:
     def __init__(self) -> None:
         self._logged: dict[str, float] = {}
 
-    def log(self, log: Any, trainer: Any, values: dict[str, float]) -> None:
-        """Log ``batching/<name>`` for each of ``values`` through ``log`` (the module's own ``log``)."""
+    def log(
+        self,
+        log: Any,
+        trainer: Any,
+        values: dict[str, float],
+        every_n: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        """Log ``batching/<name>`` for each of ``values`` through ``log`` (the module's own ``log``), and of
+        ``every_n()`` every ``log_every_n_steps`` only (values that change every step)."""
         values = {f"batching/{name}": float(value) for name, value in values.items()}
         every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
-        if values != self._logged or trainer.global_step % every == 0:
+        due = trainer.global_step % every == 0
+        if values != self._logged or due:
             self._logged = values
             for name, value in values.items():
                 log(name, value, on_step=True, on_epoch=False, batch_size=1)
+        if due and every_n is not None:
+            for name, value in every_n().items():
+                log(f"batching/{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
 
 
 def warn_inexact(keys: list[str], seen: set[str]) -> None:

@@ -68,6 +68,10 @@ class AutoAccumulation(MicroBatching):
     ``batching/oom_retries``                out-of-memory retries since the fit started (cumulative count)
     ``batching/step_seconds_predicted``     with ``AutoCheckpoint``, where the first batch's search timed it:
                                             seconds per optimizer step at the size and treatment chosen
+    ``batching/step_seconds``               every ``log_every_n_steps``: the mean wall-clock seconds of the
+                                            optimizer steps since the last log (one training step's end to
+                                            the next: optimizer, data loading, forward and backward; a
+                                            validation run between two steps is left out)
     ``batching/near_misses``                with ``OOMBackoff`` on a CUDA device: steps after which the
                                             allocator was found thrashing (cumulative count; each halved the
                                             size)

@@ -277,6 +277,26 @@ def test_logged_keys(tmp_path):
     assert keys == ["batching/micro_batch_size", "batching/num_micro_batches", "batching/oom_retries"]
 
 
+def test_the_measured_step_time_is_logged_every_n_steps(tmp_path, monkeypatch):
+    """``batching/step_seconds``: the mean wall-clock seconds between training steps' ends since the last
+    log, logged every ``log_every_n_steps`` (here 2); none at step 0, where no step ended before."""
+    import lightning_memopt.batching.engine as engine_module
+
+    clock = iter(float(t) for t in (0, 3, 7, 12, 18))  # step ends: intervals 3, 4, 5, 6 seconds
+    monkeypatch.setattr(engine_module, "perf_counter", lambda: next(clock))
+    logged = []
+    original = pl.LightningModule.log
+
+    def log(self, name, value, *args, **kwargs):
+        if name == "batching/step_seconds":
+            logged.append((self.trainer.global_step, value))
+        return original(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(pl.LightningModule, "log", log)
+    fit(Net(), [OOMBackoff()], steps=5, tmp_path=tmp_path, log_every_n_steps=2)
+    assert logged == [(2, 3.5), (4, 5.5)]  # steps 1-2: (3 + 4) / 2; steps 3-4: (5 + 6) / 2
+
+
 def test_accumulate_grad_batches_is_refused(tmp_path):
     with pytest.raises(Exception, match=r"accumulate_grad_batches=2 with micro-batching.*batch_size \* 2"):
         fit(Net(), [OOMBackoff()], tmp_path=tmp_path, accumulate_grad_batches=2)
