@@ -254,10 +254,12 @@ class MicroBatchSizes:
         """The size, and whether the blocks recompute, of the fastest optimizer step that fits.
 
         The largest micro-batch that fits with every block kept is found first: where the whole batch
-        fits, or recomputing fits no larger micro-batch, nothing is recomputed. Else the largest that fits
-        with every block recomputed (``full``) is found too, one micro-step at each size is timed, and
-        the step that ``ceil(whole / size)`` micro-steps make is compared: recompute only where its larger
-        micro-batches make the step faster, or where nothing fits without it. ``AutoCheckpoint`` then plans
+        fits, nothing is recomputed. Else the largest that fits with every block recomputed (``full``) is
+        found too; where it runs the step in no fewer micro-batches (``ceil(whole / size)``, split evenly),
+        nothing is recomputed. Else one micro-step of each is timed at the micro-batch that runs (the
+        largest of the even split: 12 where 15 fit a batch of 48), and the steps they make are compared:
+        recompute only where its larger micro-batches make the step faster, or where nothing fits without
+        it. ``AutoCheckpoint`` then plans
         the least recompute that fits the size chosen. Every rank takes the same path (sizes are the
         smallest over ranks, seconds the longest).
         """
@@ -274,11 +276,17 @@ class MicroBatchSizes:
             except MicroBatchOOMError:
                 return None, self.probes
 
+        def split(size: int) -> tuple[int, int]:
+            """The micro-batches a step of ``size`` runs as, and the largest of them (an even split)."""
+            count = -(-whole // size)
+            return count, -(-whole // count)
+
         def step_seconds(treatment: str, size: int) -> float:
+            count, runs = split(size)  # timed at the micro-batch that runs: 4 x 12 of 48, not 15
             self.recompute.use(treatment)
-            seconds = probes.seconds(size)
+            seconds = probes.seconds(runs)
             agreed = max_over_ranks(_FAILED if seconds is None else int(seconds * 1e9), probes.device)
-            return math.inf if agreed == _FAILED else math.ceil(whole / size) * agreed / 1e9
+            return math.inf if agreed == _FAILED else count * agreed / 1e9
 
         plain, plain_probes = largest("keep")
         if plain == whole:
@@ -295,12 +303,15 @@ class MicroBatchSizes:
             )
         if plain is None:
             return self._decided("full", full, full_probes, "not one sample fits without recompute")
-        if full is None or full <= plain:
-            return self._decided("keep", plain, plain_probes, "recomputing fits no larger micro-batch")
+        if full is None or split(full)[0] >= split(plain)[0]:  # as many micro-steps, each recomputing
+            return self._decided(
+                "keep", plain, plain_probes, "recomputing runs the step in no fewer micro-batches"
+            )
         keep_time, full_time = step_seconds("keep", plain), step_seconds("full", full)
+        (keep_n, keep_runs), (full_n, full_runs) = split(plain), split(full)
         timed = (
-            f"{-(-whole // plain)} micro-batches of {plain} without recompute: {keep_time:.3g} s a step; "
-            f"{-(-whole // full)} of {full} recomputing every block: {full_time:.3g} s"
+            f"{keep_n} micro-batches of {keep_runs} without recompute: {keep_time:.3g} s a step; "
+            f"{full_n} of {full_runs} recomputing every block: {full_time:.3g} s"
         )
         if full_time < keep_time:
             return self._decided("full", full, full_probes, timed, full_time, kept=plain_probes)

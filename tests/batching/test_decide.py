@@ -129,3 +129,25 @@ def test_without_an_offer_the_search_is_as_before():
     size, _, _ = sizes.plan(total=64, width=1, probes=FakeProbes(model))
     assert size == 64 and model.used == [] and model.treatment == "full"  # probed as installed
     assert math.isclose(sizes.probes[-1][1], HELD + 64 * 25)
+
+
+def test_each_way_is_timed_at_the_micro_batch_that_runs():
+    # 15 samples fit kept: a batch of 48 runs as 4 x 12, so the kept way is timed at 12, not 15; 48 fit
+    # recomputed (one micro-step).
+    model = FakeModel(launch=1.0)
+    sizes, size, probes = _decide(model, limit=HELD + 1_500, total=48)
+    assert probes.timed == [("keep", 12), ("full", 48)]
+    # keep: 4 x (1 + 1.2) = 8.8 s; full: 1 x (1 + 4.8 + 1.44) = 7.24 s
+    assert model.said[0] == (
+        "full",
+        "4 micro-batches of 12 without recompute: 8.8 s a step; 1 of 48 recomputing every block: 7.24 s",
+    )
+
+
+def test_recompute_that_runs_as_many_micro_batches_is_not_timed():
+    # 12 samples fit kept and 13 recomputed: both run a batch of 48 as 4 micro-batches; recomputing each
+    # can only be slower, so nothing is timed and nothing recomputes.
+    model = FakeModel(recomputed=90)
+    sizes, size, probes = _decide(model, limit=HELD + 1_200, total=48)
+    assert (size, model.treatment, probes.timed) == (12, "keep", [])
+    assert model.said == [("keep", "recomputing runs the step in no fewer micro-batches")]

@@ -170,7 +170,7 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
             f"AutoCheckpoint checkpoints no block of _Wide: {n_plain} micro-batches of {plain} without "
             f"recompute: {keep_time:.3g} s a step; {n_larger} of {larger} recomputing every block: {full_time:.3g} s"
         ]
-        assert accumulation.micro_batch_size == plain
+        assert -(-16 // accumulation.micro_batch_size) == n_plain
         assert all(set(c.values()) == {"keep"} for c in module.seen_choices[-2:])
         assert (
             not cb.plan.predicted and "checkpoint/activation_bytes_measured" not in trainer.callback_metrics
@@ -180,7 +180,8 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
         f"AutoCheckpoint recomputes: {n_plain} micro-batches of {plain} without recompute: {keep_time:.3g} s a "
         f"step; {n_larger} of {larger} recomputing every block: {full_time:.3g} s"
     )
-    assert accumulation.micro_batch_size == larger
+    # timed at the micro-batch that runs: the largest of the even split (9 fit; 16 runs as 2 x 8)
+    assert -(-16 // accumulation.micro_batch_size) == n_larger and larger == -(-16 // n_larger)
     assert cb.plan.predicted and set(cb.plan.choices.values()) != {"keep"}
     assert module.seen_choices[-1] == cb.plan.choices  # the second step ran the plan made for its micro-batch
     measured = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
