@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def deterministic_step_clock(monkeypatch):
     """AutoCheckpoint's treatments timed on a :class:`WorkClock`, not on the wall clock."""
-    from lightning_memopt.checkpointing import step_limit
+    from lightning_memopt.checkpointing import policy
     from tests.checkpointing.clocks import WorkClock
 
-    monkeypatch.setattr(step_limit, "step_clock", lambda device: WorkClock())
+    monkeypatch.setattr(policy, "step_clock", lambda device: WorkClock())

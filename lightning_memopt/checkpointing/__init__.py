@@ -2,7 +2,7 @@
 
 Find the repeated blocks (and the stem before them), profile each treatment (bytes held for backward,
 recompute cost), choose the cheapest plan that fits a bound on the blocks' bytes (exactly; a training step's limit becomes
-the blocks' share in ``step_limit.py``), apply it without changing the model's module tree. ``auto.py``
+the blocks' share in ``policy.py``), apply it without changing the model's module tree. ``auto.py``
 does all of it from one measured step: :func:`auto_checkpoint` for a plain training loop, and the
 ``AutoCheckpoint`` callback.
 """
@@ -32,14 +32,9 @@ from lightning_memopt.checkpointing.planner import (
     prediction_gap,
     treatments,
 )
+from lightning_memopt.checkpointing.policy import PlanPolicy, plan_step, plan_within, state_bytes
 from lightning_memopt.checkpointing.profile import profile_blocks, profile_blocks_run
-from lightning_memopt.checkpointing.step_limit import (
-    PlanPolicy,
-    StepLimit,
-    plan_step,
-    plan_within,
-    state_bytes,
-)
+from lightning_memopt.memory.limit import StepLimit
 
 __all__ = [
     "ActivationMeter",

@@ -45,14 +45,14 @@ from lightning_memopt.checkpointing.planner import (
     initial_choices,
     prediction_gap,
 )
+from lightning_memopt.checkpointing.policy import PlanPolicy
 from lightning_memopt.checkpointing.profile import profile_blocks, profile_blocks_run
 from lightning_memopt.checkpointing.ranks import Measured, agree
 from lightning_memopt.checkpointing.shape_plans import ShapePlans, Signature, full_peak, shape_signature
-from lightning_memopt.checkpointing.step_limit import PlanPolicy, StepLimit
 from lightning_memopt.head.causal_lm import HeadMode, check_head, take_over_heads
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.memory.device import device_memory
-from lightning_memopt.memory.limit import MemoryLimit, check_headroom, check_max_memory
+from lightning_memopt.memory.limit import MemoryLimit, StepLimit, check_headroom, check_max_memory
 from lightning_memopt.memory.tracker import state_bytes
 
 __all__ = ["AutoCheckpointer", "NoBlockError", "StepOutcome", "auto_checkpoint"]
@@ -129,7 +129,9 @@ class AutoCheckpointer:
         name: str = "AutoCheckpoint",
     ) -> None:
         check_max_memory(max_memory)
-        check_mode(mode, every_n, max_memory, cost_model)
+        check_mode(mode, every_n, cost_model)
+        if max_memory is not None and mode != "auto":
+            raise ValueError(f"max_memory={max_memory!r} is only used by mode='auto', got mode={mode!r}")
         check_bool("allow_offload", allow_offload, none_ok=True)
         check_blocks(blocks)
         self.blocks = blocks

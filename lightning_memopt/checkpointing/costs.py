@@ -1,7 +1,7 @@
 """What the planner reads: each block's profile, the treatments, and what each treatment holds and costs.
 
 Made by ``profile.py`` (measured on a block) and by ``planning/`` (predicted on fake tensors), read by
-``planner.py``, ``step_limit.py`` and ``ranks.py``; plain data, so that none of those need the code that
+``planner.py``, ``policy.py`` and ``ranks.py``; plain data, so that none of those need the code that
 measures it.
 """
 

@@ -399,17 +399,15 @@ MODES: tuple[str, ...] = ("auto", "full", "selective", "offload", "every_n", "po
 n-th block."""
 
 
-def check_mode(mode: str, every_n: int, max_memory=None, cost_model=None) -> None:
-    """Raise ``ValueError`` for an unknown ``mode``, ``every_n < 1``, a limit with a forced mode, or a
-    ``cost_model`` that is not a :class:`CostModel` (None is)."""
+def check_mode(mode: str, every_n: int, cost_model=None) -> None:
+    """Raise ``ValueError`` for an unknown ``mode``, ``every_n < 1``, or a ``cost_model`` that is not a
+    :class:`CostModel` (None is)."""
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(
             f"cost_model must be a CostModel, got {cost_model!r}; e.g. CostModel(offload_flops_per_byte=1e4)"
         )
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if max_memory is not None and mode != "auto":
-        raise ValueError(f"max_memory={max_memory!r} is only used by mode='auto', got mode={mode!r}")
     check_positive_int("every_n", every_n)
 
 

@@ -12,11 +12,12 @@ Every callback that takes a memory limit takes the same two options with the sam
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_memopt.memory.units import parse_bytes
 
-__all__ = ["MemoryLimit", "check_headroom", "check_max_memory", "usable_bytes"]
+__all__ = ["MemoryLimit", "StepLimit", "check_headroom", "check_max_memory", "usable_bytes"]
 
 MemoryLimit = int | float | str | None  # float before str: jsonargparse reads "0.5" as a fraction
 
@@ -80,3 +81,41 @@ def usable_bytes(
     if limit is None:
         return None
     return math.floor(limit * (1 - headroom))
+
+
+@dataclass(frozen=True)
+class StepLimit:
+    """A training step's memory limit as the user gave it, and the bytes it leaves usable.
+
+    Example::
+
+        >>> limit = StepLimit.resolve("1MiB", 0.25, capacity=None)
+        >>> limit.usable, limit.describe()
+        (786432, "max_memory='1MiB'")
+    """
+
+    max_memory: MemoryLimit
+    """The limit as passed: bytes, a string such as ``"6GiB"``, a fraction of capacity, or None (capacity)."""
+    headroom: float
+    """Fraction of the limit kept free."""
+    usable: int | None
+    """``limit * (1 - headroom)`` in bytes; None where no limit is known (no ``max_memory``, CPU)."""
+
+    @classmethod
+    def resolve(cls, max_memory: MemoryLimit, headroom: float, capacity: int | None) -> StepLimit:
+        """The limit on a device of ``capacity`` bytes (None: unknown).
+
+        Raises:
+            ValueError: For a bad limit or headroom, or a fraction of an unknown capacity (the message
+                names ``max_memory`` and the fix).
+        """
+        usable = usable_bytes(max_memory, headroom, capacity)
+        return cls(max_memory, check_headroom(headroom), usable)
+
+    def describe(self) -> str:
+        """The limit in the user's terms: ``"max_memory='6GiB'"``, or ``"the capacity"``."""
+        return f"max_memory={self.max_memory!r}" if self.max_memory is not None else "the capacity"
+
+    def needed(self, usable: int) -> int:
+        """The smallest limit (bytes) that leaves ``usable`` bytes after the headroom."""
+        return int(usable / (1 - self.headroom)) + 1

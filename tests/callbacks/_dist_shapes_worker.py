@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_memopt import AutoCheckpoint, OOMBackoff
-from lightning_memopt.checkpointing import ActivationMeter, checkpointed_blocks, find_blocks, step_limit
+from lightning_memopt.checkpointing import ActivationMeter, checkpointed_blocks, find_blocks, policy
 from lightning_memopt.testing import OOMInjector
 from tests.checkpointing.clocks import WorkClock
 from tests.checkpointing.models import TinyGPT
@@ -186,7 +186,7 @@ def run(kind: str, callbacks, lengths=LENGTHS) -> tuple[torch.Tensor, list[tuple
 def main(out: str) -> None:
     # Plans priced in seconds: time counted as work (as tests/conftest.py does in the tests' own process),
     # so that the plans asserted are the same on every run.
-    step_limit.step_clock = lambda device: WorkClock()
+    policy.step_clock = lambda device: WorkClock()
     rank = int(os.environ["RANK"])
     result = {}
     for kind in ("ddp", "fsdp2"):

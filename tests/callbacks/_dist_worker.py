@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_memopt import AutoAccumulation, AutoCheckpoint, OOMBackoff
-from lightning_memopt.checkpointing import apply_checkpointing, step_limit
+from lightning_memopt.checkpointing import apply_checkpointing, policy
 from lightning_memopt.testing import OOMInjector
 from tests.callbacks.test_auto_checkpoint import GPTModule
 from tests.checkpointing.clocks import WorkClock
@@ -128,7 +128,7 @@ def decide_with_rank_timings(rank: int) -> dict:
 def main(out: str) -> None:
     # Plans priced in seconds: time counted as work (tests/conftest.py does it in the tests' own process),
     # so that the budgeted plan asserted is the same on every run.
-    step_limit.step_clock = lambda device: WorkClock()
+    policy.step_clock = lambda device: WorkClock()
     rank = int(os.environ["RANK"])
     for kind in ("ddp", "fsdp2"):
         plain, _, _ = run(kind, [])

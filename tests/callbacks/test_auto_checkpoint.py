@@ -557,9 +557,9 @@ class ScriptedClock:
     ],
 )
 def test_plans_are_priced_by_the_time_each_treatment_takes(tmp_path, monkeypatch, durations, chosen, never):
-    from lightning_memopt.checkpointing import step_limit
+    from lightning_memopt.checkpointing import policy
 
-    monkeypatch.setattr(step_limit, "step_clock", lambda device: ScriptedClock(durations))
+    monkeypatch.setattr(policy, "step_clock", lambda device: ScriptedClock(durations))
     module = GPTModule()
     # The blocks get 85 kB: a kept block holds 35,392 bytes, a selective one 22,528, a full one 2,048. Two
     # selective blocks and a kept one fit, or one full block and two kept: which is cheaper is the clock's.

@@ -140,10 +140,10 @@ def test_plan_policy_times_only_where_auto_plans():
 
 
 def test_plan_policy_clock_is_the_devices(monkeypatch):
-    from lightning_memopt.checkpointing import step_limit
+    from lightning_memopt.checkpointing import policy
     from lightning_memopt.data.clock import step_clock
 
-    monkeypatch.setattr(step_limit, "step_clock", step_clock)  # undo the tests' work clock
+    monkeypatch.setattr(policy, "step_clock", step_clock)  # undo the tests' work clock
     limit = StepLimit.resolve("1MiB", 0.0, None)
     assert isinstance(PlanPolicy.for_mode("auto", limit, offload=False).clock, HostClock)
     cuda = PlanPolicy.for_mode("auto", limit, offload=False, cost_model=CostModel(), device="cuda")

@@ -1,4 +1,4 @@
-"""A training step's memory limit, turned into the bytes the blocks may hold (plain torch; no Lightning).
+"""How the blocks are planned under a training step's memory limit (plain torch; no Lightning).
 
 A step holds the parameters, their gradients and the optimizer state (:func:`state_bytes`), the
 activations outside the blocks (embeddings, head, loss: measured around a real step) and the blocks'
@@ -31,48 +31,10 @@ from lightning_memopt.checkpointing.planner import (
 )
 from lightning_memopt.data.clock import Clock, step_clock
 from lightning_memopt.memory import format_bytes
-from lightning_memopt.memory.limit import MemoryLimit, check_headroom, usable_bytes
+from lightning_memopt.memory.limit import StepLimit
 from lightning_memopt.memory.tracker import state_bytes
 
-__all__ = ["PlanPolicy", "StepLimit", "plan_step", "plan_within", "state_bytes"]
-
-
-@dataclass(frozen=True)
-class StepLimit:
-    """A training step's memory limit as the user gave it, and the bytes it leaves usable.
-
-    Example::
-
-        >>> limit = StepLimit.resolve("1MiB", 0.25, capacity=None)
-        >>> limit.usable, limit.describe()
-        (786432, "max_memory='1MiB'")
-    """
-
-    max_memory: MemoryLimit
-    """The limit as passed: bytes, a string such as ``"6GiB"``, a fraction of capacity, or None (capacity)."""
-    headroom: float
-    """Fraction of the limit kept free."""
-    usable: int | None
-    """``limit * (1 - headroom)`` in bytes; None where no limit is known (no ``max_memory``, CPU)."""
-
-    @classmethod
-    def resolve(cls, max_memory: MemoryLimit, headroom: float, capacity: int | None) -> StepLimit:
-        """The limit on a device of ``capacity`` bytes (None: unknown).
-
-        Raises:
-            ValueError: For a bad limit or headroom, or a fraction of an unknown capacity (the message
-                names ``max_memory`` and the fix).
-        """
-        usable = usable_bytes(max_memory, headroom, capacity)
-        return cls(max_memory, check_headroom(headroom), usable)
-
-    def describe(self) -> str:
-        """The limit in the user's terms: ``"max_memory='6GiB'"``, or ``"the capacity"``."""
-        return f"max_memory={self.max_memory!r}" if self.max_memory is not None else "the capacity"
-
-    def needed(self, usable: int) -> int:
-        """The smallest limit (bytes) that leaves ``usable`` bytes after the headroom."""
-        return int(usable / (1 - self.headroom)) + 1
+__all__ = ["PlanPolicy", "plan_step", "plan_within", "state_bytes"]
 
 
 def plan_within(

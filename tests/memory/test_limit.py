@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_memopt.memory.limit import check_headroom, check_max_memory, usable_bytes
+from lightning_memopt.memory.limit import StepLimit, check_headroom, check_max_memory, usable_bytes
 
 
 @pytest.mark.parametrize(
@@ -42,3 +42,16 @@ def test_bad_sizes(value):
 def test_bad_headroom(value):
     with pytest.raises(ValueError, match=rf"headroom must be a number in \[0, 1\) .* got {value!r}"):
         check_headroom(value)
+
+
+def test_step_limit_resolves_the_users_terms():
+    assert StepLimit.resolve(4000, 0.5, None) == StepLimit(4000, 0.5, 2000)
+    assert StepLimit.resolve(0.5, 0.1, 4000).usable == 1800  # a fraction of the capacity
+    assert StepLimit.resolve(None, 0.1, None).usable is None  # no limit known: nothing to plan under
+    assert StepLimit.resolve(None, 0.0, 4096).describe() == "the capacity"
+    assert StepLimit.resolve("1KiB", 0.0, None).describe() == "max_memory='1KiB'"
+    assert StepLimit(4000, 0.5, 2000).needed(2001) == 4003  # the smallest limit leaving 2001 usable
+    with pytest.raises(ValueError, match=r"max_memory=0.5 is a fraction of the device's capacity, but"):
+        StepLimit.resolve(0.5, 0.1, None)
+    with pytest.raises(ValueError, match=r"headroom must be a number in \[0, 1\)"):
+        StepLimit.resolve(4000, 1.0, None)

@@ -1,5 +1,5 @@
-"""A step's memory limit turned into the blocks' max_bytes, and the plan chosen after the first batch: plain
-torch, no Trainer (checkpointing/step_limit.py, the mode policy in checkpointing/planner.py)."""
+"""A step's memory limit turned into the blocks' share, and the plan chosen after the first batch: plain
+torch, no Trainer (checkpointing/policy.py, the mode policy in checkpointing/planner.py)."""
 
 import pytest
 import torch
@@ -30,19 +30,6 @@ def _profiles() -> list[BlockProfile]:
     """
     options = {"keep": OptionCost(1000, True, False), "full": OptionCost(0, True, False, recompute_flops=100)}
     return [BlockProfile(f"b{i}", 1000, 100, 100, i == 1, dict(options)) for i in range(2)]
-
-
-def test_step_limit_resolves_the_users_terms():
-    assert StepLimit.resolve(4000, 0.5, None) == StepLimit(4000, 0.5, 2000)
-    assert StepLimit.resolve(0.5, 0.1, 4000).usable == 1800  # a fraction of the capacity
-    assert StepLimit.resolve(None, 0.1, None).usable is None  # no limit known: nothing to plan under
-    assert StepLimit.resolve(None, 0.0, 4096).describe() == "the capacity"
-    assert StepLimit.resolve("1KiB", 0.0, None).describe() == "max_memory='1KiB'"
-    assert StepLimit(4000, 0.5, 2000).needed(2001) == 4003  # the smallest limit leaving 2001 usable
-    with pytest.raises(ValueError, match=r"max_memory=0.5 is a fraction of the device's capacity, but"):
-        StepLimit.resolve(0.5, 0.1, None)
-    with pytest.raises(ValueError, match=r"headroom must be a number in \[0, 1\)"):
-        StepLimit.resolve(4000, 1.0, None)
 
 
 def test_plan_step_gives_the_blocks_the_limit_minus_states_and_outside():
@@ -154,19 +141,21 @@ def test_mode_policy():
     ):
         check_mode("fast", 2)
     with pytest.raises(ValueError, match=r"cost_model must be a CostModel, got 3; e.g. CostModel\("):
-        check_mode("auto", 2, None, 3)
+        check_mode("auto", 2, 3)
     with pytest.raises(ValueError, match="every_n must be a positive int, got 0"):
         check_mode("every_n", 0)
+    from lightning_memopt.checkpointing import AutoCheckpointer
+
     with pytest.raises(ValueError, match=r"max_memory='1GB' is only used by mode='auto', got mode='full'"):
-        check_mode("full", 2, "1GB")
+        AutoCheckpointer(max_memory="1GB", mode="full")
 
 
 def test_plan_policy_prices_offload_by_a_copy_timed_on_the_device(monkeypatch):
-    from lightning_memopt.checkpointing import CostModel, step_limit
+    from lightning_memopt.checkpointing import CostModel, policy
 
     timed = CostModel(offload_flops_per_byte=123.0)
     calls = []
-    monkeypatch.setattr(step_limit, "measured_cost_model", lambda device: calls.append(device) or timed)
+    monkeypatch.setattr(policy, "measured_cost_model", lambda device: calls.append(device) or timed)
     limit = StepLimit(None, 0.1, 10**6)
     # auto may offload (a CUDA device): the price comes from the timed copy
     assert PlanPolicy.for_mode("auto", limit, offload=True, device="cuda:0").cost_model is timed
