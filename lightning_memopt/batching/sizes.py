@@ -259,9 +259,8 @@ class MicroBatchSizes:
         nothing is recomputed. Else one micro-step of each is timed at the micro-batch that runs (the
         largest of the even split: 12 where 15 fit a batch of 48), and the steps they make are compared:
         recompute only where its larger micro-batches make the step faster, or where nothing fits without
-        it. ``AutoCheckpoint`` then plans
-        the least recompute that fits the size chosen. Every rank takes the same path (sizes are the
-        smallest over ranks, seconds the longest).
+        it. ``AutoCheckpoint`` then plans the least recompute that fits the size chosen. Every rank takes the
+        same path (sizes are the smallest over ranks, seconds the longest).
         """
         assert self.recompute is not None
         floor = probes.floor
@@ -281,8 +280,9 @@ class MicroBatchSizes:
             count = -(-whole // size)
             return count, -(-whole // count)
 
-        def step_seconds(treatment: str, size: int) -> float:
-            count, runs = split(size)  # timed at the micro-batch that runs: 4 x 12 of 48, not 15
+        def step_seconds(treatment: str, count: int, runs: int) -> float:
+            """``count`` micro-steps, timed at ``runs`` samples: the micro-batch that runs (48 where 15
+            fit: 4 x 12, timed at 12, not 15)."""
             self.recompute.use(treatment)
             seconds = probes.seconds(runs)
             agreed = max_over_ranks(_FAILED if seconds is None else int(seconds * 1e9), probes.device)
@@ -307,8 +307,11 @@ class MicroBatchSizes:
             return self._decided(
                 "keep", plain, plain_probes, "recomputing runs the step in no fewer micro-batches"
             )
-        keep_time, full_time = step_seconds("keep", plain), step_seconds("full", full)
         (keep_n, keep_runs), (full_n, full_runs) = split(plain), split(full)
+        keep_time, full_time = (
+            step_seconds("keep", keep_n, keep_runs),
+            step_seconds("full", full_n, full_runs),
+        )
         timed = (
             f"{keep_n} micro-batches of {keep_runs} without recompute: {keep_time:.3g} s a step; "
             f"{full_n} of {full_runs} recomputing every block: {full_time:.3g} s"
