@@ -7,6 +7,7 @@ meaningful on a quiet machine)::
     PYTHONPATH=. python benchmarks/fastest_step.py --precision bf16-mixed
     PYTHONPATH=. python benchmarks/fastest_step.py --quick                  # a smoke run (smaller, fewer)
     PYTHONPATH=. python benchmarks/fastest_step.py --only gpt llama
+    PYTHONPATH=. python benchmarks/fastest_step.py --device cuda   # on a GPU: the issue's Llama (below)
 
 The models (built in code, nothing downloaded, dropout off, AdamW): the GPT of ``examples/gpt/gpt.py``
 (``CharGPT`` at ``memopt.yaml``'s shape: 4 blocks, 4 heads, width 128, 128 tokens, its own AdamW and
@@ -45,6 +46,16 @@ Every fit that is timed, or that decides by timing (the defaults' peak fit), run
 on a loaded machine the same step ran several times slower in the main thread than in a fresh one (each
 Python thread has its own OpenMP team), and the ways must be compared under the same conditions.
 
+On CUDA (``--device cuda``, bf16-mixed unless ``--precision`` says otherwise) the model is the Llama-shaped
+1.3B of issue 30 (hidden 2,048, 16 layers, SwiGLU 8,192, 32 heads and 8 key/value heads, vocabulary
+128,256, tied embeddings, 4,096 tokens; ``--layers`` and ``--seq`` shrink it) at 32 sequences a step, and
+the limit is the card itself (``--cap-gib`` caps it with ``torch.cuda.set_per_process_memory_fraction``,
+and gives the defaults ``max_memory`` of that many GiB): the manual ways' micro-batches are found by real
+out-of-memory errors (two optimizer steps of two micro-batches each), the defaults get no arguments but
+``OOMBackoff``'s, the ways run one after another (three copies of the model and its AdamW state do not fit
+the card together), every step time is read after ``torch.cuda.synchronize()``, and peaks are
+``torch.cuda.max_memory_allocated`` over the timed steps.
+
 It prints a Markdown table per model run, then what the defaults decided (``AutoCheckpoint``'s one-line
 note) and whether their steady peak stayed within ``L``; progress and tracebacks go to stderr.
 """
@@ -52,7 +63,9 @@ note) and whether their steady peak stayed within ``L``; progress and tracebacks
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import math
 import os
 import statistics
 import sys
@@ -79,6 +92,17 @@ from gpt import CharGPT  # noqa: E402
 
 MiB = 2**20
 T0 = time.perf_counter()
+DEVICE = "cpu"  # --device
+CAP: int | None = None  # --cap-gib, in bytes (CUDA)
+
+
+def cuda() -> bool:
+    return DEVICE == "cuda"
+
+
+def sync() -> None:
+    if cuda():
+        torch.cuda.synchronize()
 
 
 def stamp() -> str:
@@ -206,6 +230,26 @@ def benches(quick: bool) -> dict[str, Bench]:
     }
 
 
+def gpu_benches(layers: int, seq: int) -> dict[str, Bench]:
+    """Issue 30's model: a Llama-shaped 1.3B with grouped-query attention (Llama 3.2 1B's shape)."""
+
+    def llama():
+        config = transformers.LlamaConfig(
+            vocab_size=128_256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=layers,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=seq,
+            tie_word_embeddings=True,
+            use_cache=False,
+        )
+        return HFModule(transformers.LlamaForCausalLM(config))
+
+    return {"llama": Bench(_seeded(llama), _tokens(128_256, seq, causal_lm=True), hf_checkpointing=True)}
+
+
 class Samples(Dataset):
     def __init__(self, sample: Callable[[int], Any], n: int, pool: int) -> None:
         self.items = [sample(i) for i in range(pool)]
@@ -222,7 +266,7 @@ class Samples(Dataset):
 def trainer(callbacks: list[Callback], precision: str, **kwargs) -> pl.Trainer:
     return pl.Trainer(
         callbacks=callbacks,
-        accelerator="cpu",
+        accelerator="gpu" if cuda() else "cpu",
         devices=1,
         precision=precision,
         logger=False,
@@ -237,7 +281,8 @@ def trainer(callbacks: list[Callback], precision: str, **kwargs) -> pl.Trainer:
 
 def way_setup(way: str, bench: Bench, limit: int) -> tuple[pl.LightningModule, list[Callback]]:
     """A fresh module (same weights every time) and the callbacks of ``way``."""
-    module = bench.build()
+    with torch.device(DEVICE):  # on CUDA the weights are drawn there: seconds, not minutes, for 1.3B
+        module = bench.build()
     if way == "plain + accumulate":
         return module, []
     if way == "full ckpt + accumulate":
@@ -245,6 +290,8 @@ def way_setup(way: str, bench: Bench, limit: int) -> tuple[pl.LightningModule, l
             bench.inner(module).gradient_checkpointing_enable()
             return module, []
         return module, [AutoCheckpoint(mode="full", log=False)]
+    if cuda() and CAP is None:  # the card is the limit: the callbacks with no arguments
+        return module, [AutoCheckpoint(), AutoAccumulation(), OOMBackoff()]
     return module, [AutoCheckpoint(max_memory=limit), AutoAccumulation(max_memory=limit), OOMBackoff()]
 
 
@@ -267,9 +314,41 @@ class TrackBatch(Callback):
             self.tracker = None
 
 
-def manual_peak(way: str, bench: Bench, micro: int, precision: str) -> tuple[int, dict]:
+def free_cuda() -> None:
+    """What the fits before left on the card, back to the allocator's pool and then to the driver."""
+    if cuda():
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def cuda_peak(way: str, bench: Bench, micro: int, precision: str) -> tuple[float, dict]:
+    """On CUDA: the device's peak over two optimizer steps of two micro-batches of ``micro`` samples (the
+    second of each with the gradients held, the second step with AdamW's state), or infinity where that
+    raised an out-of-memory error."""
+    free_cuda()
+    peak: float = math.inf
+    try:
+        module, callbacks = way_setup(way, bench, 0)
+        data = DataLoader(Samples(bench.sample, 4 * micro, 4 * micro), batch_size=micro)
+        trainer(callbacks, precision, max_steps=2, accumulate_grad_batches=2).fit(module, data)
+        sync()
+        peak = torch.cuda.max_memory_allocated()
+    except torch.OutOfMemoryError:
+        pass
+    finally:
+        module = callbacks = data = None
+        free_cuda()
+    shown = "out of memory" if math.isinf(peak) else f"peak {peak / MiB:,.0f} MiB"
+    print(f"    {way}: micro-batch {micro}: {shown} ({stamp()})", file=sys.stderr)
+    return peak, {}
+
+
+def manual_peak(way: str, bench: Bench, micro: int, precision: str) -> tuple[float, dict]:
     """Peak live bytes of one micro-batch of ``micro`` samples with gradients held, its optimizer step
     included: the second micro-batch of the second step at ``accumulate_grad_batches=2``."""
+    if cuda():
+        return cuda_peak(way, bench, micro, precision)
     module, callbacks = way_setup(way, bench, 0)
     track = TrackBatch(3)
     data = DataLoader(Samples(bench.sample, 4 * micro, 4 * micro), batch_size=micro)
@@ -280,7 +359,7 @@ def manual_peak(way: str, bench: Bench, micro: int, precision: str) -> tuple[int
 
 
 def largest_fitting(
-    way: str, bench: Bench, batch: int, limit: int, precision: str, peaks: dict[int, tuple[int, dict]]
+    way: str, bench: Bench, batch: int, limit: int, precision: str, peaks: dict[int, tuple[float, dict]]
 ) -> int | None:
     """The largest divisor of ``batch`` whose peak fits ``limit``, by trying (binary search; ``peaks``
     caches what was tried); None if not even one sample fits."""
@@ -317,6 +396,7 @@ class Pacer(Callback):
         self.t0 = 0.0
         self.last_step = 0
         self._handle = None
+        self.peak: int | None = None  # CUDA: the device's peak over the granted rounds
 
     def on_train_start(self, trainer, pl_module):
         def seen(module, args, kwargs):
@@ -324,11 +404,13 @@ class Pacer(Callback):
             self.sizes.append(int(x.shape[0]))
 
         self._handle = self.model_of(pl_module).register_forward_pre_hook(seen, with_kwargs=True)
+        sync()
         self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.last_step:
             return  # between micro-batches of one accumulated step
+        sync()
         now = time.perf_counter()
         self.last_step = trainer.global_step
         self.times.append(now - self.t0)
@@ -340,12 +422,17 @@ class Pacer(Callback):
             self.paused.set()
             self.go.wait()
             self.go.clear()
+            if cuda() and not self.in_round:
+                torch.cuda.reset_peak_memory_stats()
             self.in_round = True
         self.t0 = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module):
         if self._handle is not None:
             self._handle.remove()
+        if cuda() and self.in_round:
+            sync()
+            self.peak = torch.cuda.max_memory_allocated()
 
     def grant(self, steps: int, thread: threading.Thread) -> None:
         """Let the fit run ``steps`` optimizer steps, and wait until it pauses again (or ends)."""
@@ -428,17 +515,26 @@ def defaults_peak(
 def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
     batch, precision = args.batch, args.precision
     print(f"{name}: finding the limit and the manual ways' micro-batches", file=sys.stderr)
-    plain_peaks: dict[int, tuple[int, dict]] = {}
-    quarter, eighth = max(1, batch // 4), max(1, batch // 8)
-    for d in (eighth, quarter):
-        plain_peaks[d] = manual_peak("plain + accumulate", bench, d, precision)
-    limit = plain_peaks[quarter][0] + max(0, plain_peaks[quarter][0] - plain_peaks[eighth][0]) // 2
-    limit = -(-limit // 1024) * 1024  # whole KiB
-    plain_peaks.setdefault(batch, manual_peak("plain + accumulate", bench, batch, precision))
-    whole_fits = plain_peaks[batch][0] <= limit
-    full_peaks: dict[int, tuple[int, dict]] = {}
+    plain_peaks: dict[int, tuple[float, dict]] = {}
+    if cuda():  # the card (or its cap) is the limit; the manual ways find it by out-of-memory errors
+        limit = CAP or torch.cuda.get_device_properties(0).total_memory
+    else:
+        quarter, eighth = max(1, batch // 4), max(1, batch // 8)
+        for d in (eighth, quarter):
+            plain_peaks[d] = manual_peak("plain + accumulate", bench, d, precision)
+        limit = plain_peaks[quarter][0] + max(0, plain_peaks[quarter][0] - plain_peaks[eighth][0]) // 2
+        limit = -(-limit // 1024) * 1024  # whole KiB
+    if not args.micro:
+        plain_peaks.setdefault(batch, manual_peak("plain + accumulate", bench, batch, precision))
+    whole_fits = batch in plain_peaks and plain_peaks[batch][0] <= limit
+    full_peaks: dict[int, tuple[float, dict]] = {}
     runs = [Run(way) for way in WAYS]
-    for run, peaks in zip(runs[:2], (plain_peaks, full_peaks), strict=True):
+    for run, peaks, given in zip(
+        runs[:2], (plain_peaks, full_peaks), args.micro or (None, None), strict=True
+    ):
+        if given:  # --micro: as an earlier run found them
+            run.micro = given
+            continue
         run.micro = largest_fitting(run.way, bench, batch, limit, precision, peaks)
         run.peak, run.breakdown = peaks[run.micro] if run.micro else (None, None)
         if run.micro is None:
@@ -452,19 +548,29 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
         for run in runs:
             if run.error is None:
                 seen = len(caught)
+                free_cuda()
                 start(run, bench, batch, limit, precision, args.warmup, total)
+                if cuda():  # one way at a time: the card holds one model and its optimizer state
+                    for _ in range(args.rounds):
+                        if run.thread.is_alive():
+                            run.pacer.grant(args.steps, run.thread)
+                    run.thread.join()
+                    run.peak, run.breakdown = run.pacer.peak, None
+                    print(f"  {run.way}: {run.seconds} s/step ({stamp()})", file=sys.stderr)
                 run.notes = [
                     str(w.message) for w in caught[seen:] if str(w.message).startswith(NOTE_PREFIXES)
                 ]
                 live.append(run)
-        for r in range(args.rounds):
+        for r in range(args.rounds if not cuda() else 0):
             for run in live[r % len(live) :] + live[: r % len(live)]:
                 if run.thread.is_alive():
                     run.pacer.grant(args.steps, run.thread)
         for run in live:
             run.thread.join()
     defaults = runs[2]
-    if defaults.error is None:
+    if cuda():  # the peaks of the timed steps (the Pacer's)
+        defaults.peak_sizes, defaults.peak_notes = defaults.pacer.steady_sizes, defaults.notes
+    elif defaults.error is None:
         print(f"{name}: the defaults' steady peak ({stamp()})", file=sys.stderr)
 
         def target():  # in a thread, as the timed fits (the decision is timed: same conditions)
@@ -565,17 +671,42 @@ def details(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="32-true", help="the Trainer's precision (e.g. bf16-mixed)")
+    parser.add_argument(
+        "--precision", default=None, help="the Trainer's precision (32-true; bf16-mixed on cuda)"
+    )
     parser.add_argument("--quick", action="store_true", help="smaller models, batch 16, few steps")
     parser.add_argument("--only", nargs="+", metavar="MODEL", help="gpt llama gpt2 vit resnet")
     parser.add_argument("--batch", type=int, default=None, help="samples per optimizer step (48; quick 16)")
     parser.add_argument("--warmup", type=int, default=None, help="optimizer steps not counted (3; quick 2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of alternation (4; quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps a way runs per round (2)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the issue's Llama")
+    parser.add_argument("--layers", type=int, default=16, help="cuda: the Llama's layers (16)")
+    parser.add_argument("--seq", type=int, default=4096, help="cuda: tokens a sequence (4,096)")
+    parser.add_argument(
+        "--micro",
+        type=int,
+        nargs=2,
+        metavar=("PLAIN", "FULL"),
+        help="the manual ways' micro-batches as an earlier run found them (no search)",
+    )
+    parser.add_argument("--cap-gib", type=float, default=None, help="cuda: cap the card at this many GiB")
     args = parser.parse_args()
+    global DEVICE, CAP
+    DEVICE = args.device
+    if cuda():
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here")
+        if args.cap_gib is not None:
+            CAP = int(args.cap_gib * 2**30)
+            total_memory = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, CAP / total_memory))
+    args.precision = args.precision or ("bf16-mixed" if cuda() else "32-true")
     defaults = (
         dict(batch=16, warmup=2, rounds=1, steps=2)
         if args.quick
+        else dict(batch=32, warmup=3, rounds=1, steps=4)
+        if cuda()
         else dict(batch=48, warmup=3, rounds=4, steps=2)
     )
     for key, value in defaults.items():
@@ -586,7 +717,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(threads)
-    all_benches = benches(args.quick)
+    all_benches = gpu_benches(args.layers, args.seq) if cuda() else benches(args.quick)
     names = args.only or list(all_benches)
     unknown = sorted(set(names) - set(all_benches))
     if unknown:
