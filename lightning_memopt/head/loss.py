@@ -69,6 +69,11 @@ CACHED_WEIGHT = 32 * 2**20  # bytes: a weight this small stays in the caches; no
 MAX_CHUNK_BYTES = 256 * 2**20
 # Bytes of one float32 slice of a chunk's half-precision logits (its softmax) or of the weight's gradient
 SLICE_BYTES = 16 * 2**20
+WEIGHT_GRADIENT_BY_COLUMNS = ("cuda",)
+"""Device types where a half-precision head's weight gradient is computed in a second pass over slices of
+the vocabulary (:func:`_weight_gradient_by_columns`: one matmul more, no weight-sized sum read and written
+by every chunk), not summed over the chunks (:class:`_WeightGradient`). On a GPU the sum's memory traffic
+cost more than the matmul; on a CPU the matmul costs more."""
 
 
 def default_chunk_size(
@@ -408,41 +413,68 @@ def _chunk_grad(z, y, opts, scale):
     return loss.masked_fill(~counted, 0), z
 
 
+def _capped(part: torch.Tensor, opts: tuple) -> torch.Tensor:
+    """Half-precision logits as float32 numbers, scaled and capped as :func:`_chunk_grad`'s."""
+    _, _, _, _, scale_logits, softcap = opts
+    x = part.float()
+    if scale_logits != 1.0:
+        x = x * scale_logits
+    if softcap is not None:
+        x = x.div_(softcap).tanh_().mul_(softcap)
+    return x
+
+
+def _through_cap(g: torch.Tensor, x: torch.Tensor, opts: tuple) -> torch.Tensor:
+    """``g``, the gradient w.r.t. the capped logits ``x``, made the gradient w.r.t. the matmul's logits."""
+    _, _, _, _, scale_logits, softcap = opts
+    if softcap is not None:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh^2, tanh = capped / softcap
+        g = g.mul_(x.div(softcap).square_().neg_().add_(1))
+    return g.mul_(scale_logits) if scale_logits != 1.0 else g
+
+
+def _grad_columns(part, lse, weights, opts, vocab, want_sums):
+    """Half-precision logits ``part (c, w)`` (some of a vocabulary of ``vocab`` columns) become their
+    gradient in place, every column as if it were no token's target (the targets' columns are written after:
+    :func:`_chunk_grad_half`'s ``at_target``), from each token's log-sum-exp ``lse (c,)`` and weight
+    ``weights (c,)``; returns the gradient's float32 column sums ``(w,)`` if ``want_sums`` (the bias's)."""
+    smoothing = opts[1]
+    x = _capped(part, opts)
+    g = (x - lse[:, None]).exp_().mul_(weights[:, None])  # the softmax, weighted
+    if smoothing:
+        g.sub_((smoothing / vocab) * weights[:, None])
+    g = _through_cap(g, x, opts)
+    part.copy_(g)
+    return g.sum(0) if want_sums else None
+
+
 def _chunk_grad_half(z, y, opts, scale, width, want_sums=True):
     """:func:`_chunk_grad` for half-precision logits ``z (c, V)``: the same float32 losses ``(c,)`` and
     gradient, computed ``width`` vocabulary columns at a time and rounded into ``z`` in place (what autograd's
     backward through ``logits.float()`` hands the matmuls), and the gradient's float32 column sums ``(V,)``
-    (the bias's gradient; None unless ``want_sums``).
+    (the bias's gradient; None unless ``want_sums``); with each token's log-sum-exp ``(c,)`` (float32) and
+    its target column's gradient ``(c,)`` (in ``z``'s dtype), which a second pass over the vocabulary
+    (:func:`_weight_gradient_by_columns`) needs.
 
     Nothing float32 of the chunk's whole size exists: one chunk holds its half-precision logits and one
     slice of float32 numbers, half of what float32 logits would hold (at the Llama-3 shape under bf16 that
     is what brings the head under its bound: ``benchmarks/head.py --bound``). Each slice's logits are read
     twice (the running log-sum-exp, then the gradient) and their scale and cap recomputed, not kept.
     """
-    ignore_index, smoothing, _, _, scale_logits, softcap = opts
+    ignore_index, smoothing = opts[0], opts[1]
     vocab = z.shape[1]
     counted = y != ignore_index  # (c,)
     target = y.masked_fill(~counted, 0)
-
-    def logits(part):  # float32, scaled and capped, as _chunk_grad's
-        x = part.float()
-        if scale_logits != 1.0:
-            x = x * scale_logits
-        if softcap is not None:
-            x = x.div_(softcap).tanh_().mul_(softcap)
-        return x
-
-    picked = logits(z.gather(1, target[:, None])).squeeze(1)  # z_iy, (c,)
+    picked = _capped(z.gather(1, target[:, None]), opts).squeeze(1)  # z_iy, (c,)
     top = torch.full_like(picked, -math.inf)
     total = torch.zeros_like(picked)
     summed = torch.zeros_like(picked)  # sum_j z_ij, for the smoothing
     for start in range(0, vocab, width):  # an online log-sum-exp, one slice at a time
-        x = logits(z[:, start : start + width])  # (c, width)
+        x = _capped(z[:, start : start + width], opts)  # (c, width)
         new = torch.maximum(top, x.amax(1))
         total = total * (top - new).exp() + x.sub_(new[:, None]).exp_().sum(1)
         top = new
         if smoothing:
-            summed += logits(z[:, start : start + width]).sum(1)
+            summed += _capped(z[:, start : start + width], opts).sum(1)
         del x
     lse = top + total.log()
     loss = (1 - smoothing) * (lse - picked)
@@ -450,30 +482,19 @@ def _chunk_grad_half(z, y, opts, scale, width, want_sums=True):
         loss = loss + smoothing * (lse - summed / vocab)
     weights = counted.float() * scale.float()  # (c,)
     sums = torch.zeros(vocab, dtype=torch.float32, device=z.device) if want_sums else None
-
-    def through_cap(g, x):  # g: the gradient w.r.t. the capped logits x; returns it w.r.t. the matmul's
-        if softcap is not None:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh^2, tanh = capped / softcap
-            g = g.mul_(x.div(softcap).square_().neg_().add_(1))
-        return g.mul_(scale_logits) if scale_logits != 1.0 else g
-
-    for start in range(0, vocab, width):  # every column as if it were no token's target
-        part = z[:, start : start + width]
-        x = logits(part)
-        g = (x - lse[:, None]).exp_().mul_(weights[:, None])  # the softmax, weighted
-        if smoothing:
-            g.sub_((smoothing / vocab) * weights[:, None])
-        g = through_cap(g, x)
+    for start in range(0, vocab, width):
+        columns = _grad_columns(z[:, start : start + width], lse, weights, opts, vocab, want_sums)
         if sums is not None:
-            sums[start : start + width] += g.sum(0)
-        part.copy_(g)
-        del x, g
+            sums[start : start + width] += columns
     # Each token's target column, from float32 numbers (rounded once, like every other column)
     soft = (picked - lse).exp() - smoothing / vocab - (1 - smoothing)
-    at_target = through_cap((soft * weights)[:, None], picked[:, None])  # (c, 1)
-    z.scatter_(1, target[:, None], at_target.to(z.dtype))
+    at_target = _through_cap((soft * weights)[:, None], picked[:, None], opts).to(z.dtype)  # (c, 1)
+    z.scatter_(1, target[:, None], at_target)
     if sums is not None:
-        sums.index_add_(0, target, through_cap((-(1 - smoothing) * weights)[:, None], picked[:, None])[:, 0])
-    return loss.masked_fill(~counted, 0), sums
+        sums.index_add_(
+            0, target, _through_cap((-(1 - smoothing) * weights)[:, None], picked[:, None], opts)[:, 0]
+        )
+    return loss.masked_fill(~counted, 0), sums, lse, at_target[:, 0]
 
 
 def _slice(length: int) -> int:
@@ -589,8 +610,12 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None, run
     w = weight.to(dtype)  # once, not per chunk (autocast caches the same copy of a leaf weight)
     b = None if bias is None else bias.to(dtype)
     dh = torch.empty_like(h) if needs[0] else None
-    dw = _WeightGradient(weight, acc, _slice(weight.shape[1]), run) if needs[1] else None
+    by_columns = needs[1] and low and h.device.type in WEIGHT_GRADIENT_BY_COLUMNS
+    dw = _WeightGradient(weight, acc, _slice(weight.shape[1]), run) if needs[1] and not by_columns else None
     db = torch.zeros(weight.shape[:1], dtype=acc, device=h.device) if needs[2] else None
+    if by_columns:  # each token's log-sum-exp and target column's gradient, for the second pass
+        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        at_target = torch.empty(h.shape[0], dtype=dtype, device=h.device)
     for start in range(0, h.shape[0], chunk):
         part = slice(start, start + chunk)
         hc = h[part].to(dtype)  # (c, H); no copy unless the precision changes
@@ -599,7 +624,11 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None, run
         if low:  # float32 math on half-precision logits; z becomes their gradient, rounded
             width = z.shape[1] if run is not _eager else _slice(z.shape[0])
             args = (z, y[part], opts, scale[part], width, db is not None)
-            loss, sums = run(_chunk_grad_half, *args, again=functools.partial(_anew, args, hc, w, b))
+            loss, sums, chunk_lse, chunk_target = run(
+                _chunk_grad_half, *args, again=functools.partial(_anew, args, hc, w, b)
+            )
+            if by_columns:
+                lse[part], at_target[part] = chunk_lse, chunk_target
         else:
             args = (z, y[part], opts, scale[part])
             loss, z = run(_chunk_grad, *args, again=functools.partial(_anew, args, hc, w, b))
@@ -616,7 +645,52 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None, run
         if db is not None:
             db.add_(sums)
         del z, sums, args  # before the next chunk's logits: one chunk at a time
-    return dh, None if dw is None else dw.result(), None if db is None else db.to(weight.dtype)
+    if by_columns:
+        dw = _weight_gradient_by_columns(h.to(dtype), w, b, y, opts, scale, lse, at_target, weight.dtype, run)
+    elif dw is not None:
+        dw = dw.result()
+    return dh, dw, None if db is None else db.to(weight.dtype)
+
+
+def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dtype, run=_eager):
+    """The weight's gradient ``(V, H)`` in ``out_dtype``, in a second pass over slices of the vocabulary
+    (the first pass, over chunks of tokens, gave each token's log-sum-exp ``lse`` and its target column's
+    gradient ``at_target``): each slice's logits for every token computed again (``h @ w[cols].T``, ``h``
+    and ``w`` in the matmuls' half precision), made their gradient in place (:func:`_grad_columns`, the
+    same float32 numbers as the first pass's), and ``dw[cols] = dz.T @ h`` in one matmul over every token.
+
+    Where each chunk's product was summed into a weight-sized buffer instead (:class:`_WeightGradient`),
+    every chunk reads and writes that buffer (on a GPU at the Llama-3 shape, 32 chunks of 0.75 GiB each
+    way); here nothing weight-sized is summed, and the one matmul sums every token in float32 and rounds
+    once, as autograd's does. It costs one matmul more (the slice's logits again).
+    """
+    n, vocab = h.shape[0], w.shape[0]
+    columns = max(1, min(vocab, MAX_CHUNK_BYTES // (4 * n)))  # a slice's float32 numbers: a chunk's
+    width = columns if run is not _eager else _slice(n)
+    counted = y != opts[0]
+    target = y.masked_fill(~counted, 0)
+    weights = counted.float() * scale.float()
+    # The tokens whose target lies in each slice, without a device sync per slice: sorted by target once
+    order = torch.argsort(target)
+    edges = torch.arange(0, vocab + columns, columns, device=h.device).clamp_(max=vocab)
+    bounds = torch.searchsorted(target[order], edges).tolist()
+    dw = torch.empty(w.shape, dtype=out_dtype, device=h.device)
+    for k, start in enumerate(range(0, vocab, columns)):
+        cols = slice(start, start + columns)
+        z = _logits(h, w[cols], None if b is None else b[cols])  # (n, columns)
+        for sub in range(start, start + z.shape[1], width):
+            part = slice(sub, sub + width)
+            args = (z[:, sub - start : sub - start + width], lse, weights, opts, vocab, False)
+            again = functools.partial(_anew, args, h, w[part], None if b is None else b[part])
+            run(_grad_columns, *args, again=again)
+        hits = order[bounds[k] : bounds[k + 1]]
+        z[hits, target[hits] - start] = at_target[hits]
+        if out_dtype == z.dtype:
+            torch.mm(z.t(), h, out=dw[cols])
+        else:  # a float32 weight under autocast: the product in float32, not rounded to half precision
+            dw[cols] = _float_mm(z.t(), h)
+        del z
+    return dw
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
