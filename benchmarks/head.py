@@ -17,7 +17,8 @@ token counts are small (a few seconds a round) and the inputs float32; on CUDA 1
 Gemma 2) in bf16 (``--dtype`` to change).
 
 ``--bound`` prints the peak above the inputs of the Llama-3 head (128,256 x 2,048, 16,384 tokens, bf16
-weight and features, the CUDA chunk: 523 tokens) for the plain head and ``linear_cross_entropy``, as
+weight and features, the CUDA chunk: 523 tokens) for the plain head and ``linear_cross_entropy`` (its
+weight's gradient by columns, as on CUDA; in a 24-bit sum, as on a CPU; in a float32 sum), as
 MemoryTracker's live bytes on ``meta`` tensors (every storage counted, nothing computed: the plain head's
 8 GiB logits would take a 2-core CPU minutes), with the bound of 1,024 MiB; then what summing a bfloat16
 weight's gradient in 24 bits (``_WeightGradient``) costs in accuracy, on real bf16 tensors at 16,384 tokens
@@ -248,9 +249,17 @@ def bound() -> None:
         labels = torch.zeros(tokens, device="meta", dtype=torch.long)
         return _peak_above_inputs(fn, hidden, weight, labels)
 
-    rows = [("plain", _plain), ("chunked", _chunked)]
-    for name, fn in rows:
-        print(f"| {name} | {meta_peak(fn) / MiB:,.1f} MiB | {'1,024 MiB' if name == 'chunked' else ''} |")
+    print(f"| plain | {meta_peak(_plain) / MiB:,.1f} MiB | |")
+    by_columns = head_loss.WEIGHT_GRADIENT_BY_COLUMNS
+    head_loss.WEIGHT_GRADIENT_BY_COLUMNS = ("meta",)  # what CUDA runs
+    try:
+        peak = meta_peak(_chunked)
+    finally:
+        head_loss.WEIGHT_GRADIENT_BY_COLUMNS = by_columns
+    print(f"| chunked, the weight's gradient by columns (CUDA's) | {peak / MiB:,.1f} MiB | 1,024 MiB |")
+    print(
+        f"| chunked, the weight's gradient in a 24-bit sum (a CPU's) | {meta_peak(_chunked) / MiB:,.1f} MiB | |"
+    )
     split, head_loss._WeightGradient.SPLIT = head_loss._WeightGradient.SPLIT, ()
     try:
         print(

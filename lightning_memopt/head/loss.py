@@ -25,11 +25,19 @@ back to ``z``.
 Precision (:func:`compute_dtype`). Under autocast (``bf16-mixed``, ``16-mixed``) or with half-precision
 inputs the matmuls run in half precision, as an ``nn.Linear`` head's would; each chunk's logits are upcast
 to float32 before the softmax (a Hugging Face model's ``logits.float()``; computed a slice of the vocabulary
-at a time, so no float32 copy of a chunk's logits exists), the loss is float32, and the weight's gradient is
-summed over chunks from float32 products: in float32, or for a bfloat16 weight in 24 bits (its bfloat16
-result and one byte more, :class:`_WeightGradient`). At the Llama-3 shape (16,384 tokens, 128,256 x 2,048,
-bf16) the head then holds 992 MiB above its inputs where a float32 sum held 1,567 MiB, and the plain head
-24,048 MiB (``benchmarks/head.py --bound``). float32 and float64 inputs compute in their own dtype.
+at a time, so no float32 copy of a chunk's logits exists), and the loss is float32. The weight's gradient:
+
+* on CUDA (:data:`WEIGHT_GRADIENT_BY_COLUMNS`), a second pass over slices of the vocabulary computes each
+  slice's logits for every token again and its gradient rows in one matmul (float32 inside, rounded once, as
+  autograd's): one matmul more, and nothing weight-sized read and written by every chunk;
+* elsewhere, summed over the chunks from float32 products: in float32, or for a bfloat16 weight in 24 bits
+  (its bfloat16 result and one byte more, :class:`_WeightGradient`), so the CPU runs autograd's three
+  matmuls.
+
+At the Llama-3 shape (16,384 tokens, 128,256 x 2,048, bf16) the head holds 821.5 MiB above its inputs with
+the second pass and 991.5 MiB with the 24-bit sum, where a float32 sum held 1,567 MiB and the plain head
+holds 24,048 MiB (``benchmarks/head.py --bound``; on an H100 the second pass's peak read 821.5 MiB too).
+float32 and float64 inputs compute in their own dtype, their weight's gradient summed over the chunks.
 """
 
 from __future__ import annotations
@@ -670,12 +678,8 @@ def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dty
     counted = y != opts[0]
     target = y.masked_fill(~counted, 0)
     weights = counted.float() * scale.float()
-    # The tokens whose target lies in each slice, without a device sync per slice: sorted by target once
-    order = torch.argsort(target)
-    edges = torch.arange(0, vocab + columns, columns, device=h.device).clamp_(max=vocab)
-    bounds = torch.searchsorted(target[order], edges).tolist()
     dw = torch.empty(w.shape, dtype=out_dtype, device=h.device)
-    for k, start in enumerate(range(0, vocab, columns)):
+    for start in range(0, vocab, columns):
         cols = slice(start, start + columns)
         z = _logits(h, w[cols], None if b is None else b[cols])  # (n, columns)
         for sub in range(start, start + z.shape[1], width):
@@ -683,8 +687,12 @@ def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dty
             args = (z[:, sub - start : sub - start + width], lse, weights, opts, vocab, False)
             again = functools.partial(_anew, args, h, w[part], None if b is None else b[part])
             run(_grad_columns, *args, again=again)
-        hits = order[bounds[k] : bounds[k + 1]]
-        z[hits, target[hits] - start] = at_target[hits]
+        # The targets in this slice get the first pass's column (no data-dependent index: the other rows
+        # write back what they hold, so fake and meta tensors run it too)
+        local = target - start
+        inside = ((local >= 0) & (local < z.shape[1]))[:, None]
+        index = local.clamp_(0, z.shape[1] - 1)[:, None]
+        z.scatter_(1, index, torch.where(inside, at_target[:, None], z.gather(1, index)))
         if out_dtype == z.dtype:
             torch.mm(z.t(), h, out=dw[cols])
         else:  # a float32 weight under autocast: the product in float32, not rounded to half precision
