@@ -165,11 +165,22 @@ BF16_TAKEN = {
 }
 
 
+@pytest.mark.parametrize("weight_gradient", ["summed", "by_columns"])
 @pytest.mark.parametrize("name", sorted(BF16_TAKEN))
-def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name):
+def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name, weight_gradient, monkeypatch):
     """Issue 33: bf16-mixed runs take the head (they were declined: "its gradient differs from the model's
     own by 0.005"); the first step's loss is the model's own under bf16-mixed (bf16 logits, logits.float(),
-    float32 cross-entropy) to 1e-5, and later steps follow it (bf16 gradients, rounded apart)."""
+    float32 cross-entropy) to 1e-5, and later steps follow it (bf16 gradients, rounded apart). With the
+    weight's gradient summed over chunks (a CPU's way) and by columns (CUDA's, switched on here: the
+    first-batch check and every step go through it)."""
+    from lightning_memopt.head import loss as head_loss
+
+    second_passes, second_pass = [], head_loss._weight_gradient_by_columns
+    if weight_gradient == "by_columns":
+        monkeypatch.setattr(head_loss, "WEIGHT_GRADIENT_BY_COLUMNS", ("cpu",))
+        monkeypatch.setattr(
+            head_loss, "_weight_gradient_by_columns", lambda *a: second_passes.append(1) or second_pass(*a)
+        )
     build = BF16_TAKEN[name]
     reference = LM(build, dtype=torch.float32)
     start = {k: v.detach().clone() for k, v in reference.named_parameters()}
@@ -186,6 +197,8 @@ def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name):
     update = sum(((ref[k] - start[k]) ** 2).sum() for k in ref)
     assert float((diff / update).sqrt().detach()) <= 2e-2  # bf16's rounding of the gradients, 3 steps
     _assert_nothing_left(module)
+    if weight_gradient == "by_columns":
+        assert len(second_passes) >= STEPS  # every step's head (and the first batch's check)
 
 
 @pytest.mark.parametrize("name", sorted(DECLINED))
