@@ -440,6 +440,13 @@ def _through_cap(g: torch.Tensor, x: torch.Tensor, opts: tuple) -> torch.Tensor:
     return g.mul_(scale_logits) if scale_logits != 1.0 else g
 
 
+def _token_weights(y, scale, ignore_index):
+    """Which tokens count ``(c,)``, their targets with ignored ones at column 0, and each one's weight in
+    the gradient (float32: ``scale``, zero where ignored)."""
+    counted = y != ignore_index
+    return counted, y.masked_fill(~counted, 0), counted.float() * scale.float()
+
+
 def _grad_columns(part, lse, weights, opts, vocab, want_sums):
     """Half-precision logits ``part (c, w)`` (some of a vocabulary of ``vocab`` columns) become their
     gradient in place, every column as if it were no token's target (the targets' columns are written after:
@@ -468,10 +475,8 @@ def _chunk_grad_half(z, y, opts, scale, width, want_sums=True):
     is what brings the head under its bound: ``benchmarks/head.py --bound``). Each slice's logits are read
     twice (the running log-sum-exp, then the gradient) and their scale and cap recomputed, not kept.
     """
-    ignore_index, smoothing = opts[0], opts[1]
-    vocab = z.shape[1]
-    counted = y != ignore_index  # (c,)
-    target = y.masked_fill(~counted, 0)
+    smoothing, vocab = opts[1], z.shape[1]
+    counted, target, weights = _token_weights(y, scale, opts[0])  # (c,) each
     picked = _capped(z.gather(1, target[:, None]), opts).squeeze(1)  # z_iy, (c,)
     top = torch.full_like(picked, -math.inf)
     total = torch.zeros_like(picked)
@@ -488,7 +493,6 @@ def _chunk_grad_half(z, y, opts, scale, width, want_sums=True):
     loss = (1 - smoothing) * (lse - picked)
     if smoothing:
         loss = loss + smoothing * (lse - summed / vocab)
-    weights = counted.float() * scale.float()  # (c,)
     sums = torch.zeros(vocab, dtype=torch.float32, device=z.device) if want_sums else None
     for start in range(0, vocab, width):
         columns = _grad_columns(z[:, start : start + width], lse, weights, opts, vocab, want_sums)
@@ -675,9 +679,7 @@ def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dty
     n, vocab = h.shape[0], w.shape[0]
     columns = max(1, min(vocab, MAX_CHUNK_BYTES // (4 * n)))  # a slice's float32 numbers: a chunk's
     width = columns if run is not _eager else _slice(n)
-    counted = y != opts[0]
-    target = y.masked_fill(~counted, 0)
-    weights = counted.float() * scale.float()
+    _, target, weights = _token_weights(y, scale, opts[0])
     dw = torch.empty(w.shape, dtype=out_dtype, device=h.device)
     for start in range(0, vocab, columns):
         cols = slice(start, start + columns)
