@@ -60,10 +60,14 @@ class Probes(Protocol):
 
 class Recompute(Protocol):
     """What activation checkpointing offers the first batch's search (``AutoCheckpoint`` in ``auto`` mode):
-    its blocks kept or all recomputed while sizes are probed, then the decision."""
+    its blocks kept or all recomputed while sizes are probed, then the decision; and, where it installed a
+    chunked output head, the model's own head instead."""
+
+    own_head: bool
+    """Whether ``"own head"`` is a treatment: the blocks kept and the model's own output head."""
 
     def use(self, treatment: str) -> None:
-        """Run every block ``"keep"`` or ``"full"`` from now on."""
+        """Run every block ``"keep"`` or ``"full"`` from now on (``"own head"``: kept, the own head)."""
 
     def decided(self, treatment: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
         """The search chose ``treatment`` for the micro-batches to come, for the reason ``why`` (one line);
@@ -251,19 +255,30 @@ class MicroBatchSizes:
             self.eval_size = self._find(probes, whole, limit, 1, evaluation=True)
 
     def decide(self, probes: Probes, whole: int, limit: int) -> int:
-        """The size, and whether the blocks recompute, of the fastest optimizer step that fits.
+        """The size, and whether the blocks recompute (and which output head runs), of the fastest
+        optimizer step that fits.
 
-        The largest micro-batch that fits with every block kept is found first: where the whole batch
-        fits, nothing is recomputed. Else the largest that fits with every block recomputed (``full``) is
-        found too; where it runs the step in no fewer micro-batches (``ceil(whole / size)``, split evenly),
-        nothing is recomputed. Else one micro-step of each is timed at the micro-batch that runs (the
-        largest of the even split: 12 where 15 fit a batch of 48), and the steps they make are compared:
-        recompute only where its larger micro-batches make the step faster, or where nothing fits without
-        it. ``AutoCheckpoint`` then plans the least recompute that fits the size chosen. Every rank takes the
-        same path (sizes are the smallest over ranks, seconds the longest).
+        The ways, cheapest per sample first: the model's own output head with every block kept (where a
+        chunked head was installed: :attr:`Recompute.own_head`), every block kept (``keep``), every block
+        recomputed (``full``). For each in turn the largest micro-batch that fits is found, starting where
+        the one before ended (a later way holds less); where the whole batch fits, the later ways are not
+        tried. A later way counts only where it runs the step in fewer micro-batches (``ceil(whole /
+        size)``, split evenly) than every way before it: as many micro-steps, each costing more, cannot be
+        faster. Where one way counts, it is taken untimed; else one micro-step of each is timed at the
+        micro-batch that runs (the largest of the even split: 12 where 15 fit a batch of 48), and the
+        fastest step is taken. ``AutoCheckpoint`` then plans the least recompute that fits the size chosen.
+        Every rank takes the same path (sizes are the smallest over ranks, seconds the longest).
         """
         assert self.recompute is not None
         floor = probes.floor
+        ways = (["own head"] if self.recompute.own_head else []) + ["keep", "full"]
+        chunked = ways[0] == "own head"
+        said = {
+            "own head": "with the model's own head",
+            "keep": "with the chunked head, without recompute" if chunked else "without recompute",
+            "full": "recomputing every block",
+        }
+        named = {"keep": "the chunked head", "full": "recomputing"}
 
         def largest(
             treatment: str, start: int | None = None
@@ -288,37 +303,52 @@ class MicroBatchSizes:
             agreed = max_over_ranks(_FAILED if seconds is None else int(seconds * 1e9), probes.device)
             return math.inf if agreed == _FAILED else count * agreed / 1e9
 
-        plain, plain_probes = largest("keep")
-        if plain == whole:
-            return self._decided(
-                "keep", plain, plain_probes, f"the whole batch of {whole} fits without recompute"
-            )
-        # Recomputed blocks hold less: the search starts where the kept one ended, not at one sample.
-        full, full_probes = largest("full", start=plain)
-        if plain is None and full is None:  # the blocks stay recomputed: the least memory
+        found: dict[str, tuple[int | None, list[tuple[int, int | None]]]] = {}
+        counting: list[str] = []  # the ways that run the step in fewer micro-batches than those before
+        start = None
+        for way in ways:
+            size, way_probes = found[way] = largest(way, start)
+            if size is None:
+                continue
+            if not counting or split(size)[0] < split(found[counting[-1]][0])[0]:
+                counting.append(way)
+            start = size
+            if size == whole:  # no way runs fewer than one micro-batch
+                break
+        if not counting:  # the blocks stay recomputed: the least memory
             self.recompute = None
             raise MicroBatchOOMError(
                 f"AutoAccumulation(max_memory={self.max_memory!r}, headroom={self.headroom}) found no training "
                 f"micro-batch size that fits, with or without recomputing every block.\n{CHECKLIST}"
             )
-        if plain is None:
-            return self._decided("full", full, full_probes, "not one sample fits without recompute")
-        if full is None or split(full)[0] >= split(plain)[0]:  # as many micro-steps, each recomputing
-            return self._decided(
-                "keep", plain, plain_probes, "recomputing runs the step in no fewer micro-batches"
-            )
-        (keep_n, keep_runs), (full_n, full_runs) = split(plain), split(full)
-        keep_time, full_time = (
-            step_seconds("keep", keep_n, keep_runs),
-            step_seconds("full", full_n, full_runs),
+        kept = found["keep"][1] if "keep" in found else []
+        if len(counting) == 1:
+            (way,) = counting
+            size, way_probes = found[way]
+            if size == whole and way == ways[0]:
+                why = f"the whole batch of {whole} fits {said[way]}"
+            else:
+                before = [f"not one sample fits {said[w]}" for w in ways[: ways.index(way)]]
+                after = [named[w] for w in found if ways.index(w) > ways.index(way)]
+                verb = "runs" if len(after) == 1 else "run"
+                later = [f"{' and '.join(after)} {verb} the step in no fewer micro-batches"] if after else []
+                why = "; ".join(before + later)
+            return self._decided(way, size, way_probes, why, kept=kept if way == "full" else ())
+        timed = {}
+        for way in counting:
+            count, runs = split(found[way][0])
+            timed[way] = (count, runs, step_seconds(way, count, runs))
+        parts = [
+            f"{count} micro-batches of {runs} {said[way]}: {seconds:.3g} s a step"
+            if i == 0
+            else f"{count} of {runs} {said[way]}: {seconds:.3g} s"
+            for i, (way, (count, runs, seconds)) in enumerate(timed.items())
+        ]
+        best = min(counting, key=lambda way: timed[way][2])
+        size, way_probes = found[best]
+        return self._decided(
+            best, size, way_probes, "; ".join(parts), timed[best][2], kept=kept if best == "full" else ()
         )
-        timed = (
-            f"{keep_n} micro-batches of {keep_runs} without recompute: {keep_time:.3g} s a step; "
-            f"{full_n} of {full_runs} recomputing every block: {full_time:.3g} s"
-        )
-        if full_time < keep_time:
-            return self._decided("full", full, full_probes, timed, full_time, kept=plain_probes)
-        return self._decided("keep", plain, plain_probes, timed, keep_time)
 
     def _decided(self, treatment, size, probes, why: str, seconds: float | None = None, kept=()) -> int:
         """``kept``: where recompute won over plain micro-batches that fit, the plain search's probes."""

@@ -49,7 +49,7 @@ from lightning_memopt.checkpointing.policy import PlanPolicy
 from lightning_memopt.checkpointing.profile import profile_blocks, profile_blocks_run
 from lightning_memopt.checkpointing.ranks import Measured, agree
 from lightning_memopt.checkpointing.shape_plans import ShapePlans, Signature, full_peak, shape_signature
-from lightning_memopt.head.causal_lm import HeadMode, check_head, take_over_heads
+from lightning_memopt.head.causal_lm import HeadMode, TakenHeads, check_head, take_over_heads
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.memory.device import device_memory
 from lightning_memopt.memory.limit import MemoryLimit, StepLimit, check_headroom, check_max_memory
@@ -143,7 +143,7 @@ class AutoCheckpointer:
         self.allow_offload = allow_offload
         self.name = name
         self.head = check_head(head)
-        self._undo_head: Callable[[], None] = lambda: None
+        self._heads = TakenHeads([])  # the chunked output heads installed
         self.plan: Plan | None = None
         """The plan the blocks run; None before :meth:`install` (or where no blocks were found)."""
         self.shape_plans = ShapePlans()  # under a limit: the plans made, by the shapes they were made for
@@ -198,7 +198,7 @@ class AutoCheckpointer:
             ValueError: For ``blocks`` that match nothing, with the candidate classes found.
         """
         # A causal LM's output head computes its loss chunk by chunk (lightning_memopt.head), where it can.
-        self._undo_head = take_over_heads(model, self.head, note=self.note)
+        self._heads = take_over_heads(model, self.head, note=self.note)
         own = framework_checkpointing(model)
         if own is not None:
             return (
@@ -234,20 +234,30 @@ class AutoCheckpointer:
         if self._needs_check and self._probe is None:
             self._probe = ForwardProbe(self._model, self._found, record=not self.plan.predicted)
 
+    @property
+    def own_head(self) -> bool:
+        """Whether the size search may also try the model's own output head (``head="auto"`` installed a
+        chunked one): the chunked head pays only where it lets larger micro-batches run faster."""
+        return self.head == "auto" and self._heads.installed
+
     def use(self, treatment: str) -> None:
-        """Run every block ``treatment`` (``"keep"``, ``"full"``) while the micro-batch size is searched
+        """Run every block ``treatment`` (``"keep"``, ``"full"``; ``"own head"``: kept, and the model's own
+        output head computes the loss) while the micro-batch size is searched
         (:class:`~lightning_memopt.batching.sizes.Recompute`); nothing is measured meanwhile (a tracking
         dispatch mode would distort the probes' timings)."""
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+        self._heads.use_own(treatment == "own head")
+        treatment = "keep" if treatment == "own head" else treatment
         choices = initial_choices([n for n, _ in self._found], treatment)
         apply_checkpointing(self._model, choices)
         self.plan = Plan.unprofiled(choices)
 
     def decided(self, treatment: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
-        """The size search chose ``treatment``: ``keep`` is final (plain micro-batches are the fastest step
-        that fits: nothing to profile or plan, said in one line); after ``full`` the step is measured and
+        """The size search chose ``treatment``: ``keep`` and ``own head`` are final (plain micro-batches are
+        the fastest step that fits: nothing to profile or plan, said in one line; ``own head`` also takes
+        the chunked output head off, the model's own computing its loss); after ``full`` the step is measured and
         the least recompute that fits the chosen micro-batch is planned, as without micro-batching.
 
         ``kept_peak(samples)``: the peak bytes the search measured for a whole micro-step with every block
@@ -258,9 +268,13 @@ class AutoCheckpointer:
         not to fit."""
         self._kept_peak = kept_peak if treatment == "full" else None
         self.use(treatment)
-        if treatment == "keep":
+        if treatment == "own head":  # nothing of the head stays attached
+            self._heads()
+            self._heads = TakenHeads([])
+        if treatment != "full":
             self._needs_check = self._by_shape = False
-            self.note(f"{self.name} checkpoints no block of {type(self._model).__name__}: {why}")
+            head = " and leaves its own output head" if treatment == "own head" else ""
+            self.note(f"{self.name} checkpoints no block of {type(self._model).__name__}{head}: {why}")
             return
         self._probe = ForwardProbe(self._model, self._found, record=True)
         self.note(f"{self.name} recomputes: {why}")
@@ -393,8 +407,8 @@ class AutoCheckpointer:
             self._probe = None
         if self._found and self._model is not None:
             remove_checkpointing(self._model)
-        self._undo_head()
-        self._undo_head = lambda: None
+        self._heads()
+        self._heads = TakenHeads([])
         self._found, self._model = [], None
 
     def note(self, text: str) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "decline_reason",
     "output_heads",
     "take_over_heads",
+    "TakenHeads",
 ]
 
 HeadMode = Literal["auto", "chunked", "keep"]
@@ -183,9 +184,15 @@ class ChunkedHead:
         self.model, self.note, self.strict, self.keep_logits = model, note, strict, keep_logits
         self.verified = not verify
         self.declined: str | None = None
+        self.own = False  # True: the model's own head computes the loss (the size search tries both)
         self.shift = True  # position t's logits predict label t + 1; learned at the first batch's check
         self._signature = inspect.signature(model.forward)
         self._undo: Callable[[], None] | None = patch(model, "forward", self._forward)
+
+    @property
+    def installed(self) -> bool:
+        """The model's ``forward`` is patched (not undone, not declined)."""
+        return self._undo is not None
 
     def undo(self) -> None:
         if self._undo is not None:
@@ -195,7 +202,7 @@ class ChunkedHead:
     def _forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind(*args, **kwargs).arguments
         call = {**bound.pop("kwargs", {}), **bound}
-        if call.get("labels") is None or not torch.is_grad_enabled():
+        if self.own or call.get("labels") is None or not torch.is_grad_enabled():
             return original(*args, **kwargs)
         if not self.verified:
             self.verified = True
@@ -434,6 +441,27 @@ def _without_logits(kind: type) -> type:
     return _WITHOUT_LOGITS[kind]
 
 
+class TakenHeads:
+    """The heads :func:`take_over_heads` patched: calling it undoes them all (safe twice)."""
+
+    def __init__(self, heads: list[ChunkedHead]) -> None:
+        self.heads = heads
+
+    def __call__(self) -> None:
+        for head in self.heads:
+            head.undo()
+
+    @property
+    def installed(self) -> bool:
+        """Some model's loss is computed chunked (a head patched, not undone, not declined)."""
+        return any(head.installed for head in self.heads)
+
+    def use_own(self, own: bool) -> None:
+        """Let each model's own head compute its loss (``own``), or the chunks again."""
+        for head in self.heads:
+            head.own = own
+
+
 def take_over_heads(
     module: torch.nn.Module,
     head: HeadMode,
@@ -441,8 +469,9 @@ def take_over_heads(
     note: Callable[[str], None],
     keep_logits: bool = False,
     verify: bool = True,
-) -> Callable[[], None]:
-    """Patch every causal LM in ``module`` (:func:`causal_lms`) to compute its loss chunked; return the undo.
+) -> TakenHeads:
+    """Patch every causal LM in ``module`` (:func:`causal_lms`) to compute its loss chunked; return the heads
+    patched (:class:`TakenHeads`: call it to undo them).
 
     ``head="auto"`` notes each model declined from its config (and, later, at verification); ``"chunked"``
     raises ``RuntimeError`` instead, and when ``module`` holds no causal LM; ``"keep"`` changes nothing.
@@ -468,4 +497,4 @@ def take_over_heads(
                 raise RuntimeError(f"head='chunked': {reason}; use head='auto' to keep the model's own head")
             else:
                 note(f"the chunked output head (lightning_memopt.head) is not used: {reason}")
-    return lambda: [h.undo() for h in heads] and None
+    return TakenHeads(heads)

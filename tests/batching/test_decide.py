@@ -15,11 +15,25 @@ HELD = 1_000
 
 class FakeModel:
     """Blocks that hold ``kept`` bytes a sample kept, ``recomputed`` when recomputed; a micro-step costs
-    ``launch + per_sample * n`` seconds kept, ``recompute`` more per sample when recomputed."""
+    ``launch + per_sample * n`` seconds kept, ``recompute`` more per sample when recomputed. With
+    ``logits`` (bytes a sample), a chunked output head was installed: the model's own head (``"own head"``)
+    holds ``logits`` more a sample and costs ``chunked`` less a sample than the chunked one."""
 
-    def __init__(self, *, kept=100, recomputed=25, launch=1.0, per_sample=0.1, recompute=0.03) -> None:
+    def __init__(
+        self,
+        *,
+        kept=100,
+        recomputed=25,
+        launch=1.0,
+        per_sample=0.1,
+        recompute=0.03,
+        logits=None,
+        chunked=0.02,
+    ) -> None:
         self.kept, self.recomputed = kept, recomputed
         self.launch, self.per_sample, self.recompute = launch, per_sample, recompute
+        self.logits, self.chunked = logits, chunked
+        self.own_head = logits is not None
         self.treatment = "full"  # AutoCheckpoint installs every block full before the first step
         self.said: list[tuple[str, str]] = []
         self.used: list[str] = []
@@ -48,7 +62,8 @@ class FakeProbes:
     def peak(self, samples: int, evaluation: bool) -> int:
         m = self.model
         self.probed.append((m.treatment, samples))
-        return HELD + samples * (m.kept if m.treatment == "keep" else m.recomputed)
+        per = {"own head": m.kept + (m.logits or 0), "keep": m.kept, "full": m.recomputed}[m.treatment]
+        return HELD + samples * per
 
     def held(self) -> int:
         return HELD
@@ -57,6 +72,8 @@ class FakeProbes:
         m = self.model
         self.timed.append((m.treatment, samples))
         extra = m.recompute * samples if m.treatment == "full" else 0.0
+        if m.own_head and m.treatment != "own head":
+            extra += m.chunked * samples
         return m.launch + m.per_sample * samples + extra
 
 
@@ -151,3 +168,49 @@ def test_recompute_that_runs_as_many_micro_batches_is_not_timed():
     sizes, size, probes = _decide(model, limit=HELD + 1_200, total=48)
     assert (size, model.treatment, probes.timed) == (12, "keep", [])
     assert model.said == [("keep", "recomputing runs the step in no fewer micro-batches")]
+
+
+def test_the_model_own_head_where_the_whole_batch_fits_with_it():
+    model = FakeModel(logits=50)
+    _, size, probes = _decide(model, limit=HELD + 150 * 64)
+    assert size == 64 and model.used == ["own head"] and probes.timed == []
+    assert model.said == [("own head", "the whole batch of 64 fits with the model's own head")]
+
+
+def test_the_model_own_head_where_the_chunked_head_runs_no_fewer_micro_batches():
+    # own head: 150 bytes a sample, 10 fit: 7 micro-batches of 64 (10 each), 7 x 1.0 = 7.0 s without a launch
+    # cost; chunked: 100, 15 fit: 5 of 13, 5 x 13 x 0.12 = 7.8 s; recomputed: 95, 15 fit: no fewer than 5.
+    model = FakeModel(logits=50, recomputed=95, launch=0.0)
+    _, size, probes = _decide(model, limit=HELD + 1_500)
+    assert probes.timed == [("own head", 10), ("keep", 13)] and size == 10
+    assert model.said == [
+        (
+            "own head",
+            "7 micro-batches of 10 with the model's own head: 7 s a step; 5 of 13 with the chunked head, "
+            "without recompute: 7.8 s",
+        )
+    ]
+    # own head: 115 a sample, 13 fit: 5 micro-batches, as many as chunked (15) and recomputed (15): untimed
+    model = FakeModel(logits=15, recomputed=95)
+    _, size, probes = _decide(model, limit=HELD + 1_500)
+    assert (size, probes.timed) == (13, [])
+    assert model.said == [
+        ("own head", "the chunked head and recomputing run the step in no fewer micro-batches")
+    ]
+
+
+def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
+    # own head: 400 bytes a sample, 3 fit: 22 micro-batches of 64 (3 samples each), 22 x (1 + 0.3) = 28.6 s;
+    # chunked, kept: 15 fit: 5 x 13, 5 x (1 + 1.3 + 0.26) = 12.8 s; recomputed: 60 fit: 2 x 32,
+    # 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
+    model = FakeModel(logits=300)
+    _, size, probes = _decide(model, limit=HELD + 1_500)
+    assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)]
+    assert model.said == [
+        (
+            "full",
+            "22 micro-batches of 3 with the model's own head: 28.6 s a step; 5 of 13 with the chunked head, "
+            "without recompute: 12.8 s; 2 of 32 recomputing every block: 11.6 s",
+        )
+    ]
+    assert size == 60 and all(model.kept_peak(s) == HELD + 100 * s for s in [1, 15])  # the chunked head's

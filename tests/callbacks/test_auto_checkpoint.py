@@ -599,3 +599,79 @@ def test_pointwise_under_bf16_mixed_trains_as_plain_and_drops_autocast_copies(tm
     keep = evaluate_plan(profiles, ["keep"] * 3).activation_bytes
     B, T, h = 4, 8, 16  # per block: two bf16 copies of (B,T,h) and the bf16 GELU output (B,T,4h)
     assert keep - predicted == 3 * (2 * B * T * h * 2 + B * T * 4 * h * 2)
+
+
+class _HFLM(pl.LightningModule):
+    """A tiny Hugging Face GPT-2 whose logits (a 2,048-token vocabulary) outweigh its blocks' activations;
+    ``heads`` records, per training forward, whether the model's own head ran (logits returned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=2048, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0
+        )
+        config.attn_pdrop = 0.0
+        self.model = transformers.GPT2LMHeadModel(config)
+        self.heads: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        out = self.model(input_ids=ids, labels=ids)
+        self.heads.append("own" if getattr(out, "logits", None) is not None else "chunked")
+        return out.loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randint(0, 2048, (48, 64), generator=g)), batch_size=16)
+
+
+@pytest.mark.parametrize("launch", [0.0, 100.0])
+def test_with_autoaccumulation_the_chunked_head_stays_only_where_the_step_is_faster(
+    tmp_path, monkeypatch, launch
+):
+    """The head is part of the decision: the model's own head first, the chunked head where its larger
+    micro-batches make the step faster (a launch cost per micro-step: priced here ``launch + samples``
+    seconds, 20% more chunked, 40% more recomputed), else it is taken off for the rest of the fit."""
+    from lightning_memopt import AutoAccumulation
+    from lightning_memopt.checkpointing.auto import AutoCheckpointer
+
+    using, timed = [], []
+    use = AutoCheckpointer.use
+    monkeypatch.setattr(AutoCheckpointer, "use", lambda self, t: using.append(t) or use(self, t))
+    cost = {"own head": 1.0, "keep": 1.2, "full": 1.4}
+
+    def seconds(self, samples):
+        timed.append((using[-1], samples))
+        return launch + samples * cost[using[-1]]
+
+    from lightning_memopt.batching.probe import BatchProbes
+
+    monkeypatch.setattr(BatchProbes, "seconds", seconds)
+    module = _HFLM()
+    limit = 9_000_000
+    accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
+    trainer = _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0), accumulation], steps=3)
+    with warnings.catch_warnings(record=True) as caught, MemoryCap(limit, modules=module) as cap:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    assert cap.raised == sum(p is None for _, p in accumulation.probes)  # only probes ran out of memory
+    ways = [way for way, _ in timed]
+    assert ways[:2] == ["own head", "keep"]
+    said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
+    assert len(said) == 1 and "micro-batches of" in said[0] and "with the model's own head" in said[0]
+    steady = module.heads[-6:]  # the last steps' forwards, after the search's probes
+    if launch == 0.0:  # as many samples, each cheaper: the own head
+        assert said[0].startswith(
+            "AutoCheckpoint checkpoints no block of _HFLM and leaves its own output head: "
+        )
+        assert set(steady) == {"own"}
+    else:  # fewer, larger micro-batches: the chunked head (with or without recompute)
+        assert "leaves its own output head" not in said[0]
+        assert set(steady) == {"chunked"}
+    assert "forward" not in vars(module.model)  # nothing of the head stays attached after fit
