@@ -442,10 +442,20 @@ def test_a_bfloat16_head_holds_its_gradients_and_a_byte_per_weight_element(monke
     """bf16-true: the gradients held from forward to backward are bf16 (hidden's and the weight's), and while
     the chunks run, one more byte per weight element (the 24-bit sum), one chunk of bf16 logits and a few
     slices of float32 numbers (SLICE_BYTES), never a float32 chunk or a float32 weight."""
+    n, h, v, c = 256, 16, 512, 32
+    held, peak = _bf16_head_bytes(monkeypatch, n, h, v, c)
+    assert held == n * h * 2 + v * h * 2 + 4  # the bf16 gradients and the loss
+    floor = n * h * 2 + v * h * 3 + c * v * 2
+    assert floor <= peak <= floor + 6 * 4096
+    assert 6 * 4096 < c * v * 4  # a float32 chunk would not fit
+
+
+def _bf16_head_bytes(monkeypatch, n: int, h: int, v: int, c: int) -> tuple[int, int]:
+    """A bf16 head of ``n`` tokens, ``h`` features, ``v`` classes in chunks of ``c`` (float32 slices of
+    4,096 bytes): the bytes held above its inputs after the forward, and its peak above them."""
     from lightning_memopt.head import loss as head_loss
 
     monkeypatch.setattr(head_loss, "SLICE_BYTES", 4096)
-    n, h, v, c = 256, 16, 512, 32
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
     weight = torch.randn(v, h, generator=g).bfloat16().requires_grad_()
@@ -455,11 +465,9 @@ def test_a_bfloat16_head_holds_its_gradients_and_a_byte_per_weight_element(monke
         before = tracker.current
         tracker.reset_peak()
         loss = linear_cross_entropy(hidden, weight, labels, chunk_size=c)
-        assert tracker.current - before == n * h * 2 + v * h * 2 + 4  # the bf16 gradients and the loss
-        floor = n * h * 2 + v * h * 3 + c * v * 2
-        assert floor <= tracker.peak - before <= floor + 6 * 4096
-        assert 6 * 4096 < c * v * 4  # a float32 chunk would not fit
+        held, peak = tracker.current - before, tracker.peak - before
         del loss
+    return held, peak
 
 
 def test_compiled_chunks_equal_the_eager_ones():
@@ -616,24 +624,12 @@ def test_the_weight_gradient_by_columns_holds_no_weight_sized_sum(monkeypatch):
     """bf16-true with the second pass: held from forward to backward, the bf16 gradients alone; while the
     head runs, one chunk's (or one slice's) bf16 logits, a few float32 slices and a few numbers a token
     above them: less than the 24-bit sum's extra byte per weight element."""
-    from lightning_memopt.head import loss as head_loss
-
     n, h, v, c = 256, 256, 512, 32
     calls = _weight_gradient_by_columns(monkeypatch, True, n, 64)
-    monkeypatch.setattr(head_loss, "SLICE_BYTES", 4096)
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
-    weight = torch.randn(v, h, generator=g).bfloat16().requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g)
-    with MemoryTracker() as tracker:
-        (hidden.sum(), weight.sum(), labels.sum())  # the inputs are counted before the head runs
-        before = tracker.current
-        tracker.reset_peak()
-        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=c)
-        grads = n * h * 2 + v * h * 2
-        assert tracker.current - before == grads + 4  # the bf16 gradients and the loss
-        logits = max(c * v * 2, n * 64 * 2)  # a chunk's, a slice's
-        assert grads + logits <= tracker.peak - before <= grads + logits + 96 * n + 6 * 4096
-        assert grads + logits + 96 * n + 6 * 4096 < grads + v * h + c * v * 2  # the 24-bit sum's floor
-        del loss
+    held, peak = _bf16_head_bytes(monkeypatch, n, h, v, c)
+    grads = n * h * 2 + v * h * 2
+    assert held == grads + 4  # the bf16 gradients and the loss
+    logits = max(c * v * 2, n * 64 * 2)  # a chunk's, a slice's
+    assert grads + logits <= peak <= grads + logits + 96 * n + 6 * 4096
+    assert grads + logits + 96 * n + 6 * 4096 < grads + v * h + c * v * 2  # the 24-bit sum's floor
     assert calls == [(n, h)]
