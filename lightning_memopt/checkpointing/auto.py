@@ -144,6 +144,7 @@ class AutoCheckpointer:
         self.name = name
         self.head = check_head(head)
         self._heads = TakenHeads([])  # the chunked output heads installed
+        self._own_head = False  # the size search chose the model's own head: none is installed again
         self.plan: Plan | None = None
         """The plan the blocks run; None before :meth:`install` (or where no blocks were found)."""
         self.shape_plans = ShapePlans()  # under a limit: the plans made, by the shapes they were made for
@@ -198,7 +199,7 @@ class AutoCheckpointer:
             ValueError: For ``blocks`` that match nothing, with the candidate classes found.
         """
         # A causal LM's output head computes its loss chunk by chunk (lightning_memopt.head), where it can.
-        self._heads = take_over_heads(model, self.head, note=self.note)
+        self._heads = take_over_heads(model, "keep" if self._own_head else self.head, note=self.note)
         own = framework_checkpointing(model)
         if own is not None:
             return (
@@ -268,9 +269,8 @@ class AutoCheckpointer:
         not to fit."""
         self._kept_peak = kept_peak if treatment == "full" else None
         self.use(treatment)
-        if treatment == "own head":  # nothing of the head stays attached
-            self._heads()
-            self._heads = TakenHeads([])
+        if treatment == "own head":  # nothing of the head stays attached, nor comes back on resume
+            self._leave_own_head()
         if treatment != "full":
             self._needs_check = self._by_shape = False
             head = " and leaves its own output head" if treatment == "own head" else ""
@@ -385,12 +385,17 @@ class AutoCheckpointer:
         self.note(f"{self.name} checkpoints no block of {what}: {why}")
 
     def state(self) -> dict[str, Any]:
-        """The plans as plain values, for a checkpoint (:meth:`load_state`)."""
+        """The plans as plain values, for a checkpoint (:meth:`load_state`), and whether the size search
+        chose the model's own output head."""
         plan = self.plan.to_dict() if self.plan is not None else None
-        return {"plan": plan, "shapes": self.shape_plans.state()}
+        return {"plan": plan, "shapes": self.shape_plans.state(), "own_head": self._own_head}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """Take the plans of :meth:`state`: applied now if installed, else at :meth:`install`; not profiled."""
+        """Take the plans of :meth:`state`: applied now if installed, else at :meth:`install`; not profiled.
+        Where the size search had chosen the model's own head, the chunked one is taken off (or never
+        installed): the resumed run computes its loss as the run that saved did."""
+        if state.get("own_head"):
+            self._leave_own_head()
         if state.get("plan") is None:
             return
         self.plan = self._loaded_plan = Plan.from_dict(state["plan"])
@@ -398,6 +403,11 @@ class AutoCheckpointer:
         self._needs_check = False
         if self._model is not None and self._found:
             apply_checkpointing(self._model, self._loaded_plan)
+
+    def _leave_own_head(self) -> None:
+        self._own_head = True
+        self._heads()
+        self._heads = TakenHeads([])
 
     def remove(self) -> None:
         """Take everything off the model: its blocks run their own ``forward`` again (safe to call twice)."""

@@ -631,14 +631,10 @@ class _HFLM(pl.LightningModule):
         return DataLoader(TensorDataset(torch.randint(0, 2048, (48, 64), generator=g)), batch_size=16)
 
 
-@pytest.mark.parametrize("launch", [0.0, 100.0])
-def test_with_autoaccumulation_the_chunked_head_stays_only_where_the_step_is_faster(
-    tmp_path, monkeypatch, launch
-):
-    """The head is part of the decision: the model's own head first, the chunked head where its larger
-    micro-batches make the step faster (a launch cost per micro-step: priced here ``launch + samples``
-    seconds, 20% more chunked, 40% more recomputed), else it is taken off for the rest of the fit."""
-    from lightning_memopt import AutoAccumulation
+def _priced_by_way(monkeypatch, launch: float) -> list:
+    """Probe micro-steps priced ``launch + samples`` seconds, 20% more with the chunked head, 40% more
+    recomputed (deterministic timings); returns the list of (way, samples) timed."""
+    from lightning_memopt.batching.probe import BatchProbes
     from lightning_memopt.checkpointing.auto import AutoCheckpointer
 
     using, timed = [], []
@@ -650,9 +646,20 @@ def test_with_autoaccumulation_the_chunked_head_stays_only_where_the_step_is_fas
         timed.append((using[-1], samples))
         return launch + samples * cost[using[-1]]
 
-    from lightning_memopt.batching.probe import BatchProbes
-
     monkeypatch.setattr(BatchProbes, "seconds", seconds)
+    return timed
+
+
+@pytest.mark.parametrize("launch", [0.0, 100.0])
+def test_with_autoaccumulation_the_chunked_head_stays_only_where_the_step_is_faster(
+    tmp_path, monkeypatch, launch
+):
+    """The head is part of the decision: the model's own head first, the chunked head where its larger
+    micro-batches make the step faster (a launch cost per micro-step: priced here ``launch + samples``
+    seconds, 20% more chunked, 40% more recomputed), else it is taken off for the rest of the fit."""
+    from lightning_memopt import AutoAccumulation
+
+    timed = _priced_by_way(monkeypatch, launch)
     module = _HFLM()
     limit = 9_000_000
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
@@ -675,3 +682,51 @@ def test_with_autoaccumulation_the_chunked_head_stays_only_where_the_step_is_fas
         assert "leaves its own output head" not in said[0]
         assert set(steady) == {"chunked"}
     assert "forward" not in vars(module.model)  # nothing of the head stays attached after fit
+
+
+def test_a_resumed_run_keeps_the_model_own_head_the_search_chose(tmp_path, monkeypatch):
+    """The own head chosen (no launch cost), then a checkpoint: the resumed run decides nothing again and
+    computes its loss with the model's own head, as the run that saved did (the chunked head is taken off
+    at once, or never installed)."""
+    from lightning_memopt import AutoAccumulation
+    from lightning_memopt.batching.probe import BatchProbes
+
+    _priced_by_way(monkeypatch, 0.0)
+    limit = 9_000_000
+    module = _HFLM()
+    callbacks = [
+        AutoCheckpoint(max_memory=limit, headroom=0.0),
+        AutoAccumulation(max_memory=limit, headroom=0.0),
+    ]
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=callbacks,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
+    assert len(said) == 1 and "leaves its own output head" in said[0]
+    ckpt = trainer.checkpoint_callback.best_model_path
+    saved = [v for v in torch.load(ckpt, weights_only=False)["callbacks"].values() if "own_head" in v]
+    assert [v["own_head"] for v in saved] == [True]
+
+    def boom(*a, **k):
+        raise AssertionError("searched again")
+
+    monkeypatch.setattr(BatchProbes, "peak", boom)
+    resumed = _HFLM()
+    callbacks = [
+        AutoCheckpoint(max_memory=limit, headroom=0.0),
+        AutoAccumulation(max_memory=limit, headroom=0.0),
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, callbacks, steps=4).fit(resumed, ckpt_path=ckpt)
+    assert not [w for w in caught if str(w.message).startswith("AutoCheckpoint")]
+    assert resumed.heads and set(resumed.heads) == {"own"}
+    assert "forward" not in vars(resumed.model)
