@@ -125,6 +125,49 @@ def decide_with_rank_timings(rank: int) -> dict:
     }
 
 
+def decide_head_with_rank_timings(rank: int) -> dict:
+    """The output head in the decision under DDP: a tiny Hugging Face GPT-2 whose logits outweigh its
+    blocks; rank 1 pays a launch cost per micro-step (the chunked head's larger micro-batches win there),
+    rank 0 none (the own head would): one decision on both ranks, no hang, the same head trained."""
+    from lightning_memopt.batching.probe import BatchProbes
+    from lightning_memopt.checkpointing.auto import AutoCheckpointer
+    from tests.callbacks.test_auto_checkpoint import _HFLM
+
+    using, use = [], AutoCheckpointer.use
+    cost = {"own head": 1.0, "keep": 1.2, "full": 1.4}
+
+    def seconds(self, samples):
+        return (100.0 if rank == 1 else 0.0) + samples * cost[using[-1]]
+
+    originals = BatchProbes.seconds, AutoCheckpointer.use
+    BatchProbes.seconds = seconds
+    AutoCheckpointer.use = lambda self, t: using.append(t) or use(self, t)
+    try:
+        module = _HFLM()
+        accumulation = AutoAccumulation(max_memory=9_000_000, headroom=0.0)
+        cb = AutoCheckpoint(max_memory=9_000_000, headroom=0.0)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=DDPStrategy(process_group_backend="gloo"),
+            max_steps=2,
+            callbacks=[cb, accumulation],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+    finally:
+        BatchProbes.seconds, AutoCheckpointer.use = originals
+    return {
+        "size": accumulation.micro_batch_size,
+        "seconds": accumulation.engine.sizes.step_seconds,
+        "own_head": cb.state()["own_head"],
+        "heads": module.heads[-2:],
+    }
+
+
 def main(out: str) -> None:
     # Plans priced in seconds: time counted as work (tests/conftest.py does it in the tests' own process),
     # so that the budgeted plan asserted is the same on every run.
@@ -137,6 +180,7 @@ def main(out: str) -> None:
         result = {"plain": plain, "checkpointed": checkpointed}
         if kind == "ddp":
             result["decided"] = decide_with_rank_timings(rank)
+            result["head_decided"] = decide_head_with_rank_timings(rank)
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
             # A limit between all-full and all-kept: the sharded blocks are profiled and planned for.

@@ -60,6 +60,11 @@ def test_two_process_training_matches_plain(results, kind):
             # 9 fit recomputed: a batch of 16 runs as 2 micro-batches of 8, each timed at 8 and priced at
             # rank 1's 100 + 8 x 1.3 s (the longest over ranks)
             assert decided["size"] == 9 and decided["seconds"] == pytest.approx(2 * (100 + 8 * 1.3))
+            # the head in the decision: rank 1's launch cost makes the chunked head's fewer micro-batches the
+            # faster step on both ranks (seconds the longest over ranks); neither rank keeps its own head
+            head = result["head_decided"]
+            assert head == torch.load(tmp_path / "ddp_params0.pt")["head_decided"]
+            assert head["own_head"] is False and set(head["heads"]) == {"chunked"}
         plan = json.loads((tmp_path / f"{kind}_plan{rank}.json").read_text())
         assert plan["choices"] == dict.fromkeys(names, "full")  # CPU, no budget: every block
         assert all(seen == plan["choices"] for seen in plan["seen"])
