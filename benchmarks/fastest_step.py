@@ -56,7 +56,9 @@ out-of-memory errors (two optimizer steps of two micro-batches each), the defaul
 the card together), every step time is read after ``torch.cuda.synchronize()``, and peaks are
 ``torch.cuda.max_memory_allocated`` over the timed steps.
 
-It prints a Markdown table per model run, then what the defaults decided (``AutoCheckpoint``'s one-line
+It prints a Markdown table per model run, then the defaults' start-up by phase (the first step's
+seconds; the seconds and calls of the size search's probes, its timed micro-steps and AutoCheckpoint's
+profiling, each also in steady steps), what the defaults decided (``AutoCheckpoint``'s one-line
 note) and whether their steady peak stayed within ``L``; progress and tracebacks go to stderr.
 """
 
@@ -85,6 +87,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memopt import AutoAccumulation, AutoCheckpoint, OOMBackoff
+from lightning_memopt.batching.probe import BatchProbes
+from lightning_memopt.checkpointing.auto import AutoCheckpointer
 from lightning_memopt.memory import MemoryTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
@@ -110,6 +114,34 @@ def stamp() -> str:
 
 
 WAYS = ("plain + accumulate", "full ckpt + accumulate", "defaults")
+
+# The defaults' start-up, by phase: seconds and calls of the size search's probes, its timed micro-steps
+# and AutoCheckpoint's profiling, counted in the timed fit's thread only (named "defaults")
+PHASES = {"search probes": (BatchProbes, "peak"), "timed micro-steps": (BatchProbes, "seconds")}
+PHASES["profiling"] = (AutoCheckpointer, "_plan_from")
+spent: dict[str, list[float]] = {}
+
+
+def count_phases() -> None:
+    """Wrap each phase's method to add its seconds (and a call) to ``spent`` in the defaults' thread."""
+    for name, (owner, attribute) in PHASES.items():
+        original = getattr(owner, attribute)
+
+        def timed(*args, _name=name, _original=original, **kwargs):
+            if threading.current_thread().name != "defaults":
+                return _original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                sync()
+                entry = spent.setdefault(_name, [0.0, 0])
+                entry[0] += time.perf_counter() - start
+                entry[1] += 1
+
+        setattr(owner, attribute, timed)
+
+
 NOTE_PREFIXES = ("AutoCheckpoint checkpoints no block", "AutoCheckpoint recomputes")
 
 
@@ -541,6 +573,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
             run.error = "not one sample fits"
 
     print(f"{name}: timing (L = {limit / MiB:.2f} MiB) ({stamp()})", file=sys.stderr)
+    spent.clear()
     total = args.warmup + args.rounds * args.steps
     live = []
     with warnings.catch_warnings(record=True) as caught:
@@ -568,6 +601,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
         for run in live:
             run.thread.join()
     defaults = runs[2]
+    phases = {k: tuple(v) for k, v in spent.items()}
     if cuda():  # the peaks of the timed steps (the Pacer's)
         defaults.peak_sizes, defaults.peak_notes = defaults.pacer.steady_sizes, defaults.notes
     elif defaults.error is None:
@@ -584,7 +618,14 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
         thread = threading.Thread(target=target, name="defaults' peak", daemon=True)
         thread.start()
         thread.join()
-    return {"name": name, "batch": batch, "limit": limit, "whole_fits": whole_fits, "runs": runs}
+    return {
+        "name": name,
+        "batch": batch,
+        "limit": limit,
+        "whole_fits": whole_fits,
+        "runs": runs,
+        "phases": phases,
+    }
 
 
 # ------------------------------------------------------------------------------------------- printing
@@ -651,6 +692,15 @@ def details(results: list[dict]) -> str:
                     f"  - {run.way}: peak at {run.micro}: {run.peak / MiB:.2f} MiB ({run.peak / limit:.2f} L)"
                     f" ({breakdown(run.breakdown)})"
                 )
+        if defaults.seconds and defaults.pacer and defaults.pacer.times:
+            first, step = defaults.pacer.times[0], defaults.seconds
+            parts = [
+                f"{k} {v:.2f} s ({n} calls, {v / step:.1f} steps)" for k, (v, n) in res["phases"].items()
+            ]
+            out.append(
+                f"  - defaults' start-up: first step {first:.2f} s ({first / step:.1f} steps of {step:.3f} s): "
+                + ("; ".join(parts) or "no probe, no profiling")
+            )
         notes = defaults.notes or ["(no AutoCheckpoint note)"]
         for note in notes:
             out.append(f"  - defaults decided: {note}")
@@ -718,6 +768,7 @@ def main() -> None:
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(threads)
     all_benches = gpu_benches(args.layers, args.seq) if cuda() else benches(args.quick)
+    count_phases()
     names = args.only or list(all_benches)
     unknown = sorted(set(names) - set(all_benches))
     if unknown:
