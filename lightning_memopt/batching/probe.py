@@ -125,15 +125,14 @@ class BatchProbes:
     def seconds(self, samples: int) -> float | None:
         """Seconds one training micro-step of ``samples`` samples takes, forward and backward, on the
         device's clock (nothing tracked: a dispatch mode would distort it); None if it ran out of memory.
-        Run three times: the first pays for allocations and lazy initialization; the faster of the other
-        two is taken (what else the host runs only ever adds time). Only the forward and backward are
-        timed: the probe's own set-up and restore would weigh on many small micro-batches."""
+        One run (the caller repeats and takes the fastest: :meth:`~.sizes.MicroBatchSizes.decide`). Only
+        the forward and backward are timed: the probe's own set-up and restore would weigh on many small
+        micro-batches."""
         clock, spans = step_clock(self.device), []
-        for _ in range(3):
-            if self._run(samples, False, None, None, clock=clock, spans=spans) is None:
-                return None
+        if self._run(samples, False, None, None, clock=clock, spans=spans) is None:
+            return None
         clock.settle(spans[-1][1])
-        return min(clock.seconds(start, end) for start, end in spans[1:])
+        return clock.seconds(*spans[-1])
 
     def _run(
         self, samples: int, evaluation: bool, memory: Any, tracker: Any, clock: Any = None, spans=None

@@ -33,6 +33,7 @@ from lightning_memopt.memory.limit import usable_bytes
 __all__ = ["MicroBatchSizes", "Probes", "Recompute"]
 
 _FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
+_TIMING_ROUNDS = 3  # the turns each way takes when the ways are timed (the first is not counted)
 _ROUNDS = 3  # probe rounds at most for one new width
 
 
@@ -264,9 +265,9 @@ class MicroBatchSizes:
         the one before ended (a later way holds less); where the whole batch fits, the later ways are not
         tried. A later way counts only where it runs the step in fewer micro-batches (``ceil(whole /
         size)``, split evenly) than every way before it: as many micro-steps, each costing more, cannot be
-        faster. Where one way counts, it is taken untimed; else one micro-step of each is timed at the
-        micro-batch that runs (the largest of the even split: 12 where 15 fit a batch of 48), and the
-        fastest step is taken. ``AutoCheckpoint`` then plans the least recompute that fits the size chosen.
+        faster. Where one way counts, it is taken untimed; else a micro-step of each is timed at the
+        micro-batch that runs (the largest of the even split: 12 where 15 fit a batch of 48), the ways
+        taking turns three times (the first turn not counted), and the fastest step is taken. ``AutoCheckpoint`` then plans the least recompute that fits the size chosen.
         Every rank takes the same path (sizes are the smallest over ranks, seconds the longest).
         """
         assert self.recompute is not None
@@ -295,13 +296,26 @@ class MicroBatchSizes:
             count = -(-whole // size)
             return count, -(-whole // count)
 
-        def step_seconds(treatment: str, count: int, runs: int) -> float:
-            """``count`` micro-steps, timed at ``runs`` samples: the micro-batch that runs (48 where 15
-            fit: 4 x 12, timed at 12, not 15)."""
-            self.recompute.use(treatment)
-            seconds = probes.seconds(runs)
-            agreed = max_over_ranks(_FAILED if seconds is None else int(seconds * 1e9), probes.device)
-            return math.inf if agreed == _FAILED else count * agreed / 1e9
+        def step_seconds(ways: list[str]) -> dict[str, tuple[int, int, float]]:
+            """Each way's micro-steps a step, the samples they run (the even split: 48 where 15 fit runs
+            as 4 x 12, timed at 12, not 15) and the step's seconds: the ways take turns for
+            :data:`_TIMING_ROUNDS` rounds, the first paying for allocations and lazy initialization, and
+            each way's fastest later run counts (what else the host runs only ever adds time; taking turns,
+            a machine that slows or speeds up meanwhile weighs on every way alike)."""
+            split_of = {way: split(found[way][0]) for way in ways}
+            runs: dict[str, list[float | None]] = {way: [] for way in ways}
+            for _ in range(_TIMING_ROUNDS):
+                for way in ways:
+                    self.recompute.use(way)
+                    runs[way].append(probes.seconds(split_of[way][1]))
+            timed = {}
+            for way, seconds in runs.items():
+                failed = any(s is None for s in seconds)
+                fastest = _FAILED if failed else int(min(seconds[1:]) * 1e9)
+                agreed = max_over_ranks(fastest, probes.device)
+                count, samples = split_of[way]
+                timed[way] = (count, samples, math.inf if agreed == _FAILED else count * agreed / 1e9)
+            return timed
 
         found: dict[str, tuple[int | None, list[tuple[int, int | None]]]] = {}
         counting: list[str] = []  # the ways that run the step in fewer micro-batches than those before
@@ -334,10 +348,7 @@ class MicroBatchSizes:
                 later = [f"{' and '.join(after)} {verb} the step in no fewer micro-batches"] if after else []
                 why = "; ".join(before + later)
             return self._decided(way, size, way_probes, why, kept=kept if way == "full" else ())
-        timed = {}
-        for way in counting:
-            count, runs = split(found[way][0])
-            timed[way] = (count, runs, step_seconds(way, count, runs))
+        timed = step_seconds(counting)
         parts = [
             f"{count} micro-batches of {runs} {said[way]}: {seconds:.3g} s a step"
             if i == 0

@@ -90,7 +90,7 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     model = FakeModel(launch=0.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.treatment == "keep"
-    assert probes.timed == [("keep", 16), ("full", 64)]
+    assert probes.timed == [("keep", 16), ("full", 64)] * 3  # taking turns, three rounds
     # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
     first_full = next(i for i, (treatment, _) in enumerate(probes.probed) if treatment == "full")
     assert probes.probed[first_full] == ("full", 16) and len(probes.probed) - first_full < 4
@@ -153,7 +153,7 @@ def test_each_way_is_timed_at_the_micro_batch_that_runs():
     # recomputed (one micro-step).
     model = FakeModel(launch=1.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_500, total=48)
-    assert probes.timed == [("keep", 12), ("full", 48)]
+    assert probes.timed == [("keep", 12), ("full", 48)] * 3
     # keep: 4 x (1 + 1.2) = 8.8 s; full: 1 x (1 + 4.8 + 1.44) = 7.24 s
     assert model.said[0] == (
         "full",
@@ -182,7 +182,7 @@ def test_the_model_own_head_where_the_chunked_head_runs_no_fewer_micro_batches()
     # cost; chunked: 100, 15 fit: 5 of 13, 5 x 13 x 0.12 = 7.8 s; recomputed: 95, 15 fit: no fewer than 5.
     model = FakeModel(logits=50, recomputed=95, launch=0.0)
     _, size, probes = _decide(model, limit=HELD + 1_500)
-    assert probes.timed == [("own head", 10), ("keep", 13)] and size == 10
+    assert probes.timed == [("own head", 10), ("keep", 13)] * 3 and size == 10
     assert model.said == [
         (
             "own head",
@@ -205,7 +205,7 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
     # 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
     model = FakeModel(logits=300)
     _, size, probes = _decide(model, limit=HELD + 1_500)
-    assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)]
+    assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)] * 3
     assert model.said == [
         (
             "full",
@@ -214,3 +214,26 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
         )
     ]
     assert size == 60 and all(model.kept_peak(s) == HELD + 100 * s for s in [1, 15])  # the chunked head's
+
+
+def test_the_ways_take_turns_and_each_first_run_is_not_counted():
+    """Timed ways take turns (keep, full, keep, full, ...): a machine that slows down meanwhile weighs on
+    both alike; the first turn (allocations, lazy initialization: here 5 s more) is not counted."""
+    model = FakeModel(launch=1.0)
+    probes = FakeProbes(model)
+    seconds, calls = probes.seconds, []
+
+    def slowing(samples):  # the first run of each way pays 5 s; every run 0.01 s more than the one before
+        calls.append(samples)
+        return seconds(samples) + (5.0 if len(calls) <= 2 else 0.0) + 0.01 * len(calls)
+
+    probes.seconds = slowing
+    sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
+    sizes.recompute = model
+    sizes.plan(total=48, width=1, probes=probes)
+    assert [t for t, _ in probes.timed] == ["keep", "full"] * 3
+    # keep: 4 x (2.2 + 0.03) = 8.92 s (its second run, the third call); full: 1 x (7.24 + 0.04) = 7.28 s
+    assert model.said[0] == (
+        "full",
+        "4 micro-batches of 12 without recompute: 8.92 s a step; 1 of 48 recomputing every block: 7.28 s",
+    )
