@@ -85,6 +85,26 @@ class InjectOOM(pl.Callback):
         self.injector.remove()
 
 
+def _fit_deciding(module: pl.LightningModule, limit: int) -> tuple[AutoCheckpoint, AutoAccumulation]:
+    """Two DDP steps of ``module`` with AutoCheckpoint beside AutoAccumulation under ``limit`` bytes (no
+    headroom): the first batch's search decides; returns the two callbacks."""
+    accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
+    cb = AutoCheckpoint(max_memory=limit, headroom=0.0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=2,
+        callbacks=[cb, accumulation],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return cb, accumulation
+
+
 def decide_with_rank_timings(rank: int) -> dict:
     """AutoCheckpoint beside AutoAccumulation under DDP, each rank timing its probes differently (rank 1
     pays a launch cost per micro-step, rank 0 none): the ranks must take one decision (sizes agreed as the
@@ -100,20 +120,7 @@ def decide_with_rank_timings(rank: int) -> dict:
     original, BatchProbes.seconds = BatchProbes.seconds, seconds
     try:
         module = _Wide(n_layer=4)
-        accumulation = AutoAccumulation(max_memory=1_500_000, headroom=0.0)
-        cb = AutoCheckpoint(max_memory=1_500_000, headroom=0.0)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=DDPStrategy(process_group_backend="gloo"),
-            max_steps=2,
-            callbacks=[cb, accumulation],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(module)
+        cb, accumulation = _fit_deciding(module, 1_500_000)
     finally:
         BatchProbes.seconds = original
     sizes = accumulation.engine.sizes
@@ -144,20 +151,7 @@ def decide_head_with_rank_timings(rank: int) -> dict:
     AutoCheckpointer.use = lambda self, t: using.append(t) or use(self, t)
     try:
         module = _HFLM()
-        accumulation = AutoAccumulation(max_memory=9_000_000, headroom=0.0)
-        cb = AutoCheckpoint(max_memory=9_000_000, headroom=0.0)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=DDPStrategy(process_group_backend="gloo"),
-            max_steps=2,
-            callbacks=[cb, accumulation],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(module)
+        cb, accumulation = _fit_deciding(module, 9_000_000)
     finally:
         BatchProbes.seconds, AutoCheckpointer.use = originals
     return {
