@@ -65,13 +65,14 @@ class Recompute(Protocol):
     chunked output head, the model's own head instead."""
 
     own_head: bool
-    """Whether ``"own head"`` is a treatment: the blocks kept and the model's own output head."""
+    """Whether ``"own head"`` is a way: every block kept and the model's own output head."""
 
-    def use(self, treatment: str) -> None:
-        """Run every block ``"keep"`` or ``"full"`` from now on (``"own head"``: kept, the own head)."""
+    def use(self, way: str) -> None:
+        """Run the way ``"keep"`` (every block kept) or ``"full"`` (every block recomputed) from now on, or
+        ``"own head"`` (kept, the model's own head)."""
 
-    def decided(self, treatment: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
-        """The search chose ``treatment`` for the micro-batches to come, for the reason ``why`` (one line);
+    def decided(self, way: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
+        """The search chose ``way`` for the micro-batches to come, for the reason ``why`` (one line);
         ``kept_peak(samples)``: where recompute won over plain micro-batches that fit, a whole micro-step's
         peak bytes with every block kept, from the sizes the search measured."""
 
@@ -281,10 +282,8 @@ class MicroBatchSizes:
         }
         named = {"keep": "the chunked head", "full": "recomputing"}
 
-        def largest(
-            treatment: str, start: int | None = None
-        ) -> tuple[int | None, list[tuple[int, int | None]]]:
-            self.recompute.use(treatment)
+        def largest(way: str, start: int | None = None) -> tuple[int | None, list[tuple[int, int | None]]]:
+            self.recompute.use(way)
             self.probes = []
             try:
                 return self._find(probes, whole, limit, floor, evaluation=False, start=start), self.probes
@@ -361,12 +360,12 @@ class MicroBatchSizes:
             best, size, way_probes, "; ".join(parts), timed[best][2], kept=kept if best == "full" else ()
         )
 
-    def _decided(self, treatment, size, probes, why: str, seconds: float | None = None, kept=()) -> int:
+    def _decided(self, way, size, probes, why: str, seconds: float | None = None, kept=()) -> int:
         """``kept``: where recompute won over plain micro-batches that fit, the plain search's probes."""
         recompute, self.recompute = self.recompute, None  # decided once: nothing stays attached
         assert recompute is not None
         self.probes, self.step_seconds = probes, seconds
-        recompute.decided(treatment, why, _peak_at(kept))
+        recompute.decided(way, why, _peak_at(kept))
         return size
 
     def _find(

@@ -241,22 +241,21 @@ class AutoCheckpointer:
         chunked one): the chunked head pays only where it lets larger micro-batches run faster."""
         return self.head == "auto" and self._heads.installed
 
-    def use(self, treatment: str) -> None:
-        """Run every block ``treatment`` (``"keep"``, ``"full"``; ``"own head"``: kept, and the model's own
-        output head computes the loss) while the micro-batch size is searched
+    def use(self, way: str) -> None:
+        """Run every block ``"keep"`` or ``"full"`` (``"own head"``: kept, and the model's own output head
+        computes the loss) while the micro-batch size is searched, the search's ways
         (:class:`~lightning_memopt.batching.sizes.Recompute`); nothing is measured meanwhile (a tracking
         dispatch mode would distort the probes' timings)."""
         if self._probe is not None:
             self._probe.close()
             self._probe = None
-        self._heads.use_own(treatment == "own head")
-        treatment = "keep" if treatment == "own head" else treatment
-        choices = initial_choices([n for n, _ in self._found], treatment)
+        self._heads.use_own(way == "own head")
+        choices = initial_choices([n for n, _ in self._found], "keep" if way == "own head" else way)
         apply_checkpointing(self._model, choices)
         self.plan = Plan.unprofiled(choices)
 
-    def decided(self, treatment: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
-        """The size search chose ``treatment``: ``keep`` and ``own head`` are final (plain micro-batches are
+    def decided(self, way: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
+        """The size search chose ``way``: ``keep`` and ``own head`` are final (plain micro-batches are
         the fastest step that fits: nothing to profile or plan, said in one line; ``own head`` also takes
         the chunked output head off, the model's own computing its loss); after ``full`` the step is measured and
         the least recompute that fits the chosen micro-batch is planned, as without micro-batching.
@@ -267,13 +266,13 @@ class AutoCheckpointer:
         loss's gradient w.r.t. the logits): the plan holds it beside the activations it keeps
         (:attr:`~lightning_memopt.checkpointing.Plan.transient`), so it never keeps what the search measured
         not to fit."""
-        self._kept_peak = kept_peak if treatment == "full" else None
-        self.use(treatment)
-        if treatment == "own head":  # nothing of the head stays attached, nor comes back on resume
+        self._kept_peak = kept_peak if way == "full" else None
+        self.use(way)
+        if way == "own head":  # nothing of the head stays attached, nor comes back on resume
             self._leave_own_head()
-        if treatment != "full":
+        if way != "full":
             self._needs_check = self._by_shape = False
-            head = " and leaves its own output head" if treatment == "own head" else ""
+            head = " and leaves its own output head" if way == "own head" else ""
             self.note(f"{self.name} checkpoints no block of {type(self._model).__name__}{head}: {why}")
             return
         self._probe = ForwardProbe(self._model, self._found, record=True)

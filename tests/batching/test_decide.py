@@ -34,18 +34,18 @@ class FakeModel:
         self.launch, self.per_sample, self.recompute = launch, per_sample, recompute
         self.logits, self.chunked = logits, chunked
         self.own_head = logits is not None
-        self.treatment = "full"  # AutoCheckpoint installs every block full before the first step
+        self.way = "full"  # AutoCheckpoint installs every block full before the first step
         self.said: list[tuple[str, str]] = []
         self.used: list[str] = []
 
     # Recompute (AutoCheckpoint's side)
-    def use(self, treatment: str) -> None:
-        self.treatment = treatment
-        self.used.append(treatment)
+    def use(self, way: str) -> None:
+        self.way = way
+        self.used.append(way)
 
-    def decided(self, treatment: str, why: str, kept_peak=None) -> None:
-        self.treatment = treatment
-        self.said.append((treatment, why))
+    def decided(self, way: str, why: str, kept_peak=None) -> None:
+        self.way = way
+        self.said.append((way, why))
         self.kept_peak = kept_peak
 
 
@@ -61,8 +61,8 @@ class FakeProbes:
 
     def peak(self, samples: int, evaluation: bool) -> int:
         m = self.model
-        self.probed.append((m.treatment, samples))
-        per = {"own head": m.kept + (m.logits or 0), "keep": m.kept, "full": m.recomputed}[m.treatment]
+        self.probed.append((m.way, samples))
+        per = {"own head": m.kept + (m.logits or 0), "keep": m.kept, "full": m.recomputed}[m.way]
         return HELD + samples * per
 
     def held(self) -> int:
@@ -70,9 +70,9 @@ class FakeProbes:
 
     def seconds(self, samples: int) -> float:
         m = self.model
-        self.timed.append((m.treatment, samples))
-        extra = m.recompute * samples if m.treatment == "full" else 0.0
-        if m.own_head and m.treatment != "own head":
+        self.timed.append((m.way, samples))
+        extra = m.recompute * samples if m.way == "full" else 0.0
+        if m.own_head and m.way != "own head":
             extra += m.chunked * samples
         return m.launch + m.per_sample * samples + extra
 
@@ -89,10 +89,10 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     # Time per sample does not fall with the size (no launch cost): recompute buys nothing.
     model = FakeModel(launch=0.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
-    assert size == 16 and model.treatment == "keep"
+    assert size == 16 and model.way == "keep"
     assert probes.timed == [("keep", 16), ("full", 64)] * 3  # taking turns, three rounds
     # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
-    first_full = next(i for i, (treatment, _) in enumerate(probes.probed) if treatment == "full")
+    first_full = next(i for i, (way, _) in enumerate(probes.probed) if way == "full")
     assert probes.probed[first_full] == ("full", 16) and len(probes.probed) - first_full < 4
     assert model.said == [
         (
@@ -108,9 +108,9 @@ def test_recompute_wins_where_larger_micro_batches_run_faster_per_sample():
     model = FakeModel(launch=1.0)
     sizes, size, _ = _decide(model, limit=HELD + 1_600)
     # keep: 4 x (1 + 1.6) = 10.4 s; full: 1 x (1 + 6.4 + 1.92) = 9.32 s
-    assert size == 64 and model.treatment == "full"
+    assert size == 64 and model.way == "full"
     assert model.said[0][0] == "full" and sizes.step_seconds == pytest.approx(9.32)
-    # every probe of the chosen treatment is kept for the shape model, none of the other's
+    # every probe of the chosen way is kept for the shape model, none of the other's
     assert sizes.probes and all(peak == HELD + 25 * s for s, peak in sizes.probes)
     # What AutoCheckpoint plans with: the peaks measured with every block kept, and between or beyond them
     # the line through the two nearest (a sample kept holds 100 bytes here): the peak the fake would measure.
@@ -120,14 +120,14 @@ def test_recompute_wins_where_larger_micro_batches_run_faster_per_sample():
 def test_the_whole_batch_fitting_kept_is_never_timed_nor_recomputed():
     model = FakeModel()
     _, size, probes = _decide(model, limit=HELD + 100 * 64)
-    assert size == 64 and model.treatment == "keep" and probes.timed == []
+    assert size == 64 and model.way == "keep" and probes.timed == []
     assert model.used == ["keep"] and model.said == [("keep", "the whole batch of 64 fits without recompute")]
 
 
 def test_recompute_where_not_one_sample_fits_kept():
     model = FakeModel(kept=10_000)
     _, size, probes = _decide(model, limit=HELD + 1_600)
-    assert size == 64 and model.treatment == "full" and probes.timed == []
+    assert size == 64 and model.way == "full" and probes.timed == []
     assert model.said == [("full", "not one sample fits without recompute")]
 
 
@@ -137,14 +137,14 @@ def test_nothing_fits_either_way_raises_and_leaves_blocks_recomputed():
     sizes.recompute = model
     with pytest.raises(MicroBatchOOMError, match="with or without recomputing every block"):
         sizes.plan(total=64, width=1, probes=FakeProbes(model))
-    assert model.treatment == "full" and sizes.recompute is None
+    assert model.way == "full" and sizes.recompute is None
 
 
 def test_without_an_offer_the_search_is_as_before():
     model = FakeModel()
     sizes = MicroBatchSizes(max_memory=HELD + 1_600, headroom=0.0)
     size, _, _ = sizes.plan(total=64, width=1, probes=FakeProbes(model))
-    assert size == 64 and model.used == [] and model.treatment == "full"  # probed as installed
+    assert size == 64 and model.used == [] and model.way == "full"  # probed as installed
     assert math.isclose(sizes.probes[-1][1], HELD + 64 * 25)
 
 
@@ -166,7 +166,7 @@ def test_recompute_that_runs_as_many_micro_batches_is_not_timed():
     # can only be slower, so nothing is timed and nothing recomputes.
     model = FakeModel(recomputed=90)
     sizes, size, probes = _decide(model, limit=HELD + 1_200, total=48)
-    assert (size, model.treatment, probes.timed) == (12, "keep", [])
+    assert (size, model.way, probes.timed) == (12, "keep", [])
     assert model.said == [("keep", "recomputing runs the step in no fewer micro-batches")]
 
 
