@@ -129,6 +129,9 @@ class _Group:
         self.saved: weakref.WeakSet[_Saved] = weakref.WeakSet()
         # id(tensor) -> (the tensor, its _Saved), both weakly: a tensor saved twice (by two ops) moves once
         self.by_tensor: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        # id(base) -> (the base, the _Saved of a tensor that is its whole storage), both weakly: another view
+        # of that storage (attention weights saved as (B, h, T, T) and as (B * h, T, T)) moves with it
+        self.by_base: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         self.fetched = False  # its tensors' copies back to the device are queued
         self.started = False  # backward has unpacked one of its tensors
 
@@ -161,6 +164,26 @@ class _Saved:
 
     def host_view(self) -> torch.Tensor:
         return self.host.buffer.view(self.dtype).view(self.shape)
+
+
+class _View:
+    """A saved tensor that shares the storage of an offloaded one (:class:`_Saved` ``base``, which is its whole
+    storage): nothing more is copied; backward gets the same view of the base brought back."""
+
+    __slots__ = ("base", "shape", "stride", "offset")
+
+    def __init__(self, base: _Saved, t: torch.Tensor) -> None:
+        self.base, self.shape, self.stride, self.offset = base, t.shape, t.stride(), t.storage_offset()
+
+
+def _whole_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its storage, all of it, in order: any view of that storage can be made from a copy of
+    ``t`` (with ``as_strided``)."""
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    )
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -227,14 +250,29 @@ class Offloader:
             and _storage_ptr(t) not in keep
         )
 
-    def pack(self, t: torch.Tensor, group: _Group) -> _Saved:
-        """Start copying ``t`` to a pinned buffer on the device-to-host stream."""
+    def pack(self, t: torch.Tensor, group: _Group) -> _Saved | _View:
+        """Start copying ``t`` to a pinned buffer on the device-to-host stream (once per tensor, and once per
+        storage where a tensor saved before is that whole storage: a :class:`_View` of it)."""
         tensor_ref, saved_ref = group.by_tensor.get(id(t), (None, None))
         saved = saved_ref() if saved_ref is not None else None
         if tensor_ref is not None and tensor_ref() is t and saved is not None and saved.version == t._version:
             saved.uses += 1
             saved.pending += 1
             return saved
+        # A view holds its base alive: the same base object alive means the same storage
+        base = t._base if t._base is not None else t
+        base_ref, saved_ref = group.by_base.get(id(base), (None, None))
+        saved = saved_ref() if saved_ref is not None else None
+        if (
+            base_ref is not None
+            and base_ref() is base
+            and saved is not None
+            and saved.version == t._version
+            and saved.dtype == t.dtype
+        ):
+            saved.uses += 1
+            saved.pending += 1
+            return _View(saved, t)
         nbytes = t.numel() * t.element_size()
         host = self.pool.take(nbytes)
         self.to_host.wait_stream(current_stream(self.device))
@@ -247,6 +285,8 @@ class Offloader:
         saved = _Saved(group, host, t, copied)
         group.saved.add(saved)
         group.by_tensor[id(t)] = (weakref.ref(t), weakref.ref(saved))
+        if _whole_storage(t):
+            group.by_base[id(base)] = (weakref.ref(base), weakref.ref(saved))
         weakref.finalize(saved, self.pool.give, host)
         self._in_flight.append((copied, t, nbytes))
         self.in_flight_bytes += nbytes
@@ -256,6 +296,8 @@ class Offloader:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The device tensor of ``packed`` (anything ``pack`` did not move comes back as it is)."""
+        if isinstance(packed, _View):
+            return self.unpack(packed.base).as_strided(packed.shape, packed.stride, packed.offset)
         if not isinstance(packed, _Saved):
             return packed
         self._retire(bound=-1)  # backward has begun: wait for what the forward left in flight
@@ -341,7 +383,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             if not offloader.offloads(t, keep):
                 return t
             saved = offloader.pack(t, self._group)
-            if notify is not None and saved.uses == 1:  # a new copy, not a second save of one
+            if notify is not None and isinstance(saved, _Saved) and saved.uses == 1:  # a new copy
                 notify(saved.host_view())
             return saved
 
