@@ -405,6 +405,9 @@ class AutoCheckpointer:
 
     def _leave_own_head(self) -> None:
         self._own_head = True
+        self._take_heads_off()
+
+    def _take_heads_off(self) -> None:
         self._heads()
         self._heads = TakenHeads([])
 
@@ -416,8 +419,7 @@ class AutoCheckpointer:
             self._probe = None
         if self._found and self._model is not None:
             remove_checkpointing(self._model)
-        self._heads()
-        self._heads = TakenHeads([])
+        self._take_heads_off()
         self._found, self._model = [], None
 
     def note(self, text: str) -> None:
