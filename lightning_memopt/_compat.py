@@ -75,15 +75,35 @@ def saved_tensors_hooks_below() -> tuple[Callable, Callable] | None:
 def reset_fsdp_iteration(sharded: list[Any]) -> None:
     """Put FSDP2 back to the start of an iteration after one that stopped half-way (``sharded``: root first).
 
-    torch >= 2.13 has ``reset_iter_state`` on the root, which reshards and clears the forward-root state;
-    earlier versions only reshard each module.
+    torch >= 2.13 has ``reset_iter_state`` on the root. Before it, the same is done here through FSDP2's
+    private state (present on torch 2.4 to 2.12): resharding alone left the flag that the backward's final
+    callback is queued set by the failed backward, so the next backward never queued it and the root's
+    gradients (embeddings, final norm: reduced only there) were never reduce-scattered.
     """
     root = sharded[0]
     if hasattr(root, "reset_iter_state"):
         root.reset_iter_state()
-    else:
-        for m in sharded:
-            m.reshard()
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # private; torch 2.4+
+
+    state = root._get_fsdp_state()  # private; torch 2.4+
+    comm, shared = state._comm_ctx, state._state_ctx
+    for pending in (comm.all_gather_state, comm.reduce_scatter_state):
+        if pending is not None and pending.event is not None:
+            state._device_handle.current_stream().wait_event(pending.event)
+    comm.all_gather_state = comm.reduce_scatter_state = None
+    comm.post_forward_order.clear()
+    for s in shared.all_states:
+        s._modules_to_run_forward.clear()
+        s._training_state = TrainingState.IDLE
+        group = s._fsdp_param_group  # one per state before torch 2.13
+        if group is not None:
+            group.finalize_backward()  # waits on its reductions, drops a gather and the prefetch order
+            group._partial_reduce_output = None
+            group._training_state = TrainingState.IDLE
+            group.reshard()
+    shared.iter_forward_root = None
+    shared.post_backward_final_callback_queued = False
 
 
 def untracked() -> Any:
