@@ -37,10 +37,10 @@ Timing: every way of a model is one ``trainer.fit`` in its own thread, all in th
 only one runs at a time: each runs ``--warmup`` optimizer steps alone (not counted), then the ways take
 turns, ``--rounds`` rounds of ``--steps`` optimizer steps each (the order rotated every round), nothing
 tracked. A step's time runs from the end of the step before (or ``on_train_start`` for the first) to the
-end of its optimizer step; ``s/step`` is the median of the rounds' steps. ``start-up / step`` is the first
-step's time (for the defaults: probing, timing and profiling included) over that median, with the second
-step's in parentheses. The micro-batches of the defaults are those a steady step ran (seen by a forward
-pre-hook on the model). The defaults' peak is measured separately (a tracked fit, its third step).
+end of its optimizer step; ``s/step`` is the median of the rounds' steps. ``start-up / step`` is what the
+warm-up steps took beyond as many steps of that median, in steps (for the defaults: the search's probes,
+the trial steps' slower ways, profiling; for every way its first-time costs). The micro-batches of the defaults are those a steady step ran (seen by a forward
+pre-hook on the model). The defaults' peak is measured separately (a tracked fit, its sixth step).
 
 Every fit that is timed, or that decides by timing (the defaults' peak fit), runs in a thread of its own:
 on a loaded machine the same step ran several times slower in the main thread than in a fresh one (each
@@ -115,9 +115,9 @@ def stamp() -> str:
 
 WAYS = ("plain + accumulate", "full ckpt + accumulate", "defaults")
 
-# The defaults' start-up, by phase: seconds and calls of the size search's probes, its timed micro-steps
-# and AutoCheckpoint's profiling, counted in the timed fit's thread only (named "defaults")
-PHASES = {"search probes": (BatchProbes, "peak"), "timed micro-steps": (BatchProbes, "seconds")}
+# The defaults' start-up, by phase: seconds and calls of the size search's probes and AutoCheckpoint's
+# profiling (the trial's steps are training steps: their cost is what they take beyond a steady step), counted in the timed fit's thread only (named "defaults")
+PHASES = {"search probes": (BatchProbes, "peak")}
 PHASES["profiling"] = (AutoCheckpointer, "_plan_from")
 spent: dict[str, list[float]] = {}
 
@@ -523,10 +523,10 @@ def start(run: Run, bench: Bench, batch: int, limit: int, precision: str, warmup
 def defaults_peak(
     bench: Bench, batch: int, limit: int, precision: str
 ) -> tuple[int, dict, list[int], list[str]]:
-    """The defaults' peak over one steady optimizer step (the third), tracked in a fit of its own; with
+    """The defaults' peak over one steady optimizer step (the sixth), tracked in a fit of its own; with
     its breakdown, the micro-batches that step ran and the fit's decision (which is its own)."""
     module, callbacks = way_setup("defaults", bench, limit)
-    track, sizes = TrackBatch(2), []
+    track, sizes = TrackBatch(5), []  # after the trial, the decision and the plan
 
     def seen(module, args, kwargs):
         if track.tracker is not None:
@@ -534,10 +534,10 @@ def defaults_peak(
             sizes.append(int(x.shape[0]))
 
     bench.inner(module).register_forward_pre_hook(seen, with_kwargs=True)
-    data = DataLoader(Samples(bench.sample, 3 * batch, batch), batch_size=batch)
+    data = DataLoader(Samples(bench.sample, 6 * batch, batch), batch_size=batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(callbacks + [track], precision, max_steps=3).fit(module, data)
+        trainer(callbacks + [track], precision, max_steps=6).fit(module, data)
     notes = [str(w.message) for w in caught if str(w.message).startswith(NOTE_PREFIXES)]
     assert track.peak is not None
     return track.peak, track.breakdown, sizes, notes
@@ -626,6 +626,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
         "whole_fits": whole_fits,
         "runs": runs,
         "phases": phases,
+        "warmup": args.warmup,
     }
 
 
@@ -662,8 +663,7 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
             else:
                 sec = run.seconds
                 ratio = f"{sec / best:.2f}x" if best else "-"
-                times = run.pacer.times
-                startup = f"{times[0] / sec:.1f}" + (f" (2nd {times[1] / sec:.1f})" if len(times) > 1 else "")
+                startup = f"{startup_steps(run, args.warmup):.1f}"
                 if run.way == "defaults":
                     ratio = f"**{ratio}**"
                 cells = [micro_text(run, res["batch"]), f"{sec:.3f}", ratio, startup]
@@ -673,6 +673,13 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
                 + " |"
             )
     return "\n".join(lines)
+
+
+def startup_steps(run: Run, warmup: int) -> float:
+    """What the warm-up steps took beyond as many steady steps, in steady steps: the search's probes, the
+    trial steps' slower ways, profiling and every first-time cost (allocations, lazy initialization)."""
+    times = run.pacer.times[:warmup]
+    return sum(times) / run.seconds - len(times)
 
 
 def breakdown(parts: dict | None) -> str:
@@ -694,12 +701,14 @@ def details(results: list[dict]) -> str:
                     f" ({breakdown(run.breakdown)})"
                 )
         if defaults.seconds and defaults.pacer and defaults.pacer.times:
-            first, step = defaults.pacer.times[0], defaults.seconds
+            step, warm = defaults.seconds, defaults.pacer.times[: res["warmup"]]
             parts = [
                 f"{k} {v:.2f} s ({n} calls, {v / step:.1f} steps)" for k, (v, n) in res["phases"].items()
             ]
+            each = ", ".join(f"{t / step:.1f}" for t in warm)
             out.append(
-                f"  - defaults' start-up: first step {first:.2f} s ({first / step:.1f} steps of {step:.3f} s): "
+                f"  - defaults' start-up: {startup_steps(defaults, res['warmup']):.1f} steps of {step:.3f} s beyond"
+                f" the {len(warm)} warm-up steps (each: {each} steps): "
                 + ("; ".join(parts) or "no probe, no profiling")
             )
         notes = defaults.notes or ["(no AutoCheckpoint note)"]
@@ -728,7 +737,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller models, batch 16, few steps")
     parser.add_argument("--only", nargs="+", metavar="MODEL", help="gpt llama gpt2 vit resnet")
     parser.add_argument("--batch", type=int, default=None, help="samples per optimizer step (48; quick 16)")
-    parser.add_argument("--warmup", type=int, default=None, help="optimizer steps not counted (3; quick 2)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="optimizer steps not counted (5: the defaults' trial, decision and plan; quick 4)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="rounds of alternation (4; quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps a way runs per round (2)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the issue's Llama")
@@ -754,11 +768,11 @@ def main() -> None:
             torch.cuda.set_per_process_memory_fraction(min(1.0, CAP / total_memory))
     args.precision = args.precision or ("bf16-mixed" if cuda() else "32-true")
     defaults = (
-        dict(batch=16, warmup=2, rounds=1, steps=2)
+        dict(batch=16, warmup=4, rounds=1, steps=2)
         if args.quick
-        else dict(batch=32, warmup=3, rounds=1, steps=4)
+        else dict(batch=32, warmup=5, rounds=1, steps=4)
         if cuda()
-        else dict(batch=48, warmup=3, rounds=4, steps=2)
+        else dict(batch=48, warmup=5, rounds=4, steps=2)
     )
     for key, value in defaults.items():
         if getattr(args, key) is None:

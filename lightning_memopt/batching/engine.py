@@ -209,7 +209,7 @@ class MicroBatchEngine:
             self.state = None
         model = self.sizes.model
         key = self.sizes.tokens if model is None else model.revision  # what the thrash watch keys on
-        self.sizes.succeeded(retried=retries > 0, total=step.total, size=step.size)
+        self.sizes.succeeded(retried=retries > 0, total=step.total, size=step.size, seconds=step.seconds)
         if before is not None:  # the allocator's retries during the step (thrash.py)
             retried = self._allocator_retries() - before
             floor = watch_allocator(self.thrash_watch, self.sizes, retried, step, key, failed=retries > 0)
@@ -226,7 +226,7 @@ class MicroBatchEngine:
         if self.log_metrics:
             values = {"micro_batch_size": step.size, "num_micro_batches": len(step.sizes)}
             values["oom_retries"] = self.sizes.oom_retries
-            if self.sizes.step_seconds is not None:  # the size search timed it (sizes.py: decide)
+            if self.sizes.step_seconds is not None:  # the decision's trial timed it (sizes.py: decide)
                 values["step_seconds_predicted"] = self.sizes.step_seconds
             if before is not None:  # thrashing is watched
                 values["near_misses"] = self.sizes.near_misses

@@ -16,7 +16,6 @@ from lightning_memopt.batching.regime import no_sync
 from lightning_memopt.batching.size_search import smallest_micro_batch
 from lightning_memopt.batching.split import split_batch
 from lightning_memopt.batching.state import StepState
-from lightning_memopt.data.clock import step_clock
 from lightning_memopt.memory.device import is_out_of_memory, memory_of
 from lightning_memopt.memory.tracker import MemoryTracker, optimizer_state_to_come, state_bytes, tensor_bytes
 
@@ -31,8 +30,6 @@ def measure_peak(
     state: StepState,
     tracker: Any = None,
     evaluation: bool = False,
-    clock: Any = None,
-    spans: list | None = None,
 ) -> int | None:
     """Run ``step`` (one training micro-step and its backward, or an evaluation step under ``no_grad``) and
     return its peak bytes, or None if it ran out of memory; then put gradients, buffers, torchmetrics
@@ -50,12 +47,10 @@ def measure_peak(
         strategy: The Trainer's strategy (its model's gradients are set aside; ``no_sync`` under DDP).
         step: Runs the micro-step and returns its output.
         memory: A :func:`~lightning_memopt.memory.device.device_memory` to measure with; None: nothing
-            measured (a timed run), the return value is 0 where it trained.
+            measured, the return value is 0 where it trained.
         state: The start state, captured before.
         tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure inside (None: the allocator).
         evaluation: ``step`` is an evaluation step: no backward.
-        clock: Where given, ``(start, end)`` marks on it around the step and its backward alone (not the
-            set-up and restore around them, which a step of training does not pay) are added to ``spans``.
     """
     module = strategy.lightning_module
     grads = [(p, p.grad) for p in strategy.model.parameters()]
@@ -74,7 +69,6 @@ def measure_peak(
                         p.grad = torch.zeros_like(p)
             if memory is not None:
                 memory.reset_peak()
-            start = clock.mark() if clock is not None else None
             with LogRecorder(module), no_sync(strategy):
                 if evaluation:
                     module.eval()
@@ -82,8 +76,6 @@ def measure_peak(
                         step()
                 else:
                     loss_of(step()).backward()
-            if clock is not None and spans is not None:
-                spans.append((start, clock.mark()))
         except BaseException as error:
             if not is_out_of_memory(error):
                 raise
@@ -122,21 +114,7 @@ class BatchProbes:
         # Every training step after the first holds the state the first optimizer step creates (AdamW's).
         return peak if peak is None or evaluation else peak + self._states()[1]
 
-    def seconds(self, samples: int) -> float | None:
-        """Seconds one training micro-step of ``samples`` samples takes, forward and backward, on the
-        device's clock (nothing tracked: a dispatch mode would distort it); None if it ran out of memory.
-        One run (the caller repeats and takes the fastest: :meth:`~.sizes.MicroBatchSizes.decide`). Only
-        the forward and backward are timed: the probe's own set-up and restore would weigh on many small
-        micro-batches."""
-        clock, spans = step_clock(self.device), []
-        if self._run(samples, False, None, None, clock=clock, spans=spans) is None:
-            return None
-        clock.settle(spans[-1][1])
-        return clock.seconds(*spans[-1])
-
-    def _run(
-        self, samples: int, evaluation: bool, memory: Any, tracker: Any, clock: Any = None, spans=None
-    ) -> int | None:
+    def _run(self, samples: int, evaluation: bool, memory: Any, tracker: Any) -> int | None:
         engine, batch = self.engine, self.batch
         trainer, module = engine.trainer, engine.trainer.lightning_module
         total = engine.batch_size(batch)
@@ -154,8 +132,6 @@ class BatchProbes:
             state=state,
             tracker=tracker,
             evaluation=evaluation,
-            clock=clock,
-            spans=spans,
         )
 
     def held(self) -> int:

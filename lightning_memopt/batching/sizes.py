@@ -3,7 +3,8 @@
 With activation checkpointing offered (:class:`Recompute`: ``AutoCheckpoint`` beside ``AutoAccumulation``),
 the first batch's search also decides whether to recompute at all, by time: micro-batching is exact, so
 recomputation is worth only the faster step of the larger micro-batches it allows (:meth:`MicroBatchSizes.
-decide`).
+decide`). The ways are timed in the fit's own first optimizer steps, one way a step (a *trial*): any way
+gives the step the same gradient, so the timing costs no extra step.
 
 Sizes are kept in padded tokens (samples x the batch's tokens per sample, its *width*) and converted to
 samples of the batch of the moment in one method, :meth:`MicroBatchSizes.samples`. How the sizes are
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +35,6 @@ from lightning_memopt.memory.limit import usable_bytes
 __all__ = ["MicroBatchSizes", "Probes", "Recompute"]
 
 _FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
-_TIMING_ROUNDS = 3  # the turns each way takes when the ways are timed (the first is not counted)
 _ROUNDS = 3  # probe rounds at most for one new width
 
 
@@ -54,9 +55,6 @@ class Probes(Protocol):
 
     def held(self) -> int:
         """Bytes alive when a micro-step of the batch starts, besides what it allocates."""
-
-    def seconds(self, samples: int) -> float | None:
-        """Seconds one training micro-step of that many samples takes (None if it ran out of memory)."""
 
 
 class Recompute(Protocol):
@@ -142,7 +140,9 @@ class MicroBatchSizes:
         self.recompute: Recompute | None = None
         """Where activation checkpointing takes part in the first batch's search (:meth:`decide`)."""
         self.step_seconds: float | None = None
-        """The optimizer step's predicted seconds at the size chosen, where the search timed it."""
+        """The optimizer step's seconds at the way and size chosen, as its trial step measured them."""
+        self._trial: _Trial | None = None
+        self._limits: tuple[int, int, int] | None = None  # the search's (limit, held, whole batch)
 
     # ------------------------------------------------------------------ reading
     def see(self, width: int) -> None:
@@ -195,6 +195,8 @@ class MicroBatchSizes:
         batch's search, a width the model does not know."""
         if not self.probed:
             self._search(total, width, probes)
+        elif self._trial is not None and self._trial.way in self._trial.seconds:
+            self._next_way(probes)
         if self.model is None:
             self.see(1 if is_distributed() else width)  # in samples under DDP/FSDP2 (no per-step agreement)
             size = self.size(total)
@@ -237,24 +239,31 @@ class MicroBatchSizes:
         self.probed_width = max_over_ranks(width, device)
         held = probes.held()
         whole = min_over_ranks(total, device)
+        self._limits = (limit, held, whole)
         if self.recompute is not None:
             size = self.decide(probes, whole, limit)
         else:
             size = self._find(probes, whole, limit, probes.floor, evaluation=False)
-        usable = usable_bytes(limit, self.headroom, None)
+        self._size_to(size)
+        if self.eval_size is None and probes.evaluates:
+            self.eval_size = self._find(probes, whole, limit, 1, evaluation=True)
+
+    def _size_to(self, size: int) -> None:
+        """Size from :attr:`probes` (the search's probes of the way that runs) at ``size`` samples: the shape
+        model of their peaks, and the size to grow back to."""
+        assert self._limits is not None and self.probed_width is not None
+        limit, held, whole = self._limits
         self.model = ShapeModel.from_probes(
             self.probes,
             width=self.probed_width,
             size=size,
             whole=size == whole,
-            usable=usable,
+            usable=usable_bytes(limit, self.headroom, None),
             limit=limit,
             held=held,
         )
         if self.failed_tokens is None:  # unless a restored back-off is current
             self.tokens = self.max_tokens = size * self.probed_width if self.width is not None else size
-        if self.eval_size is None and probes.evaluates:
-            self.eval_size = self._find(probes, whole, limit, 1, evaluation=True)
 
     def decide(self, probes: Probes, whole: int, limit: int) -> int:
         """The size, and whether the blocks recompute (and which output head runs), of the fastest
@@ -266,20 +275,18 @@ class MicroBatchSizes:
         the one before ended (a later way holds less); where the whole batch fits, the later ways are not
         tried. A later way counts only where it runs the step in fewer micro-batches (``ceil(whole /
         size)``, split evenly) than every way before it: as many micro-steps, each costing more, cannot be
-        faster. Where one way counts, it is taken untimed; else a micro-step of each is timed at the
-        micro-batch that runs (the largest of the even split: 12 where 15 fit a batch of 48), the ways
-        taking turns three times (the first turn not counted), and the fastest step is taken. ``AutoCheckpoint`` then plans the least recompute that fits the size chosen.
-        Every rank takes the same path (sizes are the smallest over ranks, seconds the longest).
+        faster. Where one way counts, it is taken untimed; else the ways that count run the fit's next
+        optimizer steps, one each, in order (the trial; :meth:`_next_way`): the engine times each step's
+        micro-steps as they run (evenly split: 4 of 12 where 15 fit a batch of 48), and the fastest step
+        is taken from the step after the last. Any way gives a step the same gradient: the timing costs
+        no extra step, only the slower ways' extra seconds. Where ``full`` is taken, ``AutoCheckpoint``
+        then plans the least recompute that fits the size chosen. Every rank takes the same path (sizes
+        are the smallest over ranks, seconds the longest).
         """
         assert self.recompute is not None
         floor = probes.floor
         ways = (["own head"] if self.recompute.own_head else []) + ["keep", "full"]
-        chunked = ways[0] == "own head"
-        said = {
-            "own head": "with the model's own head",
-            "keep": "with the chunked head, without recompute" if chunked else "without recompute",
-            "full": "recomputing every block",
-        }
+        said = _said(chunked=ways[0] == "own head")
         named = {"keep": "the chunked head", "full": "recomputing"}
 
         def largest(way: str, start: int | None = None) -> tuple[int | None, list[tuple[int, int | None]]]:
@@ -291,30 +298,7 @@ class MicroBatchSizes:
                 return None, self.probes
 
         def split(size: int) -> tuple[int, int]:
-            """The micro-batches a step of ``size`` runs as, and the largest of them (an even split)."""
-            count = -(-whole // size)
-            return count, -(-whole // count)
-
-        def step_seconds(ways: list[str]) -> dict[str, tuple[int, int, float]]:
-            """Each way's micro-steps a step, the samples they run (the even split: 48 where 15 fit runs
-            as 4 x 12, timed at 12, not 15) and the step's seconds: the ways take turns for
-            :data:`_TIMING_ROUNDS` rounds, the first paying for allocations and lazy initialization, and
-            each way's fastest later run counts (what else the host runs only ever adds time; taking turns,
-            a machine that slows or speeds up meanwhile weighs on every way alike)."""
-            split_of = {way: split(found[way][0]) for way in ways}
-            runs: dict[str, list[float | None]] = {way: [] for way in ways}
-            for _ in range(_TIMING_ROUNDS):
-                for way in ways:
-                    self.recompute.use(way)
-                    runs[way].append(probes.seconds(split_of[way][1]))
-            timed = {}
-            for way, seconds in runs.items():
-                failed = any(s is None for s in seconds)
-                fastest = _FAILED if failed else int(min(seconds[1:]) * 1e9)
-                agreed = max_over_ranks(fastest, probes.device)
-                count, samples = split_of[way]
-                timed[way] = (count, samples, math.inf if agreed == _FAILED else count * agreed / 1e9)
-            return timed
+            return _split(size, whole)
 
         found: dict[str, tuple[int | None, list[tuple[int, int | None]]]] = {}
         counting: list[str] = []  # the ways that run the step in fewer micro-batches than those before
@@ -347,18 +331,48 @@ class MicroBatchSizes:
                 later = [f"{' and '.join(after)} {verb} the step in no fewer micro-batches"] if after else []
                 why = "; ".join(before + later)
             return self._decided(way, size, way_probes, why, kept=kept if way == "full" else ())
-        timed = step_seconds(counting)
-        parts = [
-            f"{count} micro-batches of {runs} {said[way]}: {seconds:.3g} s a step"
-            if i == 0
-            else f"{count} of {runs} {said[way]}: {seconds:.3g} s"
-            for i, (way, (count, runs, seconds)) in enumerate(timed.items())
-        ]
-        best = min(counting, key=lambda way: timed[way][2])
-        size, way_probes = found[best]
-        return self._decided(
-            best, size, way_probes, "; ".join(parts), timed[best][2], kept=kept if best == "full" else ()
-        )
+        # Several count: each runs one of the fit's optimizer steps in turn, timed (the trial), then the
+        # fastest is taken (_next_way).
+        self._trial = _Trial(counting, {w: found[w] for w in counting}, kept)
+        return self._try(counting[0])
+
+    @property
+    def timing(self) -> bool:
+        """Whether the step about to run is a trial step: the engine times its micro-steps and hands their
+        seconds to :meth:`succeeded`."""
+        return self._trial is not None
+
+    def _try(self, way: str) -> int:
+        """Run ``way`` for the next optimizer step of the trial; its size."""
+        assert self._trial is not None and self.recompute is not None
+        self._trial.way = way
+        size, self.probes = self._trial.found[way]
+        self.recompute.use(way)
+        return size
+
+    def _next_way(self, probes: Probes) -> None:
+        """The step before ran the trial's way: the next way runs now, or, every way timed, the fastest
+        (each way's seconds the longest over ranks: every rank takes it) runs from now on."""
+        trial = self._trial
+        assert trial is not None
+        left = [way for way in trial.ways if way not in trial.seconds]
+        if left:
+            self._size_to(self._try(left[0]))
+            return
+        agreed = max_over_ranks_each([int(trial.seconds[way] * 1e9) for way in trial.ways], probes.device)
+        seconds = {way: ns / 1e9 for way, ns in zip(trial.ways, agreed)}
+        said, parts = _said(chunked=trial.ways[0] == "own head"), []
+        for i, way in enumerate(trial.ways):
+            count, runs = _split(trial.found[way][0], self._limits[2])
+            if i == 0:
+                parts.append(f"{count} micro-batches of {runs} {said[way]}: {seconds[way]:.3g} s a step")
+            else:
+                parts.append(f"{count} of {runs} {said[way]}: {seconds[way]:.3g} s")
+        best = min(trial.ways, key=lambda way: seconds[way])
+        size, way_probes = trial.found[best]
+        self._trial = None
+        kept = trial.kept if best == "full" else ()
+        self._size_to(self._decided(best, size, way_probes, "; ".join(parts), seconds[best], kept=kept))
 
     def _decided(self, way, size, probes, why: str, seconds: float | None = None, kept=()) -> int:
         """``kept``: where recompute won over plain micro-batches that fit, the plain search's probes."""
@@ -463,9 +477,13 @@ class MicroBatchSizes:
             self._set("max_tokens", self.samples("tokens") or total)
         self._set("tokens", half)
 
-    def succeeded(self, *, retried: bool, total: int, size: int | None = None) -> None:
+    def succeeded(
+        self, *, retried: bool, total: int, size: int | None = None, seconds: float | None = None
+    ) -> None:
         """A step trained at ``size`` samples per micro-batch (``retried``: after backing off); grow when
-        ``grow_after`` clean steps say so."""
+        ``grow_after`` clean steps say so. ``seconds``: what a trial step measured (:attr:`timing`)."""
+        if self._trial is not None and seconds is not None:
+            self._trial.seconds[self._trial.way] = seconds
         self.last_total, self.ran = total, size
         self.stable_steps += 1
         self._retry = None
@@ -515,6 +533,8 @@ class MicroBatchSizes:
     def state(self) -> dict[str, Any]:
         """Everything a resumed fit needs to size exactly as the uninterrupted one, as plain values."""
         state = {name: getattr(self, name) for name in self._SAVED}
+        # Saved during the trial, the search runs again on resume: its timings are not worth carrying over.
+        state["probed"] = self.probed and self._trial is None
         state["model"] = None if self.model is None else self.model.state()
         return state
 
@@ -525,6 +545,38 @@ class MicroBatchSizes:
                 setattr(self, name, state[name])
         if state.get("model") is not None:
             self.model = ShapeModel.from_state(state["model"])
+
+
+@dataclass
+class _Trial:
+    """The first batch's ways that count, each run for one optimizer step in turn and timed there."""
+
+    ways: list[str]
+    """In the order they run (cheapest per sample first)."""
+    found: dict[str, tuple[int, list[tuple[int, int | None]]]]
+    """Each way's largest micro-batch that fits, and the search's probes of it."""
+    kept: list[tuple[int, int | None]]
+    """The probes with every block kept (AutoCheckpoint's plan holds their transient, where full wins)."""
+    way: str = ""
+    """The way the step running now (or next) runs."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Each way's step seconds measured in its step, on this rank."""
+
+
+def _said(*, chunked: bool) -> dict[str, str]:
+    """How the decision's one line names each way."""
+    return {
+        "own head": "with the model's own head",
+        "keep": "with the chunked head, without recompute" if chunked else "without recompute",
+        "full": "recomputing every block",
+    }
+
+
+def _split(size: int, whole: int) -> tuple[int, int]:
+    """The micro-batches a step of ``whole`` samples runs as at ``size``, and the largest of them (an even
+    split: 4 of 12 where 15 fit a batch of 48)."""
+    count = -(-whole // size)
+    return count, -(-whole // count)
 
 
 def _peak_at(probes: list[tuple[int, int | None]]) -> Callable[[int], float] | None:

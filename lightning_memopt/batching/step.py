@@ -33,6 +33,7 @@ from lightning_memopt.batching.regime import PeerOutOfMemory, Regime, drop_attem
 from lightning_memopt.batching.size_search import smallest_micro_batch
 from lightning_memopt.batching.split import describe_split, micro_batch_sizes, split_batch
 from lightning_memopt.batching.state import OptimizerSnapshot
+from lightning_memopt.data.clock import step_clock
 from lightning_memopt.memory.device import is_out_of_memory
 from lightning_memopt.memory.phases import running
 
@@ -61,6 +62,9 @@ class Pass:
     losses: list[torch.Tensor] = field(default_factory=list)
     recorder: LogRecorder | None = None
     relearned: bool = False
+    seconds: float | None = None
+    """Where the pass was timed (a trial step: :attr:`~.sizes.MicroBatchSizes.timing`), the step's forward
+    and backward seconds: its fastest micro-step's seconds per sample, times the batch's samples."""
 
 
 class TrainingStep:
@@ -84,6 +88,11 @@ class TrainingStep:
     @property
     def loss(self) -> torch.Tensor | None:
         return self.result.loss
+
+    @property
+    def seconds(self) -> float | None:
+        """The step's measured seconds, where it was a trial step (:attr:`Pass.seconds`)."""
+        return self.result.seconds
 
     @property
     def output(self) -> Any:
@@ -174,9 +183,13 @@ class TrainingStep:
         cut = len(sizes) > 1 and engine.split_fn(module) is None  # by the built-in splitter
         noted = _SplitNote(self.batch, sizes) if cut else contextlib.nullcontext()
         metrics = StepMetrics(module).step() if len(parts) > 1 else contextlib.nullcontext()
+        # A trial step's micro-steps are timed, forward and backward, on the device's clock (nothing else is)
+        clock = step_clock(engine.trainer.strategy.root_device) if engine.sizes.timing and not check else None
+        spans: list[tuple[Any, Any]] = []
         with result.recorder, regime.armed(), metrics:
             for i, part in enumerate(parts):
                 result.recorder.share = sizes[i] / self.total if i < len(sizes) else 0.0
+                began = clock.mark() if clock is not None else None
                 with regime.around(i, last=i == len(parts) - 1), weights.observing() as observer:
                     with noted:
                         out = engine.original("training_step")(part, *self.rest, **self.kwargs)
@@ -194,6 +207,8 @@ class TrainingStep:
                     # files it under backward, where it runs.
                     with running("backward"), noted:
                         regime.wrap_loss(weighted).backward()
+                if clock is not None and i < len(sizes):
+                    spans.append((began, clock.mark()))
                 if i < len(sizes):
                     # Detached, as Lightning keeps a step's output: a value's graph would hold its
                     # micro-batch's activations (logits.max() saves the logits) until the step ends.
@@ -202,6 +217,12 @@ class TrainingStep:
                     result.losses.append(loss.detach())
                 del out, loss, weighted
         result.loss, result.relearned = weights.loss, weights.relearned
+        if clock is not None and spans:
+            # The fastest per sample: what else the host runs only ever adds time (a micro-batch is within
+            # one sample of the others: the even split)
+            clock.settle(spans[-1][1])
+            per_sample = min(clock.seconds(a, b) / n for (a, b), n in zip(spans, sizes))
+            result.seconds = per_sample * sum(sizes)
         if start is not None and result.relearned:
             start.restore()
             drop_attempt(engine.trainer.strategy.model, None)

@@ -289,9 +289,9 @@ def keep_where_no_gain(profiles: Sequence[BlockProfile], choices: Sequence[str])
     for i, choice in enumerate(chosen):
         if choice == "keep":
             continue
-        trial = evaluate_plan(profiles, [*chosen[:i], "keep", *chosen[i + 1 :]])
-        if trial.activation_bytes <= current.activation_bytes and trial.peak_bytes <= current.peak_bytes:
-            chosen[i], current = "keep", trial
+        candidate = evaluate_plan(profiles, [*chosen[:i], "keep", *chosen[i + 1 :]])
+        if candidate.activation_bytes <= current.activation_bytes and candidate.peak_bytes <= current.peak_bytes:
+            chosen[i], current = "keep", candidate
     return chosen
 
 

@@ -9,6 +9,7 @@ import torch
 
 from lightning_memopt.batching.errors import MicroBatchOOMError
 from lightning_memopt.batching.sizes import MicroBatchSizes
+from lightning_memopt.batching.split import micro_batch_sizes
 
 HELD = 1_000
 
@@ -37,6 +38,13 @@ class FakeModel:
         self.way = "full"  # AutoCheckpoint installs every block full before the first step
         self.said: list[tuple[str, str]] = []
         self.used: list[str] = []
+
+    def seconds(self, samples: int) -> float:
+        """A micro-step of ``samples`` in the way used now."""
+        extra = self.recompute * samples if self.way == "full" else 0.0
+        if self.own_head and self.way != "own head":
+            extra += self.chunked * samples
+        return self.launch + self.per_sample * samples + extra
 
     # Recompute (AutoCheckpoint's side)
     def use(self, way: str) -> None:
@@ -68,21 +76,24 @@ class FakeProbes:
     def held(self) -> int:
         return HELD
 
-    def seconds(self, samples: int) -> float:
-        m = self.model
-        self.timed.append((m.way, samples))
-        extra = m.recompute * samples if m.way == "full" else 0.0
-        if m.own_head and m.way != "own head":
-            extra += m.chunked * samples
-        return m.launch + m.per_sample * samples + extra
 
-
-def _decide(model: FakeModel, limit: int, total: int = 64) -> tuple[MicroBatchSizes, int, FakeProbes]:
+def _decide(
+    model: FakeModel, limit: int, total: int = 64, probes: FakeProbes | None = None
+) -> tuple[MicroBatchSizes, int, FakeProbes]:
+    """Steps of a batch of ``total`` until the decision is made: the search, then the trial's steps, each
+    timed as the engine times one (its fastest micro-step per sample, times the batch); ``probes.timed``
+    gets each trial step's way and micro-batch."""
     sizes = MicroBatchSizes(max_memory=limit, headroom=0.0)
     sizes.recompute = model
-    probes = FakeProbes(model)
-    size, _, _ = sizes.plan(total=total, width=1, probes=probes)
-    return sizes, size, probes
+    probes = probes or FakeProbes(model)
+    while True:
+        size, _, _ = sizes.plan(total=total, width=1, probes=probes)
+        if not sizes.timing:
+            return sizes, size, probes
+        split = micro_batch_sizes(total, size)
+        probes.timed.append((model.way, max(split)))
+        seconds = total * min(model.seconds(n) / n for n in split)
+        sizes.succeeded(retried=False, total=total, size=size, seconds=seconds)
 
 
 def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
@@ -90,7 +101,7 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     model = FakeModel(launch=0.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.way == "keep"
-    assert probes.timed == [("keep", 16), ("full", 64)] * 3  # taking turns, three rounds
+    assert probes.timed == [("keep", 16), ("full", 64)]  # one optimizer step each, in turn
     # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
     first_full = next(i for i, (way, _) in enumerate(probes.probed) if way == "full")
     assert probes.probed[first_full] == ("full", 16) and len(probes.probed) - first_full < 4
@@ -153,7 +164,7 @@ def test_each_way_is_timed_at_the_micro_batch_that_runs():
     # recomputed (one micro-step).
     model = FakeModel(launch=1.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_500, total=48)
-    assert probes.timed == [("keep", 12), ("full", 48)] * 3
+    assert probes.timed == [("keep", 12), ("full", 48)]
     # keep: 4 x (1 + 1.2) = 8.8 s; full: 1 x (1 + 4.8 + 1.44) = 7.24 s
     assert model.said[0] == (
         "full",
@@ -178,16 +189,16 @@ def test_the_model_own_head_where_the_whole_batch_fits_with_it():
 
 
 def test_the_model_own_head_where_the_chunked_head_runs_no_fewer_micro_batches():
-    # own head: 150 bytes a sample, 10 fit: 7 micro-batches of 64 (10 each), 7 x 1.0 = 7.0 s without a launch
-    # cost; chunked: 100, 15 fit: 5 of 13, 5 x 13 x 0.12 = 7.8 s; recomputed: 95, 15 fit: no fewer than 5.
+    # own head: 150 bytes a sample, 10 fit: 7 micro-batches of 64 (10 or 9 each), 64 x 0.1 = 6.4 s without a
+    # launch cost; chunked: 100, 15 fit: 5 of 13, 64 x 0.12 = 7.68 s; recomputed: 95, 15 fit: no fewer than 5.
     model = FakeModel(logits=50, recomputed=95, launch=0.0)
     _, size, probes = _decide(model, limit=HELD + 1_500)
-    assert probes.timed == [("own head", 10), ("keep", 13)] * 3 and size == 10
+    assert probes.timed == [("own head", 10), ("keep", 13)] and size == 10
     assert model.said == [
         (
             "own head",
-            "7 micro-batches of 10 with the model's own head: 7 s a step; 5 of 13 with the chunked head, "
-            "without recompute: 7.8 s",
+            "7 micro-batches of 10 with the model's own head: 6.4 s a step; 5 of 13 with the chunked head, "
+            "without recompute: 7.68 s",
         )
     ]
     # own head: 115 a sample, 13 fit: 5 micro-batches, as many as chunked (15) and recomputed (15): untimed
@@ -200,40 +211,61 @@ def test_the_model_own_head_where_the_chunked_head_runs_no_fewer_micro_batches()
 
 
 def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
-    # own head: 400 bytes a sample, 3 fit: 22 micro-batches of 64 (3 samples each), 22 x (1 + 0.3) = 28.6 s;
-    # chunked, kept: 15 fit: 5 x 13, 5 x (1 + 1.3 + 0.26) = 12.8 s; recomputed: 60 fit: 2 x 32,
-    # 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
+    # A step's seconds: its fastest micro-step per sample (the largest: launch cost shared), times 64.
+    # own head: 400 bytes a sample, 3 fit: 22 micro-batches of 64 (3 or 2 samples), 64 x (1 + 0.3) / 3 =
+    # 27.7 s; chunked, kept: 15 fit: 5 x 13, 64 x (1 + 1.3 + 0.26) / 13 = 12.6 s; recomputed: 60 fit: 2 x
+    # 32, 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
     model = FakeModel(logits=300)
     _, size, probes = _decide(model, limit=HELD + 1_500)
-    assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)] * 3
+    assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)]
     assert model.said == [
         (
             "full",
-            "22 micro-batches of 3 with the model's own head: 28.6 s a step; 5 of 13 with the chunked head, "
-            "without recompute: 12.8 s; 2 of 32 recomputing every block: 11.6 s",
+            "22 micro-batches of 3 with the model's own head: 27.7 s a step; 5 of 13 with the chunked head, "
+            "without recompute: 12.6 s; 2 of 32 recomputing every block: 11.6 s",
         )
     ]
     assert size == 60 and all(model.kept_peak(s) == HELD + 100 * s for s in [1, 15])  # the chunked head's
 
 
-def test_the_ways_take_turns_and_each_first_run_is_not_counted():
-    """Timed ways take turns (keep, full, keep, full, ...): a machine that slows down meanwhile weighs on
-    both alike; the first turn (allocations, lazy initialization: here 5 s more) is not counted."""
+def test_the_trial_runs_one_step_per_way_then_the_fastest_from_the_step_after():
+    """The search ends with the first way in use (no timed probe); each later way takes the next step; the
+    step after the last runs the fastest. A step timed without its seconds (none measured) does not
+    advance the trial."""
     model = FakeModel(launch=1.0)
-    probes = FakeProbes(model)
-    seconds, calls = probes.seconds, []
-
-    def slowing(samples):  # the first run of each way pays 5 s; every run 0.01 s more than the one before
-        calls.append(samples)
-        return seconds(samples) + (5.0 if len(calls) <= 2 else 0.0) + 0.01 * len(calls)
-
-    probes.seconds = slowing
     sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
     sizes.recompute = model
-    sizes.plan(total=48, width=1, probes=probes)
-    assert [t for t, _ in probes.timed] == ["keep", "full"] * 3
-    # keep: 4 x (2.2 + 0.03) = 8.92 s (its second run, the third call); full: 1 x (7.24 + 0.04) = 7.28 s
-    assert model.said[0] == (
-        "full",
-        "4 micro-batches of 12 without recompute: 8.92 s a step; 1 of 48 recomputing every block: 7.28 s",
-    )
+    probes = FakeProbes(model)
+    ran = []
+    for seconds in (8.8, None, 7.24, 7.24):
+        size, count, _ = sizes.plan(total=48, width=1, probes=probes)
+        ran.append((model.way, size, count, sizes.timing))
+        sizes.succeeded(retried=False, total=48, size=size, seconds=seconds)
+    assert ran == [
+        ("keep", 15, 4, True),
+        ("full", 48, 1, True),
+        ("full", 48, 1, True),
+        ("full", 48, 1, False),
+    ]
+    assert model.said == [
+        (
+            "full",
+            "4 micro-batches of 12 without recompute: 8.8 s a step; 1 of 48 recomputing every block: 7.24 s",
+        )
+    ]
+    assert sizes.recompute is None and sizes.step_seconds == pytest.approx(7.24)
+    # The shape model is the way's that runs: after the decision, the recomputed probes' (25 bytes a sample)
+    assert all(peak == HELD + 25 * s for s, peak in sizes.probes)
+
+
+def test_a_checkpoint_saved_during_the_trial_searches_again_on_resume():
+    model = FakeModel(launch=1.0)
+    sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
+    sizes.recompute = model
+    sizes.plan(total=48, width=1, probes=FakeProbes(model))
+    assert sizes.timing and sizes.state()["probed"] is False  # mid-trial: a resumed run searches again
+    resumed = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
+    resumed.load(sizes.state())
+    assert not resumed.probed
+    decided, _, _ = _decide(model, limit=HELD + 1_500, total=48)
+    assert decided.state()["probed"] is True

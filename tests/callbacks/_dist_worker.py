@@ -9,6 +9,7 @@ import json
 import os
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -86,15 +87,15 @@ class InjectOOM(pl.Callback):
 
 
 def _fit_deciding(module: pl.LightningModule, limit: int) -> tuple[AutoCheckpoint, AutoAccumulation]:
-    """Two DDP steps of ``module`` with AutoCheckpoint beside AutoAccumulation under ``limit`` bytes (no
-    headroom): the first batch's search decides; returns the two callbacks."""
+    """Five DDP steps of ``module`` with AutoCheckpoint beside AutoAccumulation under ``limit`` bytes (no
+    headroom): the first batch's search and its trial steps decide, a plan runs; returns the two callbacks."""
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
     cb = AutoCheckpoint(max_memory=limit, headroom=0.0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo"),
-        max_steps=2,
+        max_steps=5,
         callbacks=[cb, accumulation],
         logger=False,
         enable_checkpointing=False,
@@ -106,23 +107,20 @@ def _fit_deciding(module: pl.LightningModule, limit: int) -> tuple[AutoCheckpoin
 
 
 def decide_with_rank_timings(rank: int) -> dict:
-    """AutoCheckpoint beside AutoAccumulation under DDP, each rank timing its probes differently (rank 1
-    pays a launch cost per micro-step, rank 0 none): the ranks must take one decision (sizes agreed as the
-    smallest, seconds as the longest over ranks), not hang, and train the same plan."""
-    from lightning_memopt.batching.probe import BatchProbes
+    """AutoCheckpoint beside AutoAccumulation under DDP, each rank timing its trial steps differently (rank
+    1 pays a launch cost per micro-step, rank 0 none): the ranks must take one decision (sizes agreed as
+    the smallest, seconds as the longest over ranks), not hang, and train the same plan."""
     from lightning_memopt.checkpointing import checkpointed_blocks
-    from tests.callbacks.test_auto_checkpoint import _Wide
+    from tests.callbacks.test_auto_checkpoint import GPTModule, _price_steps, _Wide
 
-    def seconds(self, samples):
-        full = set(checkpointed_blocks(self.engine.trainer.lightning_module).values()) - {"keep"}
-        return (100.0 if rank == 1 else 0.0) + samples * (1.3 if full else 1.0)
+    def price(module, samples):
+        full = set(checkpointed_blocks(module.model).values()) - {"keep"}
+        return "", (100.0 if rank == 1 else 0.0) + samples * (1.3 if full else 1.0)
 
-    original, BatchProbes.seconds = BatchProbes.seconds, seconds
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        _price_steps(patch, GPTModule, price)
         module = _Wide(n_layer=4)
         cb, accumulation = _fit_deciding(module, 1_500_000)
-    finally:
-        BatchProbes.seconds = original
     sizes = accumulation.engine.sizes
     return {
         "size": accumulation.micro_batch_size,
@@ -136,24 +134,20 @@ def decide_head_with_rank_timings(rank: int) -> dict:
     """The output head in the decision under DDP: a tiny Hugging Face GPT-2 whose logits outweigh its
     blocks; rank 1 pays a launch cost per micro-step (the chunked head's larger micro-batches win there),
     rank 0 none (the own head would): one decision on both ranks, no hang, the same head trained."""
-    from lightning_memopt.batching.probe import BatchProbes
     from lightning_memopt.checkpointing.auto import AutoCheckpointer
-    from tests.callbacks.test_auto_checkpoint import _HFLM
+    from tests.callbacks.test_auto_checkpoint import _HFLM, _price_steps
 
     using, use = [], AutoCheckpointer.use
     cost = {"own head": 1.0, "keep": 1.2, "full": 1.4}
 
-    def seconds(self, samples):
-        return (100.0 if rank == 1 else 0.0) + samples * cost[using[-1]]
+    def price(module, samples):
+        return using[-1], (100.0 if rank == 1 else 0.0) + samples * cost[using[-1]]
 
-    originals = BatchProbes.seconds, AutoCheckpointer.use
-    BatchProbes.seconds = seconds
-    AutoCheckpointer.use = lambda self, t: using.append(t) or use(self, t)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AutoCheckpointer, "use", lambda self, t: using.append(t) or use(self, t))
+        _price_steps(patch, _HFLM, price)
         module = _HFLM()
         cb, accumulation = _fit_deciding(module, 9_000_000)
-    finally:
-        BatchProbes.seconds, AutoCheckpointer.use = originals
     return {
         "size": accumulation.micro_batch_size,
         "seconds": accumulation.engine.sizes.step_seconds,

@@ -122,21 +122,56 @@ class _Wide(GPTModule):
         return DataLoader(TensorDataset(torch.randint(0, 32, (32, 64), generator=g)), batch_size=16)
 
 
-def _timed(monkeypatch, launch: float) -> list:
-    """Probe micro-steps priced ``launch + samples`` seconds, +30% recomputed: deterministic timings."""
-    from lightning_memopt.batching.probe import BatchProbes
+class _PricedClock:
+    """The engine's step clock in a test: its time moves on by the price of each ``training_step`` run
+    (:func:`_price_steps`), so a trial step measures exactly those prices."""
+
+    def __init__(self) -> None:
+        self.now, self.marks = 0.0, 0
+        self.priced: list[tuple[str, int]] = []  # (way, samples) of each micro-step timed
+
+    def mark(self) -> float:
+        self.marks += 1
+        return self.now
+
+    def settle(self, last: float) -> None:
+        pass
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+def _price_steps(monkeypatch, module_type, price) -> list[tuple[str, int]]:
+    """Each ``training_step`` of ``module_type`` costs ``price(module, samples)`` = ``(way, seconds)`` on the
+    engine's step clock (deterministic timings); returns the (way, samples) of the micro-steps that the
+    trial steps timed (those between a start and an end mark)."""
+    import lightning_memopt.batching.step as step_module
+
+    clock = _PricedClock()
+    original = module_type.training_step
+
+    def training_step(self, batch, batch_idx):
+        samples = batch[0].shape[0]
+        way, seconds = price(self, samples)
+        clock.now += seconds
+        if clock.marks % 2:
+            clock.priced.append((way, samples))
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(module_type, "training_step", training_step)
+    monkeypatch.setattr(step_module, "step_clock", lambda device: clock)
+    return clock.priced
+
+
+def _timed(monkeypatch, launch: float) -> list[tuple[str, int]]:
+    """GPTModule's micro-steps priced ``launch + samples`` seconds, +30% recomputed."""
     from lightning_memopt.checkpointing import checkpointed_blocks as treated
 
-    timed = []
+    def price(module, samples):
+        full = set(treated(module.model).values()) - {"keep"} != set()
+        return ("full" if full else "keep"), launch + samples * (1.3 if full else 1.0)
 
-    def seconds(self, samples):
-        model = self.engine.trainer.lightning_module
-        full = set(treated(model).values()) - {"keep"} != set()
-        timed.append(("full" if full else "keep", samples))
-        return launch + samples * (1.3 if full else 1.0)
-
-    monkeypatch.setattr(BatchProbes, "seconds", seconds)
-    return timed
+    return _price_steps(monkeypatch, GPTModule, price)
 
 
 @pytest.mark.parametrize("launch", [0.0, 100.0])
@@ -152,17 +187,20 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     module = _Wide(n_layer=4)
     accumulation = AutoAccumulation(max_memory=1_500_000, headroom=0.0)
     cb = AutoCheckpoint(max_memory=1_500_000, headroom=0.0, cost_model=CostModel(use_time=False))
-    trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
+    # steps 1 and 2 the trial (kept, then recomputed), 3 the decision (profiled if recomputing), 4 the plan
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=4)
     with warnings.catch_warnings(record=True) as caught, MemoryCap(1_500_000, modules=module) as cap:
         warnings.simplefilter("always")
         trainer.fit(module)
     # Within the limit: every out-of-memory error the cap raised was a probe's, none a step's.
     assert cap.raised == sum(p is None for _, p in accumulation.probes)
-    (kept, plain), (full, larger) = timed[:2]  # one timed size each, taking turns three times
-    assert timed == timed[:2] * 3
-    assert (kept, full) == ("keep", "full") and 1 < plain < larger <= 16
-    n_plain, n_larger = -(-16 // plain), -(-16 // larger)  # micro-batches a step
-    keep_time, full_time = n_plain * (launch + plain), n_larger * (launch + 1.3 * larger)
+    ways = [way for way, _ in timed]  # the trial's steps: every micro-step of one kept, then one recomputed
+    n_plain, n_larger = ways.count("keep"), ways.count("full")
+    assert ways == ["keep"] * n_plain + ["full"] * n_larger and n_plain > n_larger >= 1
+    plain, larger = max(n for w, n in timed if w == "keep"), max(n for w, n in timed if w == "full")
+    assert sum(n for w, n in timed if w == "keep") == sum(n for w, n in timed if w == "full") == 16
+    # a step's seconds: its fastest micro-step per sample, times the batch's 16 samples
+    keep_time, full_time = 16 * (launch + plain) / plain, 16 * (launch + 1.3 * larger) / larger
     recomputes = full_time < keep_time
     assert recomputes == (launch > 0)
     said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
@@ -181,7 +219,7 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
         f"AutoCheckpoint recomputes: {n_plain} micro-batches of {plain} without recompute: {keep_time:.3g} s a "
         f"step; {n_larger} of {larger} recomputing every block: {full_time:.3g} s"
     )
-    # timed at the micro-batch that runs: the largest of the even split (9 fit; 16 runs as 2 x 8)
+    # timed at the micro-batch that runs: the even split (9 fit; 16 runs as 2 x 8)
     assert -(-16 // accumulation.micro_batch_size) == n_larger and larger == -(-16 // n_larger)
     assert cb.plan.predicted and set(cb.plan.choices.values()) != {"keep"}
     assert module.seen_choices[-1] == cb.plan.choices  # the second step ran the plan made for its micro-batch
@@ -214,7 +252,7 @@ def test_the_plan_holds_backwards_first_transient_beside_what_it_keeps(tmp_path,
     module, limit = _WideVocab(n_layer=4), 3_500_000
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
     cb = AutoCheckpoint(max_memory=limit, headroom=0.0, cost_model=CostModel(use_time=False))
-    trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=5)  # 2 trial steps, profiled, planned, one more
     with warnings.catch_warnings(), MemoryCap(limit, modules=module) as cap:
         warnings.simplefilter("ignore")
         if not measured:
@@ -632,23 +670,16 @@ class _HFLM(pl.LightningModule):
         return DataLoader(TensorDataset(torch.randint(0, 2048, (48, 64), generator=g)), batch_size=16)
 
 
-def _priced_by_way(monkeypatch, launch: float) -> list:
-    """Probe micro-steps priced ``launch + samples`` seconds, 20% more with the chunked head, 40% more
-    recomputed (deterministic timings); returns the list of (way, samples) timed."""
-    from lightning_memopt.batching.probe import BatchProbes
+def _priced_by_way(monkeypatch, launch: float) -> list[tuple[str, int]]:
+    """_HFLM's micro-steps priced ``launch + samples`` seconds, 20% more with the chunked head, 40% more
+    recomputed (deterministic timings); returns the (way, samples) of the trial's micro-steps."""
     from lightning_memopt.checkpointing.auto import AutoCheckpointer
 
-    using, timed = [], []
+    using = []
     use = AutoCheckpointer.use
     monkeypatch.setattr(AutoCheckpointer, "use", lambda self, t: using.append(t) or use(self, t))
     cost = {"own head": 1.0, "keep": 1.2, "full": 1.4}
-
-    def seconds(self, samples):
-        timed.append((using[-1], samples))
-        return launch + samples * cost[using[-1]]
-
-    monkeypatch.setattr(BatchProbes, "seconds", seconds)
-    return timed
+    return _price_steps(monkeypatch, _HFLM, lambda module, n: (using[-1], launch + n * cost[using[-1]]))
 
 
 @pytest.mark.parametrize("launch", [0.0, 100.0])
@@ -664,13 +695,14 @@ def test_with_autoaccumulation_the_chunked_head_stays_only_where_the_step_is_fas
     module = _HFLM()
     limit = 9_000_000
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
-    trainer = _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0), accumulation], steps=3)
+    # up to 3 trial steps (own head, chunked, recomputed), then the way decided
+    trainer = _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0), accumulation], steps=6)
     with warnings.catch_warnings(record=True) as caught, MemoryCap(limit, modules=module) as cap:
         warnings.simplefilter("always")
         trainer.fit(module)
     assert cap.raised == sum(p is None for _, p in accumulation.probes)  # only probes ran out of memory
-    ways = [way for way, _ in timed]
-    assert ways[:2] == ["own head", "keep"]
+    ways = [way for i, (way, _) in enumerate(timed) if i == 0 or timed[i - 1][0] != way]  # one step each
+    assert ways[:2] == ["own head", "keep"] and len(ways) == len(set(ways))
     said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
     assert len(said) == 1 and "micro-batches of" in said[0] and "with the model's own head" in said[0]
     steady = module.heads[-6:]  # the last steps' forwards, after the search's probes
@@ -701,7 +733,7 @@ def test_a_resumed_run_keeps_the_model_own_head_the_search_chose(tmp_path, monke
     ]
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
-        max_steps=2,
+        max_steps=4,  # the trial (up to 3 steps), then the decision
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
@@ -727,7 +759,7 @@ def test_a_resumed_run_keeps_the_model_own_head_the_search_chose(tmp_path, monke
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _trainer(tmp_path, callbacks, steps=4).fit(resumed, ckpt_path=ckpt)
+        _trainer(tmp_path, callbacks, steps=6).fit(resumed, ckpt_path=ckpt)
     assert not [w for w in caught if str(w.message).startswith("AutoCheckpoint")]
     assert resumed.heads and set(resumed.heads) == {"own"}
     assert "forward" not in vars(resumed.model)
