@@ -290,7 +290,10 @@ def keep_where_no_gain(profiles: Sequence[BlockProfile], choices: Sequence[str])
         if choice == "keep":
             continue
         candidate = evaluate_plan(profiles, [*chosen[:i], "keep", *chosen[i + 1 :]])
-        if candidate.activation_bytes <= current.activation_bytes and candidate.peak_bytes <= current.peak_bytes:
+        if (
+            candidate.activation_bytes <= current.activation_bytes
+            and candidate.peak_bytes <= current.peak_bytes
+        ):
             chosen[i], current = "keep", candidate
     return chosen
 
