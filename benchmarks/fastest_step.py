@@ -40,7 +40,7 @@ tracked. A step's time runs from the end of the step before (or ``on_train_start
 end of its optimizer step; ``s/step`` is the median of the rounds' steps. ``start-up / step`` is what the
 warm-up steps took beyond as many steps of that median, in steps (for the defaults: the search's probes,
 the trial steps' slower ways, profiling; for every way its first-time costs). The micro-batches of the defaults are those a steady step ran (seen by a forward
-pre-hook on the model). The defaults' peak is measured separately (a tracked fit, its sixth step).
+pre-hook on the model). The defaults' peak is measured separately (a tracked fit, its ninth step).
 
 Every fit that is timed, or that decides by timing (the defaults' peak fit), runs in a thread of its own:
 on a loaded machine the same step ran several times slower in the main thread than in a fresh one (each
@@ -523,10 +523,10 @@ def start(run: Run, bench: Bench, batch: int, limit: int, precision: str, warmup
 def defaults_peak(
     bench: Bench, batch: int, limit: int, precision: str
 ) -> tuple[int, dict, list[int], list[str]]:
-    """The defaults' peak over one steady optimizer step (the sixth), tracked in a fit of its own; with
+    """The defaults' peak over one steady optimizer step (the ninth), tracked in a fit of its own; with
     its breakdown, the micro-batches that step ran and the fit's decision (which is its own)."""
     module, callbacks = way_setup("defaults", bench, limit)
-    track, sizes = TrackBatch(5), []  # after the trial, the decision and the plan
+    track, sizes = TrackBatch(8), []  # after the trial, the decision and the plan
 
     def seen(module, args, kwargs):
         if track.tracker is not None:
@@ -534,10 +534,10 @@ def defaults_peak(
             sizes.append(int(x.shape[0]))
 
     bench.inner(module).register_forward_pre_hook(seen, with_kwargs=True)
-    data = DataLoader(Samples(bench.sample, 6 * batch, batch), batch_size=batch)
+    data = DataLoader(Samples(bench.sample, 9 * batch, batch), batch_size=batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(callbacks + [track], precision, max_steps=6).fit(module, data)
+        trainer(callbacks + [track], precision, max_steps=9).fit(module, data)
     notes = [str(w.message) for w in caught if str(w.message).startswith(NOTE_PREFIXES)]
     assert track.peak is not None
     return track.peak, track.breakdown, sizes, notes
@@ -741,7 +741,7 @@ def main() -> None:
         "--warmup",
         type=int,
         default=None,
-        help="optimizer steps not counted (5: the defaults' trial, decision and plan; quick 4)",
+        help="optimizer steps not counted (8: the defaults' trial, decision and plan)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="rounds of alternation (4; quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps a way runs per round (2)")
@@ -768,11 +768,11 @@ def main() -> None:
             torch.cuda.set_per_process_memory_fraction(min(1.0, CAP / total_memory))
     args.precision = args.precision or ("bf16-mixed" if cuda() else "32-true")
     defaults = (
-        dict(batch=16, warmup=4, rounds=1, steps=2)
+        dict(batch=16, warmup=8, rounds=1, steps=2)
         if args.quick
-        else dict(batch=32, warmup=5, rounds=1, steps=4)
+        else dict(batch=32, warmup=8, rounds=1, steps=4)
         if cuda()
-        else dict(batch=48, warmup=5, rounds=4, steps=2)
+        else dict(batch=48, warmup=8, rounds=4, steps=2)
     )
     for key, value in defaults.items():
         if getattr(args, key) is None:

@@ -3,8 +3,8 @@
 With activation checkpointing offered (:class:`Recompute`: ``AutoCheckpoint`` beside ``AutoAccumulation``),
 the first batch's search also decides whether to recompute at all, by time: micro-batching is exact, so
 recomputation is worth only the faster step of the larger micro-batches it allows (:meth:`MicroBatchSizes.
-decide`). The ways are timed in the fit's own first optimizer steps, one way a step (a *trial*): any way
-gives the step the same gradient, so the timing costs no extra step.
+decide`). The ways are timed in the fit's own first optimizer steps, taking turns (the *trial*): any way
+gives a step the same gradient, so the timing costs no extra step.
 
 Sizes are kept in padded tokens (samples x the batch's tokens per sample, its *width*) and converted to
 samples of the batch of the moment in one method, :meth:`MicroBatchSizes.samples`. How the sizes are
@@ -36,6 +36,7 @@ __all__ = ["MicroBatchSizes", "Probes", "Recompute"]
 
 _FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
 _ROUNDS = 3  # probe rounds at most for one new width
+_TRIAL_ROUNDS = 2  # the steps each way runs in the trial, taking turns (the fastest of them counts)
 
 
 class Probes(Protocol):
@@ -195,7 +196,7 @@ class MicroBatchSizes:
         batch's search, a width the model does not know."""
         if not self.probed:
             self._search(total, width, probes)
-        elif self._trial is not None and self._trial.way in self._trial.seconds:
+        elif self._trial is not None and self._trial.seconds[self._trial.turn] is not None:
             self._next_way(probes)
         if self.model is None:
             self.see(1 if is_distributed() else width)  # in samples under DDP/FSDP2 (no per-step agreement)
@@ -276,10 +277,12 @@ class MicroBatchSizes:
         tried. A later way counts only where it runs the step in fewer micro-batches (``ceil(whole /
         size)``, split evenly) than every way before it: as many micro-steps, each costing more, cannot be
         faster. Where one way counts, it is taken untimed; else the ways that count run the fit's next
-        optimizer steps, one each, in order (the trial; :meth:`_next_way`): the engine times each step's
-        micro-steps as they run (evenly split: 4 of 12 where 15 fit a batch of 48), and the fastest step
-        is taken from the step after the last. Any way gives a step the same gradient: the timing costs
-        no extra step, only the slower ways' extra seconds. Where ``full`` is taken, ``AutoCheckpoint``
+        optimizer steps, taking turns, :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`):
+        the engine times each step's micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch
+        of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
+        that slows down meanwhile weighs on every way alike), and the fastest way runs from the step after
+        the last. Any way gives a step the same gradient: the timing costs no extra step, only the slower
+        ways' extra seconds. Where ``full`` is taken, ``AutoCheckpoint``
         then plans the least recompute that fits the size chosen. Every rank takes the same path (sizes
         are the smallest over ranks, seconds the longest).
         """
@@ -331,8 +334,8 @@ class MicroBatchSizes:
                 later = [f"{' and '.join(after)} {verb} the step in no fewer micro-batches"] if after else []
                 why = "; ".join(before + later)
             return self._decided(way, size, way_probes, why, kept=kept if way == "full" else ())
-        # Several count: each runs one of the fit's optimizer steps in turn, timed (the trial), then the
-        # fastest is taken (_next_way).
+        # Several count: they take turns at the fit's next optimizer steps, each timed (the trial), then the
+        # fastest runs (_next_way).
         self._trial = _Trial(counting, {w: found[w] for w in counting}, kept)
         return self._try(counting[0])
 
@@ -345,21 +348,21 @@ class MicroBatchSizes:
     def _try(self, way: str) -> int:
         """Run ``way`` for the next optimizer step of the trial; its size."""
         assert self._trial is not None and self.recompute is not None
-        self._trial.way = way
         size, self.probes = self._trial.found[way]
         self.recompute.use(way)
         return size
 
     def _next_way(self, probes: Probes) -> None:
-        """The step before ran the trial's way: the next way runs now, or, every way timed, the fastest
-        (each way's seconds the longest over ranks: every rank takes it) runs from now on."""
+        """The step before ran the trial's turn: the next turn's way runs now, or, every turn timed, the
+        fastest way (each way's fastest step, the longest over ranks: every rank takes it) from now on."""
         trial = self._trial
-        assert trial is not None
-        left = [way for way in trial.ways if way not in trial.seconds]
-        if left:
-            self._size_to(self._try(left[0]))
+        assert trial is not None and self._limits is not None
+        if trial.turn + 1 < len(trial.turns):
+            trial.turn += 1
+            self._size_to(self._try(trial.turns[trial.turn]))
             return
-        agreed = max_over_ranks_each([int(trial.seconds[way] * 1e9) for way in trial.ways], probes.device)
+        fastest = [min(s for w, s in zip(trial.turns, trial.seconds) if w == way) for way in trial.ways]
+        agreed = max_over_ranks_each([int(seconds * 1e9) for seconds in fastest], probes.device)
         seconds = {way: ns / 1e9 for way, ns in zip(trial.ways, agreed)}
         said, parts = _said(chunked=trial.ways[0] == "own head"), []
         for i, way in enumerate(trial.ways):
@@ -483,7 +486,7 @@ class MicroBatchSizes:
         """A step trained at ``size`` samples per micro-batch (``retried``: after backing off); grow when
         ``grow_after`` clean steps say so. ``seconds``: what a trial step measured (:attr:`timing`)."""
         if self._trial is not None and seconds is not None:
-            self._trial.seconds[self._trial.way] = seconds
+            self._trial.seconds[self._trial.turn] = seconds
         self.last_total, self.ran = total, size
         self.stable_steps += 1
         self._retry = None
@@ -549,7 +552,7 @@ class MicroBatchSizes:
 
 @dataclass
 class _Trial:
-    """The first batch's ways that count, each run for one optimizer step in turn and timed there."""
+    """The first batch's ways that count, taking turns at the fit's optimizer steps, each step timed."""
 
     ways: list[str]
     """In the order they run (cheapest per sample first)."""
@@ -557,10 +560,16 @@ class _Trial:
     """Each way's largest micro-batch that fits, and the search's probes of it."""
     kept: list[tuple[int, int | None]]
     """The probes with every block kept (AutoCheckpoint's plan holds their transient, where full wins)."""
-    way: str = ""
-    """The way the step running now (or next) runs."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Each way's step seconds measured in its step, on this rank."""
+    turns: list[str] = field(init=False)
+    """The way of each trial step: the ways in turn, :data:`_TRIAL_ROUNDS` times."""
+    seconds: list[float | None] = field(init=False)
+    """Each turn's step seconds as measured on this rank (None until its step has trained)."""
+    turn: int = 0
+    """The turn whose step runs now (or next)."""
+
+    def __post_init__(self) -> None:
+        self.turns = self.ways * _TRIAL_ROUNDS
+        self.seconds = [None] * len(self.turns)
 
 
 def _said(*, chunked: bool) -> dict[str, str]:

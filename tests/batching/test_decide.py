@@ -101,7 +101,7 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     model = FakeModel(launch=0.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.way == "keep"
-    assert probes.timed == [("keep", 16), ("full", 64)]  # one optimizer step each, in turn
+    assert probes.timed == [("keep", 16), ("full", 64)] * 2  # optimizer steps, taking turns, two each
     # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
     first_full = next(i for i, (way, _) in enumerate(probes.probed) if way == "full")
     assert probes.probed[first_full] == ("full", 16) and len(probes.probed) - first_full < 4
@@ -164,7 +164,7 @@ def test_each_way_is_timed_at_the_micro_batch_that_runs():
     # recomputed (one micro-step).
     model = FakeModel(launch=1.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_500, total=48)
-    assert probes.timed == [("keep", 12), ("full", 48)]
+    assert probes.timed == [("keep", 12), ("full", 48)] * 2
     # keep: 4 x (1 + 1.2) = 8.8 s; full: 1 x (1 + 4.8 + 1.44) = 7.24 s
     assert model.said[0] == (
         "full",
@@ -193,7 +193,7 @@ def test_the_model_own_head_where_the_chunked_head_runs_no_fewer_micro_batches()
     # launch cost; chunked: 100, 15 fit: 5 of 13, 64 x 0.12 = 7.68 s; recomputed: 95, 15 fit: no fewer than 5.
     model = FakeModel(logits=50, recomputed=95, launch=0.0)
     _, size, probes = _decide(model, limit=HELD + 1_500)
-    assert probes.timed == [("own head", 10), ("keep", 13)] and size == 10
+    assert probes.timed == [("own head", 10), ("keep", 13)] * 2 and size == 10
     assert model.said == [
         (
             "own head",
@@ -217,7 +217,7 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
     # 32, 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
     model = FakeModel(logits=300)
     _, size, probes = _decide(model, limit=HELD + 1_500)
-    assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)]
+    assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)] * 2
     assert model.said == [
         (
             "full",
@@ -228,25 +228,22 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
     assert size == 60 and all(model.kept_peak(s) == HELD + 100 * s for s in [1, 15])  # the chunked head's
 
 
-def test_the_trial_runs_one_step_per_way_then_the_fastest_from_the_step_after():
-    """The search ends with the first way in use (no timed probe); each later way takes the next step; the
-    step after the last runs the fastest. A step timed without its seconds (none measured) does not
-    advance the trial."""
+def test_the_ways_take_turns_at_real_steps_and_each_way_s_fastest_step_counts():
+    """The search ends with the first way in use (nothing timed apart from training); the ways take turns
+    at the next steps, two each; the step after the last runs the fastest way, each priced at its fastest
+    step (the first of a way pays first-time costs: here 5 s more). A step that trained without seconds
+    measured does not end its turn."""
     model = FakeModel(launch=1.0)
     sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
     sizes.recompute = model
     probes = FakeProbes(model)
     ran = []
-    for seconds in (8.8, None, 7.24, 7.24):
+    for seconds in (8.8 + 5, None, 7.24 + 5, 8.8, 7.24, 7.24):
         size, count, _ = sizes.plan(total=48, width=1, probes=probes)
         ran.append((model.way, size, count, sizes.timing))
         sizes.succeeded(retried=False, total=48, size=size, seconds=seconds)
-    assert ran == [
-        ("keep", 15, 4, True),
-        ("full", 48, 1, True),
-        ("full", 48, 1, True),
-        ("full", 48, 1, False),
-    ]
+    keep, full = ("keep", 15, 4, True), ("full", 48, 1, True)
+    assert ran == [keep, full, full, keep, full, ("full", 48, 1, False)]
     assert model.said == [
         (
             "full",

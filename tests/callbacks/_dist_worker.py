@@ -87,7 +87,7 @@ class InjectOOM(pl.Callback):
 
 
 def _fit_deciding(module: pl.LightningModule, limit: int) -> tuple[AutoCheckpoint, AutoAccumulation]:
-    """Five DDP steps of ``module`` with AutoCheckpoint beside AutoAccumulation under ``limit`` bytes (no
+    """Nine DDP steps of ``module`` with AutoCheckpoint beside AutoAccumulation under ``limit`` bytes (no
     headroom): the first batch's search and its trial steps decide, a plan runs; returns the two callbacks."""
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
     cb = AutoCheckpoint(max_memory=limit, headroom=0.0)
@@ -95,7 +95,7 @@ def _fit_deciding(module: pl.LightningModule, limit: int) -> tuple[AutoCheckpoin
         accelerator="cpu",
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo"),
-        max_steps=5,
+        max_steps=9,
         callbacks=[cb, accumulation],
         logger=False,
         enable_checkpointing=False,

@@ -187,18 +187,19 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     module = _Wide(n_layer=4)
     accumulation = AutoAccumulation(max_memory=1_500_000, headroom=0.0)
     cb = AutoCheckpoint(max_memory=1_500_000, headroom=0.0, cost_model=CostModel(use_time=False))
-    # steps 1 and 2 the trial (kept, then recomputed), 3 the decision (profiled if recomputing), 4 the plan
-    trainer = _trainer(tmp_path, [cb, accumulation], steps=4)
+    # steps 1-4 the trial (kept, recomputed, kept, recomputed), 5 the decision (profiled if recomputing),
+    # 6 the plan
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=6)
     with warnings.catch_warnings(record=True) as caught, MemoryCap(1_500_000, modules=module) as cap:
         warnings.simplefilter("always")
         trainer.fit(module)
     # Within the limit: every out-of-memory error the cap raised was a probe's, none a step's.
     assert cap.raised == sum(p is None for _, p in accumulation.probes)
-    ways = [way for way, _ in timed]  # the trial's steps: every micro-step of one kept, then one recomputed
-    n_plain, n_larger = ways.count("keep"), ways.count("full")
-    assert ways == ["keep"] * n_plain + ["full"] * n_larger and n_plain > n_larger >= 1
+    ways = [way for way, _ in timed]  # the trial's steps: every micro-step of each, taking turns twice
+    n_plain, n_larger = ways.count("keep") // 2, ways.count("full") // 2
+    assert ways == (["keep"] * n_plain + ["full"] * n_larger) * 2 and n_plain > n_larger >= 1
     plain, larger = max(n for w, n in timed if w == "keep"), max(n for w, n in timed if w == "full")
-    assert sum(n for w, n in timed if w == "keep") == sum(n for w, n in timed if w == "full") == 16
+    assert sum(n for w, n in timed if w == "keep") == sum(n for w, n in timed if w == "full") == 2 * 16
     # a step's seconds: its fastest micro-step per sample, times the batch's 16 samples
     keep_time, full_time = 16 * (launch + plain) / plain, 16 * (launch + 1.3 * larger) / larger
     recomputes = full_time < keep_time
@@ -252,7 +253,7 @@ def test_the_plan_holds_backwards_first_transient_beside_what_it_keeps(tmp_path,
     module, limit = _WideVocab(n_layer=4), 3_500_000
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
     cb = AutoCheckpoint(max_memory=limit, headroom=0.0, cost_model=CostModel(use_time=False))
-    trainer = _trainer(tmp_path, [cb, accumulation], steps=5)  # 2 trial steps, profiled, planned, one more
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=7)  # 4 trial steps, profiled, planned, one more
     with warnings.catch_warnings(), MemoryCap(limit, modules=module) as cap:
         warnings.simplefilter("ignore")
         if not measured:
@@ -695,14 +696,14 @@ def test_with_autoaccumulation_the_chunked_head_stays_only_where_the_step_is_fas
     module = _HFLM()
     limit = 9_000_000
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
-    # up to 3 trial steps (own head, chunked, recomputed), then the way decided
-    trainer = _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0), accumulation], steps=6)
+    # up to 6 trial steps (own head, chunked, recomputed, twice), then the way decided
+    trainer = _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0), accumulation], steps=9)
     with warnings.catch_warnings(record=True) as caught, MemoryCap(limit, modules=module) as cap:
         warnings.simplefilter("always")
         trainer.fit(module)
     assert cap.raised == sum(p is None for _, p in accumulation.probes)  # only probes ran out of memory
-    ways = [way for i, (way, _) in enumerate(timed) if i == 0 or timed[i - 1][0] != way]  # one step each
-    assert ways[:2] == ["own head", "keep"] and len(ways) == len(set(ways))
+    ways = [way for i, (way, _) in enumerate(timed) if i == 0 or timed[i - 1][0] != way]  # a step each
+    assert ways[:2] == ["own head", "keep"] and ways == ways[: len(ways) // 2] * 2
     said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
     assert len(said) == 1 and "micro-batches of" in said[0] and "with the model's own head" in said[0]
     steady = module.heads[-6:]  # the last steps' forwards, after the search's probes
@@ -733,7 +734,7 @@ def test_a_resumed_run_keeps_the_model_own_head_the_search_chose(tmp_path, monke
     ]
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
-        max_steps=4,  # the trial (up to 3 steps), then the decision
+        max_steps=7,  # the trial (up to 6 steps), then the decision
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
@@ -759,7 +760,7 @@ def test_a_resumed_run_keeps_the_model_own_head_the_search_chose(tmp_path, monke
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _trainer(tmp_path, callbacks, steps=6).fit(resumed, ckpt_path=ckpt)
+        _trainer(tmp_path, callbacks, steps=9).fit(resumed, ckpt_path=ckpt)
     assert not [w for w in caught if str(w.message).startswith("AutoCheckpoint")]
     assert resumed.heads and set(resumed.heads) == {"own"}
     assert "forward" not in vars(resumed.model)
