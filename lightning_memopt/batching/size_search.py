@@ -135,6 +135,7 @@ def find_micro_batch_size(
     min_size: int = 1,
     max_probes: int = 6,
     start: int | None = None,
+    fixed: float | None = None,
 ) -> SizingResult:
     """Find the largest micro-batch size whose peak memory fits ``capacity * (1 - headroom)``.
 
@@ -154,6 +155,11 @@ def find_micro_batch_size(
         max_probes: At most this many probes. Default 6.
         start: The size of the first probe. Default ``min_size`` (the probe most likely to fit); pass
             ``max_size`` to try the whole batch first, which costs one probe when it fits.
+        fixed: Peak bytes that do not grow with the size, where an earlier search measured them (its
+            line's intercept: parameters, gradients, optimizer state, the batch). While one size alone
+            has fitted, the next probe is where the line through ``(0, fixed)`` and that size's peak
+            crosses the usable bytes; without it, peaks are taken as proportional to the size (and the
+            next probe at least doubles it). Default None.
 
     Returns:
         A :class:`SizingResult`; ``result.size`` was probed and its peak fitted the usable bytes.
@@ -180,7 +186,7 @@ def find_micro_batch_size(
     while size is not None and len(peaks) < max_probes:
         peaks[size] = _run(probe, size)
         if any(p is not None and p <= usable for p in peaks.values()):
-            size = _next_size(peaks, usable, max_size)
+            size = _next_size(peaks, usable, max_size, fixed)
         elif min_size not in peaks:
             size = min_size  # the first probe was too large: start again from the bottom
         else:
@@ -232,8 +238,9 @@ def _run(probe: Callable[[int], int | None], size: int) -> int | None:
     return peak
 
 
-def _next_size(peaks: dict[int, int | None], usable: int, max_size: int) -> int | None:
-    """The size the probes so far predict to be the largest that fits; None when none is left to try."""
+def _next_size(peaks: dict[int, int | None], usable: int, max_size: int, fixed: float | None) -> int | None:
+    """The size the probes so far predict to be the largest that fits; None when none is left to try
+    (``fixed``: :func:`find_micro_batch_size`'s)."""
     fits = sorted(s for s, p in peaks.items() if p is not None and p <= usable)
     lo = fits[-1]  # the largest size known to fit
     hi = min((s for s in peaks if s not in fits), default=max_size + 1)  # the smallest known not to
@@ -247,15 +254,22 @@ def _next_size(peaks: dict[int, int | None], usable: int, max_size: int) -> int 
     if hi <= max_size and peaks[hi] is not None:  # a peak over the usable: the chord's crossing fits
         guess = MemoryModel.through(points[lo], points[hi]).largest_fitting(usable)
     else:
-        # The model: with one point, peak proportional to size (at least double, to spread the points);
-        # with two, the line; with three that bend upwards, the parabola through them.
-        guess = upper if line is not None else max(lo * usable // (peaks[lo] or 1), 2 * lo)
+        # The model: with one point, the line from the fixed bytes an earlier search measured, else peak
+        # proportional to size (at least double, to spread the points); with two, the line; with three
+        # that bend upwards, the parabola through them.
+        peak = peaks[lo] or 1
+        if line is not None:
+            guess = upper
+        elif fixed is not None and 0 <= fixed < peak:
+            guess = MemoryModel.through((0, round(fixed)), (lo, peak)).largest_fitting(usable)
+        else:
+            guess = max(lo * usable // peak, 2 * lo)
         if len(fits) >= 3:
             parabola = MemoryModel.through3(*(points[s] for s in fits[-3:]))
             if parabola.curvature > 0:
                 guess = parabola.largest_fitting(usable)
         if hi <= max_size and guess >= hi - 1:  # it ran out of memory where the model says it fits
             guess = (lo + hi) // 2
-        elif hi > max_size and _JUMP * lo < guess < math.inf:
+        elif hi > max_size and _JUMP * lo < guess < math.inf and (fixed is None or line is not None):
             guess = max(math.isqrt(lo * guess), guess // _STONE)  # a stepping stone
     return int(min(max(guess, lo + 1), upper))

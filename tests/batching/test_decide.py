@@ -104,7 +104,10 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     assert probes.timed == [("keep", 16), ("full", 64)] * 2  # optimizer steps, taking turns, two each
     # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
     first_full = next(i for i, (way, _) in enumerate(probes.probed) if way == "full")
-    assert probes.probed[first_full] == ("full", 16) and len(probes.probed) - first_full < 4
+    # Its next probe comes from the bytes the kept search measured not to grow with the size (its line's
+    # intercept, 1,000 here): the line through them and 16's peak crosses the limit at 64, the whole batch.
+    assert probes.probed[first_full:] == [("full", 16), ("full", 64)]
+    assert probes.probed[:first_full] == [("keep", 1), ("keep", 2), ("keep", 5), ("keep", 8), ("keep", 16)]
     assert model.said == [
         (
             "keep",

@@ -354,3 +354,19 @@ def test_bad_probe_result():
         ValueError, match=r"probe\(1\) must return peak bytes as a positive int or None, got 1.5"
     ):
         find_micro_batch_size(lambda s: 1.5, max_size=8, capacity=1000)
+
+
+def test_fixed_bytes_from_an_earlier_search_predict_the_second_probe():
+    """From one size that fits, the line through the fixed bytes and its peak predicts the largest size:
+    two probes where the proportional guess takes three; a wrong guess still returns a size probed to fit."""
+    peak = lambda size: 1000 + 10 * size  # noqa: E731 - 100 samples fit 2,000 bytes
+    search = dict(max_size=512, capacity=2000, headroom=0.0, start=40)
+    assert find_micro_batch_size(peak, **search, fixed=1000).probes == [(40, 1400), (100, 2000)]
+    assert find_micro_batch_size(peak, **search).probes == [(40, 1400), (80, 1800), (100, 2000)]
+    wrong = find_micro_batch_size(peak, **search, fixed=1300)  # too high: 280 predicted, over the limit
+    assert wrong.size == 100 and wrong.probes == [(40, 1400), (280, 3800), (100, 2000)]
+    # fixed bytes above the peak measured say nothing: the proportional guess
+    assert (
+        find_micro_batch_size(peak, **search, fixed=1500).probes
+        == find_micro_batch_size(peak, **search).probes
+    )
