@@ -198,6 +198,9 @@ class MicroBatchSizes:
             self._search(total, width, probes)
         elif self._trial is not None and self._trial.seconds[self._trial.turn] is not None:
             self._next_way(probes)
+        elif self._trial is not None and self._trial.resumed:  # the turn's way again, as saved mid-step
+            self._trial.resumed = False
+            self._size_to(self._try(self._trial.turns[self._trial.turn]))
         if self.model is None:
             self.see(1 if is_distributed() else width)  # in samples under DDP/FSDP2 (no per-step agreement)
             size = self.size(total)
@@ -363,6 +366,7 @@ class MicroBatchSizes:
         fastest way (each way's fastest step, the longest over ranks: every rank takes it) from now on."""
         trial = self._trial
         assert trial is not None and self._limits is not None
+        trial.resumed = False
         if trial.turn + 1 < len(trial.turns):
             trial.turn += 1
             self._size_to(self._try(trial.turns[trial.turn]))
@@ -544,9 +548,10 @@ class MicroBatchSizes:
     def state(self) -> dict[str, Any]:
         """Everything a resumed fit needs to size exactly as the uninterrupted one, as plain values."""
         state = {name: getattr(self, name) for name in self._SAVED}
-        # Saved during the trial, the search runs again on resume: its timings are not worth carrying over.
-        state["probed"] = self.probed and self._trial is None
         state["model"] = None if self.model is None else self.model.state()
+        if self._trial is not None:  # a resumed run goes on with the trial where this one was
+            state["trial"] = self._trial.state()
+            state["limits"] = list(self._limits or ())
         return state
 
     def load(self, state: dict[str, Any]) -> None:
@@ -556,6 +561,9 @@ class MicroBatchSizes:
                 setattr(self, name, state[name])
         if state.get("model") is not None:
             self.model = ShapeModel.from_state(state["model"])
+        if state.get("trial") is not None:
+            self._trial, self._limits = _Trial.from_state(state["trial"]), tuple(state["limits"])
+            self._trial.resumed = True
 
 
 @dataclass
@@ -574,10 +582,25 @@ class _Trial:
     """Each turn's step seconds as measured on this rank (None until its step has trained)."""
     turn: int = 0
     """The turn whose step runs now (or next)."""
+    resumed: bool = False
+    """Restored from a checkpoint: the way is applied again at the next step."""
 
     def __post_init__(self) -> None:
         self.turns = self.ways * _TRIAL_ROUNDS
         self.seconds = [None] * len(self.turns)
+
+    def state(self) -> dict[str, Any]:
+        """As plain values, for a checkpoint (:meth:`from_state`)."""
+        found = {way: [size, [list(p) for p in probes]] for way, (size, probes) in self.found.items()}
+        kept = [list(p) for p in self.kept]
+        return {"ways": self.ways, "found": found, "kept": kept, "seconds": self.seconds, "turn": self.turn}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _Trial:
+        found = {way: (size, [tuple(p) for p in probes]) for way, (size, probes) in state["found"].items()}
+        trial = cls(list(state["ways"]), found, [tuple(p) for p in state["kept"]])
+        trial.seconds, trial.turn = list(state["seconds"]), state["turn"]
+        return trial
 
 
 def _said(*, chunked: bool) -> dict[str, str]:

@@ -158,8 +158,10 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
         if not self.active:
             return
         engine = engine_of(trainer)
-        if engine is not None and self.mode == "auto" and not engine.sizes.probed and self.plan.choices:
-            # The first batch's search decides whether to recompute at all (batching/sizes.py: decide).
+        searching = engine is not None and (not engine.sizes.probed or engine.sizes.timing)
+        if searching and self.mode == "auto" and self.plan.choices:
+            # The first batch's search and its trial decide whether to recompute at all (batching/sizes.py:
+            # decide); a run resumed during the trial goes on with it.
             engine.sizes.recompute = self
         signature = step_signature(batch, None if engine is None else engine.peek(batch))
         self.start_step(signature, lambda flags: most_over_ranks(trainer.strategy, flags))

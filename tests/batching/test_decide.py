@@ -258,14 +258,47 @@ def test_the_ways_take_turns_at_real_steps_and_each_way_s_fastest_step_counts():
     assert all(peak == HELD + 25 * s for s, peak in sizes.probes)
 
 
-def test_a_checkpoint_saved_during_the_trial_searches_again_on_resume():
+def test_a_run_resumed_during_the_trial_goes_on_with_it():
+    """A checkpoint saved after the trial's second step: the resumed sizes run the trial's next turns
+    (the way applied again first), with the seconds saved, and take the same decision as the run that
+    went on; nothing is searched again."""
+
+    def steps(sizes: MicroBatchSizes, model: FakeModel, probes: FakeProbes, n: int, seconds: dict) -> list:
+        ran = []
+        for _ in range(n):
+            size, count, _ = sizes.plan(total=48, width=1, probes=probes)
+            ran.append((model.way, size, count))
+            sizes.succeeded(retried=False, total=48, size=size, seconds=seconds[model.way])
+        return ran
+
+    seconds = {"keep": 8.8, "full": 7.24}
     model = FakeModel(launch=1.0)
     sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
     sizes.recompute = model
-    sizes.plan(total=48, width=1, probes=FakeProbes(model))
-    assert sizes.timing and sizes.state()["probed"] is False  # mid-trial: a resumed run searches again
+    probes = FakeProbes(model)
+    first = steps(sizes, model, probes, 2, seconds)
+    saved = sizes.state()
+    went_on = steps(sizes, model, probes, 4, seconds)
+
+    resumed_model = FakeModel(launch=1.0)
+    resumed_model.way = "keep"  # what a resumed AutoCheckpoint installs is not the way the trial is at
     resumed = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
-    resumed.load(sizes.state())
-    assert not resumed.probed
-    decided, _, _ = _decide(model, limit=HELD + 1_500, total=48)
-    assert decided.state()["probed"] is True
+    resumed.load(torch.load(_saved(saved), weights_only=True))  # through a checkpoint file's round trip
+    resumed.recompute = resumed_model
+    resumed_probes = FakeProbes(resumed_model)
+    assert resumed.probed and resumed.timing
+    assert steps(resumed, resumed_model, resumed_probes, 4, seconds) == went_on
+    assert (
+        first + went_on
+        == [("keep", 15, 4), ("full", 48, 1), ("keep", 15, 4), ("full", 48, 1)] + [("full", 48, 1)] * 2
+    )
+    assert resumed_probes.probed == [] and resumed_model.said == model.said and resumed.step_seconds == 7.24
+
+
+def _saved(state: dict):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer

@@ -41,17 +41,16 @@ class GPTModule(pl.LightningModule):
 
 
 def _trainer(tmp_path, callbacks, steps=2, **kwargs):
+    options = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
     return pl.Trainer(
         default_root_dir=tmp_path,
         max_steps=steps,
         accelerator="cpu",
         devices=1,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
+        **(options | kwargs),
     )
 
 
@@ -226,6 +225,42 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     assert module.seen_choices[-1] == cb.plan.choices  # the second step ran the plan made for its micro-batch
     measured = trainer.callback_metrics["checkpoint/activation_bytes_measured"].item()
     assert measured == cb.plan.activation_bytes > 0
+
+
+def test_a_fit_resumed_during_the_trial_trains_as_the_fit_that_went_on(tmp_path, monkeypatch):
+    """A checkpoint after the trial's second step (of four): the resumed fit goes on with the trial, takes
+    the same decision, profiles and plans as the fit that went on, and ends with the same parameters."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_memopt import AutoAccumulation
+    from lightning_memopt.batching.probe import BatchProbes
+    from lightning_memopt.checkpointing import CostModel
+
+    _timed(monkeypatch, 100.0)  # recompute wins
+
+    def fit(ckpt=None, probe=True):
+        torch.manual_seed(0)
+        module = _Wide(n_layer=4)
+        saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+        callbacks = [
+            AutoCheckpoint(max_memory=1_500_000, headroom=0.0, cost_model=CostModel(use_time=False)),
+            AutoAccumulation(max_memory=1_500_000, headroom=0.0),
+        ]
+        trainer = _trainer(tmp_path, callbacks + [saves], steps=7, enable_checkpointing=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, ckpt_path=ckpt)
+        said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
+        return module, callbacks[0], said
+
+    went_on, cb, said = fit()
+    monkeypatch.setattr(BatchProbes, "peak", lambda *a, **k: pytest.fail("searched again"))
+    resumed, resumed_cb, resumed_said = fit(ckpt=str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert said == resumed_said and len(said) == 1 and said[0].startswith("AutoCheckpoint recomputes")
+    assert resumed_cb.plan.choices == cb.plan.choices and set(cb.plan.choices.values()) != {"keep"}
+    assert resumed.seen_choices[-3:] == went_on.seen_choices[-3:]
+    for a, b in zip(went_on.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 class _WideVocab(_Wide):
