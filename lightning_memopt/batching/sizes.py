@@ -196,11 +196,8 @@ class MicroBatchSizes:
         batch's search, a width the model does not know."""
         if not self.probed:
             self._search(total, width, probes)
-        elif self._trial is not None and self._trial.seconds[self._trial.turn] is not None:
+        elif self._trial is not None:
             self._next_way(probes)
-        elif self._trial is not None and self._trial.resumed:  # the turn's way again, as saved mid-step
-            self._trial.resumed = False
-            self._size_to(self._try(self._trial.turns[self._trial.turn]))
         if self.model is None:
             self.see(1 if is_distributed() else width)  # in samples under DDP/FSDP2 (no per-step agreement)
             size = self.size(total)
@@ -285,9 +282,9 @@ class MicroBatchSizes:
         of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
         that slows down meanwhile weighs on every way alike), and the fastest way runs from the step after
         the last. Any way gives a step the same gradient: the timing costs no extra step, only the slower
-        ways' extra seconds. Where ``full`` is taken, ``AutoCheckpoint``
-        then plans the least recompute that fits the size chosen. Every rank takes the same path (sizes
-        are the smallest over ranks, seconds the longest).
+        ways' extra seconds. Where ``full`` is taken, ``AutoCheckpoint`` then plans the least recompute
+        that fits the size chosen. Every rank takes the same path (sizes are the smallest over ranks,
+        seconds the longest).
         """
         assert self.recompute is not None
         floor = probes.floor
@@ -304,9 +301,6 @@ class MicroBatchSizes:
                 return None, self.probes
             return size, self.probes
 
-        def split(size: int) -> tuple[int, int]:
-            return _split(size, whole)
-
         found: dict[str, tuple[int | None, list[tuple[int, int | None]]]] = {}
         counting: list[str] = []  # the ways that run the step in fewer micro-batches than those before
         # Each later way starts where the one before ended, its next probe predicted from the bytes that
@@ -317,7 +311,7 @@ class MicroBatchSizes:
             size, way_probes = found[way] = largest(way, start, fixed)
             if size is None:
                 continue
-            if not counting or split(size)[0] < split(found[counting[-1]][0])[0]:
+            if not counting or _split(size, whole)[0] < _split(found[counting[-1]][0], whole)[0]:
                 counting.append(way)
             start = size
             line = MemoryModel.through_largest(way_probes, usable_bytes(limit, self.headroom, None))
@@ -362,11 +356,17 @@ class MicroBatchSizes:
         return size
 
     def _next_way(self, probes: Probes) -> None:
-        """The step before ran the trial's turn: the next turn's way runs now, or, every turn timed, the
-        fastest way (each way's fastest step, the longest over ranks: every rank takes it) from now on."""
+        """Before a step of the trial: where the step before ran the turn (its seconds measured), the next
+        turn's way runs now, or, every turn timed, the fastest way (each way's fastest step, the longest
+        over ranks: every rank takes it) from now on; else the turn goes on (its way applied again in a
+        run resumed from a checkpoint)."""
         trial = self._trial
         assert trial is not None and self._limits is not None
-        trial.resumed = False
+        resumed, trial.resumed = trial.resumed, False
+        if trial.seconds[trial.turn] is None:
+            if resumed:
+                self._size_to(self._try(trial.turns[trial.turn]))
+            return
         if trial.turn + 1 < len(trial.turns):
             trial.turn += 1
             self._size_to(self._try(trial.turns[trial.turn]))
