@@ -31,6 +31,7 @@ from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroB
 from lightning_memopt.batching.shape_model import ShapeModel
 from lightning_memopt.batching.size_search import MemoryModel, NoSizeFits, find_micro_batch_size
 from lightning_memopt.memory.limit import usable_bytes
+from lightning_memopt.memory.units import format_bytes
 
 __all__ = ["MicroBatchSizes", "Probes", "Recompute"]
 
@@ -320,9 +321,11 @@ class MicroBatchSizes:
                 break
         if not counting:  # the blocks stay recomputed: the least memory
             self.recompute = None
+            measured = [p for _, way_probes in found.values() for p in way_probes]
             raise MicroBatchOOMError(
                 f"AutoAccumulation(max_memory={self.max_memory!r}, headroom={self.headroom}) found no training "
-                f"micro-batch size that fits, with or without recomputing every block.\n{CHECKLIST}"
+                f"micro-batch size that fits, with or without recomputing every block."
+                f"{self._smallest_fit(measured, floor)}\n{CHECKLIST}"
             )
         kept = found["keep"][1] if "keep" in found else []
         if len(counting) == 1:
@@ -430,10 +433,24 @@ class MicroBatchSizes:
             advice = f"{BATCHNORM_ADVICE}\n" if floor > 1 else ""
             raise MicroBatchOOMError(
                 f"AutoAccumulation(max_memory={self.max_memory!r}, headroom={self.headroom}) found no "
-                f"{'evaluation' if evaluation else 'training'} micro-batch size that fits: {error}.\n"
-                f"{advice}{CHECKLIST}"
+                f"{'evaluation' if evaluation else 'training'} micro-batch size that fits: {error}."
+                f"{self._smallest_fit(log, min(floor, whole))}\n{advice}{CHECKLIST}"
             ) from None
         return min_over_ranks(int(result.size), probes.device)
+
+    def _smallest_fit(self, probes: list[tuple[int, int | None]], floor: int) -> str:
+        """The smallest limit that fits, named from the least peak the probes measured at ``floor``
+        samples (nothing where each of those ran out of memory: no peak was measured)."""
+        peaks = [peak for size, peak in probes if size == floor and peak is not None]
+        if not peaks:
+            return ""
+        needed = math.ceil(min(peaks) / (1 - self.headroom))
+        while usable_bytes(needed, self.headroom, None) < min(peaks):  # the float product's rounding
+            needed += 1
+        return (
+            f" The least it measured, {floor} sample{'s' if floor > 1 else ''} a micro-batch, peaked at "
+            f"{format_bytes(min(peaks))}: max_memory={needed} ({format_bytes(needed)}) or more fits it."
+        )
 
     def peek(self, *, total: int, width: int, held: int) -> int:
         """The samples per micro-batch :meth:`plan` would give this batch from what is known now: no probe,

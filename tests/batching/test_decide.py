@@ -147,11 +147,21 @@ def test_recompute_where_not_one_sample_fits_kept():
 
 def test_nothing_fits_either_way_raises_and_leaves_blocks_recomputed():
     model = FakeModel(kept=10_000, recomputed=5_000)
-    sizes = MicroBatchSizes(max_memory=HELD + 1_000, headroom=0.0)
+    sizes = MicroBatchSizes(max_memory=HELD + 1_000, headroom=0.1)
     sizes.recompute = model
-    with pytest.raises(MicroBatchOOMError, match="with or without recomputing every block"):
+    # the error names the least limit that fits: one sample recomputed peaks at 1,000 + 5,000 bytes
+    least = r"1 sample a micro-batch, peaked at 5.86 KiB: max_memory=6667 \(6.51 KiB\) or more fits it"
+    with pytest.raises(
+        MicroBatchOOMError, match=f"with or without recomputing every block. The least.*{least}"
+    ):
         sizes.plan(total=64, width=1, probes=FakeProbes(model))
     assert model.way == "full" and sizes.recompute is None
+    # and it does: one sample a micro-batch, recomputed
+    fits = MicroBatchSizes(max_memory=6667, headroom=0.1)
+    fits.recompute = FakeModel(kept=10_000, recomputed=5_000)
+    assert fits.plan(total=64, width=1, probes=FakeProbes(fits.recompute))[0] == 1
+    with pytest.raises(MicroBatchOOMError):  # a byte less does not
+        MicroBatchSizes(max_memory=6666, headroom=0.1).plan(total=64, width=1, probes=FakeProbes(model))
 
 
 def test_without_an_offer_the_search_is_as_before():

@@ -1,3 +1,5 @@
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -230,9 +232,17 @@ def test_nothing_fits_raises_micro_batch_oom_error(tmp_path):
     with pytest.raises(
         MicroBatchOOMError,
         match=r"(?s)AutoAccumulation\(max_memory=1000, headroom=0.1\) found no training micro-batch size.*"
-        r"even min_size=2 does not fit.*BatchNormToGroupNorm.*What to do",
-    ):
+        r"even min_size=2 does not fit.*The least it measured, 2 samples a micro-batch, peaked at .*: "
+        r"max_memory=\d+ \(.*\) or more fits it.*BatchNormToGroupNorm.*What to do",
+    ) as raised:
         fit(model, [AutoAccumulation(max_memory=1000)], steps=1, tmp_path=tmp_path)
+    # The limit it names fits micro-batches of 2; a byte less does not
+    least = int(re.search(r"max_memory=(\d+) \(", str(raised.value)).group(1))
+    accumulation = AutoAccumulation(max_memory=least)
+    fit(Net(batchnorm=True), [accumulation], steps=1, tmp_path=tmp_path)
+    assert accumulation.micro_batch_size == 2
+    with pytest.raises(MicroBatchOOMError):
+        fit(Net(batchnorm=True), [AutoAccumulation(max_memory=least - 1)], steps=1, tmp_path=tmp_path)
 
 
 def test_non_scalar_loss_is_refused(tmp_path):
