@@ -514,8 +514,13 @@ class MicroBatchSizes:
     ) -> None:
         """A step trained at ``size`` samples per micro-batch (``retried``: after backing off); grow when
         ``grow_after`` clean steps say so. ``seconds``: what a trial step measured (:attr:`timing`)."""
-        if self._trial is not None and seconds is not None:
-            self._trial.seconds[self._trial.turn] = seconds
+        if self._trial is not None and seconds is not None and self._limits is not None:
+            # Priced as the search's batch: the first batch's samples and tokens a sample (batches of other
+            # lengths or sizes cost in proportion to their tokens), so that the ways compare alike.
+            tokens = total * (self.width or 1)
+            self._trial.seconds[self._trial.turn] = (
+                seconds * self._limits[2] * (self.probed_width or 1) / tokens
+            )
         self.last_total, self.ran = total, size
         self.stable_steps += 1
         self._retry = None

@@ -268,6 +268,23 @@ def test_the_ways_take_turns_at_real_steps_and_each_way_s_fastest_step_counts():
     assert all(peak == HELD + 25 * s for s, peak in sizes.probes)
 
 
+def test_trial_steps_on_batches_of_other_lengths_are_priced_as_the_first_batch():
+    """Seconds per token: a step of half the tokens a sample (or half the samples) that took half the time
+    costs as much as the first batch's; a way is not faster for the shorter batch it happened to get."""
+    model = FakeModel(launch=1.0)
+    sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)  # the first batch: 8 tokens a sample
+    sizes.recompute = model
+    probes = FakeProbes(model)
+    # recomputing: 4.5 s twice for half the tokens a sample, 9 s as the first batch; kept: 9 s, then 4.4 s
+    # for half the samples, 8.8 s as the first batch. Taken as measured, recompute would win at 4.5 s.
+    for width, total, seconds in [(8, 48, 9.0), (4, 48, 4.5), (8, 24, 4.4), (4, 48, 4.5)]:
+        size, _, _ = sizes.plan(total=total, width=width, probes=probes)
+        sizes.succeeded(retried=False, total=total, size=size, seconds=seconds)
+    sizes.plan(total=48, width=8, probes=probes)
+    assert model.said[0][0] == "keep" and sizes.step_seconds == pytest.approx(8.8)
+    assert "without recompute: 8.8 s a step; 1 of 48 recomputing every block: 9 s" in model.said[0][1]
+
+
 def test_a_run_resumed_during_the_trial_goes_on_with_it():
     """A checkpoint saved after the trial's second step: the resumed sizes run the trial's next turns
     (the way applied again first), with the seconds saved, and take the same decision as the run that
@@ -302,7 +319,8 @@ def test_a_run_resumed_during_the_trial_goes_on_with_it():
         first + went_on
         == [("keep", 15, 4), ("full", 48, 1), ("keep", 15, 4), ("full", 48, 1)] + [("full", 48, 1)] * 2
     )
-    assert resumed_probes.probed == [] and resumed_model.said == model.said and resumed.step_seconds == 7.24
+    assert resumed_probes.probed == [] and resumed_model.said == model.said
+    assert resumed.step_seconds == sizes.step_seconds == pytest.approx(7.24)
 
 
 def _saved(state: dict):
