@@ -64,7 +64,7 @@ class Pass:
     relearned: bool = False
     seconds: float | None = None
     """Where the pass was timed (a trial step: :attr:`~.sizes.MicroBatchSizes.timing`), the step's forward
-    and backward seconds: its fastest micro-step's seconds per sample, times the batch's samples."""
+    and backward seconds: its micro-steps' together."""
 
 
 class TrainingStep:
@@ -218,11 +218,10 @@ class TrainingStep:
                 del out, loss, weighted
         result.loss, result.relearned = weights.loss, weights.relearned
         if clock is not None and spans:
-            # The fastest per sample: what else the host runs only ever adds time (a micro-batch is within
-            # one sample of the others: the even split)
+            # Every micro-step counts: the first (gradients allocated again after zero_grad) and the last
+            # (DDP's gradient all-reduce) are paid every step, however many micro-steps it runs
             clock.settle(spans[-1][1])
-            per_sample = min(clock.seconds(a, b) / n for (a, b), n in zip(spans, sizes))
-            result.seconds = per_sample * sum(sizes)
+            result.seconds = sum(clock.seconds(a, b) for a, b in spans)
         if start is not None and result.relearned:
             start.restore()
             drop_attempt(engine.trainer.strategy.model, None)

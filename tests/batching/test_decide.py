@@ -81,8 +81,8 @@ def _decide(
     model: FakeModel, limit: int, total: int = 64, probes: FakeProbes | None = None
 ) -> tuple[MicroBatchSizes, int, FakeProbes]:
     """Steps of a batch of ``total`` until the decision is made: the search, then the trial's steps, each
-    timed as the engine times one (its fastest micro-step per sample, times the batch); ``probes.timed``
-    gets each trial step's way and micro-batch."""
+    timed as the engine times one (its micro-steps' seconds together); ``probes.timed`` gets each trial
+    step's way and micro-batch."""
     sizes = MicroBatchSizes(max_memory=limit, headroom=0.0)
     sizes.recompute = model
     probes = probes or FakeProbes(model)
@@ -92,7 +92,7 @@ def _decide(
             return sizes, size, probes
         split = micro_batch_sizes(total, size)
         probes.timed.append((model.way, max(split)))
-        seconds = total * min(model.seconds(n) / n for n in split)
+        seconds = sum(model.seconds(n) for n in split)
         sizes.succeeded(retried=False, total=total, size=size, seconds=seconds)
 
 
@@ -224,18 +224,17 @@ def test_the_model_own_head_where_the_chunked_head_runs_no_fewer_micro_batches()
 
 
 def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
-    # A step's seconds: its fastest micro-step per sample (the largest: launch cost shared), times 64.
-    # own head: 400 bytes a sample, 3 fit: 22 micro-batches of 64 (3 or 2 samples), 64 x (1 + 0.3) / 3 =
-    # 27.7 s; chunked, kept: 15 fit: 5 x 13, 64 x (1 + 1.3 + 0.26) / 13 = 12.6 s; recomputed: 60 fit: 2 x
-    # 32, 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
+    # A step's seconds: its micro-steps' together. own head: 400 bytes a sample, 3 fit: 22 micro-batches of
+    # 64 (20 of 3, 2 of 2), 20 x 1.3 + 2 x 1.2 = 28.4 s; chunked, kept: 15 fit: 13, 13, 13, 13 and 12,
+    # 4 x 2.56 + 2.44 = 12.7 s; recomputed: 60 fit: 2 x 32, 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
     model = FakeModel(logits=300)
     _, size, probes = _decide(model, limit=HELD + 1_500)
     assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)] * 2
     assert model.said == [
         (
             "full",
-            "22 micro-batches of 3 with the model's own head: 27.7 s a step; 5 of 13 with the chunked head, "
-            "without recompute: 12.6 s; 2 of 32 recomputing every block: 11.6 s",
+            "22 micro-batches of 3 with the model's own head: 28.4 s a step; 5 of 13 with the chunked head, "
+            "without recompute: 12.7 s; 2 of 32 recomputing every block: 11.6 s",
         )
     ]
     assert size == 60 and all(model.kept_peak(s) == HELD + 100 * s for s in [1, 15])  # the chunked head's

@@ -199,8 +199,8 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     assert ways == (["keep"] * n_plain + ["full"] * n_larger) * 2 and n_plain > n_larger >= 1
     plain, larger = max(n for w, n in timed if w == "keep"), max(n for w, n in timed if w == "full")
     assert sum(n for w, n in timed if w == "keep") == sum(n for w, n in timed if w == "full") == 2 * 16
-    # a step's seconds: its fastest micro-step per sample, times the batch's 16 samples
-    keep_time, full_time = 16 * (launch + plain) / plain, 16 * (launch + 1.3 * larger) / larger
+    # a step's seconds: its micro-steps' together (launch + samples each, +30% recomputed)
+    keep_time, full_time = n_plain * launch + 16, n_larger * launch + 1.3 * 16
     recomputes = full_time < keep_time
     assert recomputes == (launch > 0)
     said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
