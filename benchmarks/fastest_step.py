@@ -56,9 +56,9 @@ out-of-memory errors (two optimizer steps of two micro-batches each), the defaul
 AdamW state do not fit the card together), every step time is read after ``torch.cuda.synchronize()``, and peaks are
 ``torch.cuda.max_memory_allocated`` over the timed steps.
 
-It prints a Markdown table per model run, then the defaults' start-up by phase (the first step's
-seconds; the seconds and calls of the size search's probes, its timed micro-steps and AutoCheckpoint's
-profiling, each also in steady steps), what the defaults decided (``AutoCheckpoint``'s one-line
+It prints a Markdown table per model run, then the defaults' start-up by phase (what the warm-up steps
+took beyond steady steps, each warm-up step in steady steps; the seconds and calls of the size search's
+probes and AutoCheckpoint's profiling, each also in steady steps), what the defaults decided (``AutoCheckpoint``'s one-line
 note) and whether their steady peak stayed within ``L``; progress and tracebacks go to stderr.
 """
 
