@@ -46,8 +46,7 @@ def measure_peak(
     Args:
         strategy: The Trainer's strategy (its model's gradients are set aside; ``no_sync`` under DDP).
         step: Runs the micro-step and returns its output.
-        memory: A :func:`~lightning_memopt.memory.device.device_memory` to measure with; None: nothing
-            measured, the return value is 0 where it trained.
+        memory: A :func:`~lightning_memopt.memory.device.device_memory` to measure with.
         state: The start state, captured before.
         tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure inside (None: the allocator).
         evaluation: ``step`` is an evaluation step: no backward.
@@ -67,8 +66,7 @@ def measure_peak(
                 for p, _ in grads:
                     if p.requires_grad and not is_dtensor(p):  # FSDP2's sharded gradients: as they come
                         p.grad = torch.zeros_like(p)
-            if memory is not None:
-                memory.reset_peak()
+            memory.reset_peak()
             with LogRecorder(module), no_sync(strategy):
                 if evaluation:
                     module.eval()
@@ -81,13 +79,12 @@ def measure_peak(
                 raise
             failed = True
         if not failed:
-            peak = memory.peak() if memory is not None else 0
+            peak = memory.peak()
     module.train(was_training)
     for p, grad in grads:  # gradients as they were (None at fit start)
         p.grad = grad
     state.restore()
-    if memory is not None:
-        memory.empty_cache()
+    memory.empty_cache()
     return peak
 
 

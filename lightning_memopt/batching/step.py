@@ -207,9 +207,9 @@ class TrainingStep:
                     # files it under backward, where it runs.
                     with running("backward"), noted:
                         regime.wrap_loss(weighted).backward()
-                if clock is not None and i < len(sizes):
-                    spans.append((began, clock.mark()))
                 if i < len(sizes):
+                    if clock is not None:
+                        spans.append((began, clock.mark()))
                     # Detached, as Lightning keeps a step's output: a value's graph would hold its
                     # micro-batch's activations (logits.max() saves the logits) until the step ends.
                     result.outputs.append(recursive_detach(out))
