@@ -333,6 +333,7 @@ class TrackBatch(Callback):
 
     def __init__(self, index: int) -> None:
         self.index, self.tracker, self.peak, self.breakdown = index, None, None, None
+        self.predicted: int | None = None  # AutoAccumulation's predicted peak of that batch's micro-steps
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.index:
@@ -344,6 +345,11 @@ class TrackBatch(Callback):
             self.tracker.__exit__(None, None, None)
             self.peak, self.breakdown = self.tracker.peak, self.tracker.peak_breakdown
             self.tracker = None
+            sizing = next((c for c in trainer.callbacks if isinstance(c, AutoAccumulation)), None)
+            sizes = sizing.engine.sizes if sizing is not None and sizing.engine is not None else None
+            if sizes is not None and sizes.model is not None:  # held + workspace + samples x bytes each
+                model, size = sizes.model, sizes.ran
+                self.predicted = round(model.held + model.workspace + size * model.per_sample(sizes.width))
 
 
 def free_cuda() -> None:
@@ -488,6 +494,8 @@ class Run:
     breakdown: dict | None = None
     peak_sizes: list[int] = field(default_factory=list)
     peak_notes: list[str] = field(default_factory=list)
+    predicted: int | None = None  # the defaults: AutoAccumulation's predicted peak of the tracked step
+    activations: tuple[int, int] | None = None  # the defaults: AutoCheckpoint's (predicted, measured)
 
     @property
     def seconds(self) -> float | None:
@@ -520,11 +528,11 @@ def start(run: Run, bench: Bench, batch: int, limit: int, precision: str, warmup
             break
 
 
-def defaults_peak(
-    bench: Bench, batch: int, limit: int, precision: str
-) -> tuple[int, dict, list[int], list[str]]:
-    """The defaults' peak over one steady optimizer step (the ninth), tracked in a fit of its own; with
-    its breakdown, the micro-batches that step ran and the fit's decision (which is its own)."""
+def defaults_peak(run: Run, bench: Bench, batch: int, limit: int, precision: str) -> None:
+    """The defaults' peak over one steady optimizer step (the ninth), tracked in a fit of its own, into
+    ``run``: with its breakdown, the micro-batches that step ran, the fit's decision (which is its own),
+    AutoAccumulation's predicted peak for that step and AutoCheckpoint's predicted and measured activation
+    bytes (its logged keys, where it planned)."""
     module, callbacks = way_setup("defaults", bench, limit)
     track, sizes = TrackBatch(8), []  # after the trial, the decision and the plan
 
@@ -535,12 +543,26 @@ def defaults_peak(
 
     bench.inner(module).register_forward_pre_hook(seen, with_kwargs=True)
     data = DataLoader(Samples(bench.sample, 9 * batch, batch), batch_size=batch)
+    fit = trainer(callbacks + [track], precision, max_steps=9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(callbacks + [track], precision, max_steps=9).fit(module, data)
-    notes = [str(w.message) for w in caught if str(w.message).startswith(NOTE_PREFIXES)]
+        fit.fit(module, data)
     assert track.peak is not None
-    return track.peak, track.breakdown, sizes, notes
+    run.peak, run.breakdown, run.peak_sizes, run.predicted = (
+        track.peak,
+        track.breakdown,
+        sizes,
+        track.predicted,
+    )
+    run.peak_notes = [str(w.message) for w in caught if str(w.message).startswith(NOTE_PREFIXES)]
+    logged = {
+        k: int(v) for k, v in fit.callback_metrics.items() if k.startswith("checkpoint/activation_bytes")
+    }
+    if logged:
+        run.activations = (
+            logged["checkpoint/activation_bytes_predicted"],
+            logged["checkpoint/activation_bytes_measured"],
+        )
 
 
 # ------------------------------------------------------------------------------------------- one model
@@ -610,9 +632,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
 
         def target():  # in a thread, as the timed fits (the decision is timed: same conditions)
             try:
-                defaults.peak, defaults.breakdown, defaults.peak_sizes, defaults.peak_notes = defaults_peak(
-                    bench, batch, limit, precision
-                )
+                defaults_peak(defaults, bench, batch, limit, precision)
             except Exception:
                 print(f"defaults' peak failed:\n{traceback.format_exc()}", file=sys.stderr)
 
@@ -723,6 +743,18 @@ def details(results: list[dict]) -> str:
                 f"  - defaults' steady peak: {defaults.peak / MiB:.2f} MiB ({defaults.peak / limit:.2f} L): {within}"
                 f" ({breakdown(defaults.breakdown)}; micro-batches {sizes})"
             )
+            if defaults.predicted is not None:
+                gap = defaults.predicted / defaults.peak - 1
+                out.append(
+                    f"  - defaults' peak predicted (AutoAccumulation, micro-batch run): "
+                    f"{defaults.predicted / MiB:.2f} MiB, {gap:+.1%} of the measured"
+                )
+            if defaults.activations is not None:
+                predicted, measured = defaults.activations
+                out.append(
+                    f"  - defaults' activations (AutoCheckpoint's plan, micro-batch run): predicted "
+                    f"{predicted / MiB:.2f} MiB, measured {measured / MiB:.2f} MiB ({predicted / measured - 1:+.1%})"
+                )
             if [n.split(":")[0] for n in defaults.peak_notes] != [n.split(":")[0] for n in defaults.notes]:
                 for note in defaults.peak_notes or ["(no AutoCheckpoint note)"]:
                     out.append(f"    - that fit decided otherwise: {note}")
