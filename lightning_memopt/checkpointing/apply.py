@@ -54,7 +54,7 @@ from lightning_memopt.checkpointing.costs import CHOICES
 from lightning_memopt.checkpointing.dry_run import dry_run
 from lightning_memopt.checkpointing.offload import overlapped_offload
 from lightning_memopt.checkpointing.pointwise import Pointwise, pointwise_forward, pointwise_modules
-from lightning_memopt.checkpointing.written import TREATED, Snapshot, treatment_state
+from lightning_memopt.checkpointing.written import TREATED, Inputs, Snapshot, treatment_state
 
 __all__ = [
     "apply_checkpointing",
@@ -246,8 +246,10 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
         hooks = overlapped_offload(block, (args, kwargs), functools.partial(_notify, "offloaded"))
         with hooks or _OffloadHooks(block):
             return fn(*args, **kwargs)
-    # Until a recomputing forward of this block was seen to write no state, each is watched (written.py):
-    # one that writes state is recomputed from the state it started from, and kept from then on.
+    # Until a recomputing forward of this block was seen to write no state, and (full, selective) its
+    # recomputation to find its inputs as the forward read them, each is watched (written.py): one that
+    # writes state, or whose inputs the model writes after it ran, is recomputed from the state and inputs
+    # it started from, and kept from then on.
     before = None if state.verified else Snapshot(block, values=choice != "pointwise")
     if choice == "pointwise":
         key = call_signature((args, kwargs))
@@ -255,15 +257,18 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
             run = functools.partial(dry_run, block, fn, args, kwargs)
             state.pointwise[key] = pointwise_modules(block, run, is_compute=is_compute_op)
         out = pointwise_forward(block, fn, args, kwargs, state.pointwise[key])
+        inputs = None
     else:
-        out = _recomputed(block, state, fn, args, kwargs)
+        inputs = None if before is None else Inputs(args, kwargs)
+        out = _recomputed(block, state, fn, args, kwargs, inputs)
     if before is not None:
-        _watched(block, state, before)
+        _watched(block, state, before, verified=inputs is None)
     return out
 
 
-def _recomputed(block: nn.Module, state: _BlockState, fn, args: tuple, kwargs: dict):
-    """``fn`` under non-reentrant checkpointing (``full``, or ``selective``'s cache policy)."""
+def _recomputed(block: nn.Module, state: _BlockState, fn, args: tuple, kwargs: dict, inputs: Inputs | None):
+    """``fn`` under non-reentrant checkpointing (``full``, or ``selective``'s cache policy); ``inputs``: a
+    watched forward's (:func:`_as_read`)."""
     if state.choice == "selective":
         key = call_signature((args, kwargs))
         if key not in state.cache_policies:
@@ -276,15 +281,35 @@ def _recomputed(block: nn.Module, state: _BlockState, fn, args: tuple, kwargs: d
         forward_ctx, recompute_ctx = contexts()
         return forward_ctx, _Recompute(block, state, recompute_ctx)
 
+    if inputs is not None:
+        fn = functools.partial(_as_read, state, inputs, fn)
     # Non-reentrant only: reentrant checkpoint breaks with kwargs, DDP and inputs that need no grad.
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _watched(block: nn.Module, state: _BlockState, before: Snapshot) -> None:
-    """After a watched forward: verified, or unrepeatable (recomputed from ``before``, kept afterwards)."""
+def _as_read(state: _BlockState, inputs: Inputs, fn, /, *args, **kwargs):
+    """``fn`` on a watched forward's inputs; its recomputation on them as the forward read them
+    (:class:`~.written.Inputs`), which ends the watch: the block is verified where no input was written
+    since (and its forward wrote no state), else unrepeatable, and kept from then on."""
+    try:
+        return inputs.call(fn, args, kwargs)
+    finally:
+        if inputs.calls > 1:  # a recomputation (which may stop early, by raising)
+            if inputs.written:
+                shown = ", ".join(inputs.written[:4]) + (", ..." if len(inputs.written) > 4 else "")
+                state.unrepeatable = (
+                    state.unrepeatable or f"the model writes its inputs after it ran ({shown})"
+                )
+            elif state.unrepeatable is None:
+                state.verified = True
+
+
+def _watched(block: nn.Module, state: _BlockState, before: Snapshot, verified: bool = True) -> None:
+    """After a watched forward: verified (where ``verified``: no recomputation must confirm it), or
+    unrepeatable (recomputed from ``before``, kept afterwards)."""
     written = before.written()
     if not written:
-        state.verified = True
+        state.verified = verified
         return
     shown = ", ".join(written[:4]) + (f", ... ({len(written)} in all)" if len(written) > 4 else "")
     state.unrepeatable = f"its forward writes state ({shown})"  # profile.py says what follows

@@ -11,6 +11,15 @@ values, or other shapes (torch's ``CheckpointError``).
 :class:`Snapshot` records a block's state before a forward (every sub-module's attributes by identity,
 their tensors' version counters and, where asked, copies of their values) and the random generators' states;
 :meth:`Snapshot.written` names what differs afterwards; :meth:`Snapshot.restore` puts it back.
+
+A model can also write into a block's *inputs* after the block returned: xLSTM hands each block its
+recurrent state tensors and copies the block's new state into them once it returns. The block's own state
+is untouched, so no snapshot of it sees the write; the inputs' version counters do. :class:`Inputs` records
+a forward's tensor inputs that torch's checkpoint does not save (those in a tuple, list or dict argument,
+and keyword arguments): their versions, and a copy of each that needs no gradient (a recurrent state, a
+cache, a mask); it hands a recomputation the copies of those written since, so that it reads what the
+forward read. A tensor passed as a positional argument of its own is saved by checkpoint, which refuses
+it in backward if it was written since.
 BatchNorm's running statistics are left out: a training-mode BatchNorm's output does not depend on them,
 and a recomputation does not update them (``apply.py`` freezes them while it runs). So is the one attribute
 this package writes on a block it treats (:data:`TREATED`, read with :func:`treatment_state`).
@@ -18,6 +27,8 @@ this package writes on a block it treats (:data:`TREATED`, read with :func:`trea
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,7 +36,7 @@ from torch import nn
 
 from lightning_memopt._rng import RngState
 
-__all__ = ["TREATED", "Snapshot", "detach_state", "treatment_state"]
+__all__ = ["TREATED", "Inputs", "Snapshot", "detach_state", "treatment_state"]
 
 TREATED = "_memopt_checkpoint"
 """The instance attribute in which ``apply.py`` keeps a treated block's state (its treatment, its calls)."""
@@ -131,3 +142,112 @@ class Snapshot:
 
 
 _MISSING = object()
+
+
+class Inputs:
+    """The tensor inputs of one forward of a block that checkpoint does not save, as the forward read them
+    (the module's docstring).
+
+    ``call`` runs the forward and, later, its recomputation: the first call is the forward's; a later one
+    gets a copy of every such input written since (version counter moved) in its place. An input that needs
+    a gradient is not copied (an activation: written after the block ran, no copy of it could take part in
+    the graph): written, it raises.
+
+    Args:
+        args: The forward's positional arguments.
+        kwargs: Its keyword arguments.
+
+    Example::
+
+        >>> state = torch.zeros(2)
+        >>> inputs = Inputs(((state,),), {})
+        >>> inputs.call(lambda s: s[0] + 1, ((state,),), {})  # the forward
+        tensor([1., 1.])
+        >>> _ = state.fill_(5.0)  # the model writes the block's input after the block returned
+        >>> inputs.call(lambda s: s[0] + 1, ((state,),), {})  # the recomputation reads what the forward read
+        tensor([1., 1.])
+        >>> inputs.written
+        ['args[0][0]']
+    """
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        nested = {f"args[{i}]": a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+        self.seen: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = [
+            (name, t, t._version, None if t.requires_grad else _copy_of(t))
+            for name, t in _named_tensors({**nested, **kwargs})
+        ]
+        self.calls = 0
+        self.written: list[str] = []
+        """The inputs written between the forward and the last recomputation, by path (``args[1][0]``)."""
+
+    def call(self, fn, args: tuple, kwargs: dict):
+        """``fn(*args, **kwargs)``, the copies of inputs written since the forward in their place."""
+        self.calls += 1
+        if self.calls == 1:
+            return fn(*args, **kwargs)
+        changed = {id(t): (name, copy) for name, t, version, copy in self.seen if t._version != version}
+        self.written = sorted({name for name, _ in changed.values()})
+        stuck = [name for name, copy in changed.values() if copy is None]
+        if stuck:
+            raise RuntimeError(
+                f"the model wrote the checkpointed block's input {', '.join(stuck)} in place after the block "
+                "ran, and it needs a gradient: its recomputation cannot read what its forward read; leave "
+                "the block out of checkpointing (AutoCheckpoint(blocks=...) or its plan)"
+            )
+        if not changed:
+            return fn(*args, **kwargs)
+        swap = {key: copy for key, (_, copy) in changed.items()}
+        return fn(*_swapped(args, swap), **_swapped(kwargs, swap))
+
+
+def _named_tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for each tensor in nested tuples, lists and dicts; each tensor once."""
+    seen: set[int] = set()
+
+    def walk(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in seen:
+                seen.add(id(value))
+                yield path, value
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                yield from walk(v, f"{path}[{i}]")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                yield from walk(v, f"{path}[{k!r}]" if path else k)
+
+    return walk(value, path)
+
+
+def _swapped(value: Any, swap: dict[int, torch.Tensor]) -> Any:
+    """``value`` with each tensor whose ``id`` is in ``swap`` replaced (tuples, lists and dicts rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return swap.get(id(value), value)
+    if type(value) in (tuple, list):
+        return type(value)(_swapped(v, swap) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_swapped(v, swap) for v in value))
+    if type(value) is dict:
+        return {k: _swapped(v, swap) for k, v in value.items()}
+    return value
+
+
+# One copy of a tensor many blocks are handed (a mask, rotary tables) per version, while a record holds it.
+_COPIES: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+
+
+def _copy_of(t: torch.Tensor) -> torch.Tensor:
+    hit = _COPIES.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        copy = hit[2]()
+        if copy is not None:
+            return copy
+    copy = t.detach().clone()
+    key = id(t)
+
+    def gone(ref: weakref.ref, key: int = key) -> None:
+        if _COPIES.get(key, (None, None, None))[2] is ref:
+            del _COPIES[key]
+
+    _COPIES[key] = (weakref.ref(t), t._version, weakref.ref(copy, gone))
+    return copy

@@ -242,3 +242,89 @@ def test_profile_blocks_still_says_which_block_was_not_called():
     model.unused = nn.ModuleList([_Layer()])
     with pytest.raises(ValueError, match="block 'unused.0' was not called"):
         profile_blocks(model, find_blocks(model), torch.randn(2, 8))
+
+
+class _StateLayer(_Layer):
+    """Takes its recurrent state in a tuple and returns its new one beside its output (xLSTM's blocks)."""
+
+    def forward(self, x, state):
+        out = super().forward(x + (state[0] if isinstance(state, tuple) else state))
+        return out, out.mean(0)
+
+
+class _StateNet(nn.Module):
+    """Hands each block a state tensor and copies the block's new state into it once the block returned,
+    in place (xLSTM's cache): a block's recorded input is written after it ran. ``write``: which blocks';
+    ``nested``: the state in a tuple (xLSTM's), else a keyword argument."""
+
+    def __init__(self, write=(0, 1), nested=True) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_StateLayer(), _StateLayer()])
+        self.head, self.write, self.nested = nn.Linear(8, 3), write, nested
+
+    def forward(self, x):
+        states = [torch.zeros(8, dtype=x.dtype) for _ in self.layers]
+        for i, layer in enumerate(self.layers):
+            x, new = layer(x, (states[i],)) if self.nested else layer(x, state=states[i])
+            if i in self.write:
+                states[i].copy_(new)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("choice", ["full", "selective"])
+def test_a_block_whose_input_the_model_writes_after_it_ran_trains_exactly_and_keeps_from_then_on(
+    choice, nested
+):
+    torch.manual_seed(0)
+    plain, ours = _StateNet(write=(1,), nested=nested).double(), _StateNet(write=(1,), nested=nested).double()
+    ours.load_state_dict(plain.state_dict())
+    apply_checkpointing(ours, {f"layers.{i}": choice for i in range(2)})
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for _ in range(3):  # the first step recomputes from the recorded state, then the written block keeps
+        expected, got = _grads(plain, x), _grads(ours, x)
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+    written, untouched = (ours.layers[i].__dict__["_memopt_checkpoint"] for i in (1, 0))
+    assert (
+        written.unrepeatable
+        == f"the model writes its inputs after it ran ({'args[1][0]' if nested else 'state'})"
+    )
+    assert not written.verified
+    assert untouched.unrepeatable is None and untouched.verified  # its recomputation found its inputs alike
+    remove_checkpointing(ours)
+
+
+def test_without_the_record_that_recomputation_reads_the_written_state():
+    # What the record prevents: a block whose watch ended before the model wrote its input recomputes
+    # from the written state (here: other values, the same shapes: a silently wrong gradient). Torch checks
+    # the version of a checkpoint's top-level tensor arguments only, not of a tuple's (xLSTM's).
+    torch.manual_seed(0)
+    plain, ours = _StateNet(write=(1,)).double(), _StateNet(write=(1,)).double()
+    ours.load_state_dict(plain.state_dict())
+    apply_checkpointing(ours, {"layers.1": "full"})
+    ours.layers[1].__dict__["_memopt_checkpoint"].verified = True
+    x = torch.randn(4, 8, dtype=torch.float64)
+    expected, got = _grads(plain, x), _grads(ours, x)
+    assert not torch.allclose(got["layers.1.fc1.weight"], expected["layers.1.fc1.weight"])
+
+
+def test_an_input_that_needs_a_gradient_written_after_the_block_ran_raises_naming_it():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, extra):
+            return torch.tanh(self.fc(x) + extra)
+
+    model = nn.Sequential(Block())
+    apply_checkpointing(model, {"0": "full"})
+    x = torch.randn(2, 8)
+    extra = torch.randn(2, 8, requires_grad=True) * 1  # an activation: it needs a gradient, is not copied
+    out = model[0](x, extra=extra)
+    extra.mul_(2)  # legal for autograd (nothing it saves is extra); a recomputation would read other values
+    with pytest.raises(
+        RuntimeError, match=r"input extra in place after the block ran.*AutoCheckpoint\(blocks"
+    ):
+        out.sum().backward()

@@ -143,16 +143,11 @@ def test_zero_arguments_trains_exactly_and_checkpoints_what_it_can(name):
 
 # xLSTM with its defaults (use_cache=True): the model hands each block the recurrent state tensors of its
 # cache and, after the block returns, copies the block's new state into them in place. The first step runs
-# every block full; its recomputation in backward reads the written state, takes another path, and torch
-# raises "Recomputed values for the following tensors have different metadata" (with use_cache=False the
-# same model trains bit-equal with both blocks full). Nothing in the block's own attributes changes, so
-# written.py's snapshot of the block cannot see it: the inputs' version counters can (the change to
-# checkpointing/apply.py is in issue 33's notes). Goal: exact, and a block that is not checkpointed named.
-@pytest.mark.xfail(
-    raises=torch.utils.checkpoint.CheckpointError,
-    strict=True,
-    reason="issue 33: a block input written in place after the block ran breaks its recomputation",
-)
+# every block full; its recomputation used to read the written state, take another path, and torch raised
+# "Recomputed values for the following tensors have different metadata". Nothing in the block's own
+# attributes changes, so written.py's snapshot of the block cannot see it; the inputs' version counters can:
+# a watched forward records its inputs (written.Inputs), the recomputation reads copies of those written
+# since, and the block keeps from then on, named in a note.
 def test_a_block_whose_inputs_are_written_after_it_ran_trains_exactly():
     module, seen, peaks, notes = _auto("xlstm")
     _assert_exact(module, _plain("xlstm")[0])
