@@ -43,13 +43,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
 from lightning_memopt._compat import selective_checkpoint_contexts
-from lightning_memopt.checkpointing.calls import (
-    call_signature,
-    is_kv_cache,
-    storage_key,
-    tensors,
-    without_cache,
-)
+from lightning_memopt._tree import tensors
+from lightning_memopt.checkpointing.calls import call_signature, is_kv_cache, storage_key, without_cache
 from lightning_memopt.checkpointing.costs import CHOICES
 from lightning_memopt.checkpointing.dry_run import dry_run
 from lightning_memopt.checkpointing.offload import overlapped_offload

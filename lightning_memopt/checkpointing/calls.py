@@ -1,5 +1,5 @@
-"""A block's call as values: the tensors in it and their storages, what its op sequence may depend on,
-and its inputs without a key/value cache.
+"""A block's call as values: its tensors' storages, what its op sequence may depend on, and its inputs
+without a key/value cache (the tensors in it: :func:`lightning_memopt._tree.tensors`).
 
 Shared by ``apply.py`` (which runs a block under a treatment), ``pointwise.py`` (which drops and remakes
 the outputs of a block's sub-modules), ``dry_run.py`` (which runs a block on fake tensors) and
@@ -16,18 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["call_signature", "is_kv_cache", "storage_key", "tensors", "without_cache"]
-
-
-def tensors(value) -> list[torch.Tensor]:
-    """The tensors in ``value`` (nested tuples, lists and dicts), in order; the first is the primary one."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors(v)]
-    return []
+__all__ = ["call_signature", "is_kv_cache", "storage_key", "without_cache"]
 
 
 def storage_key(t: torch.Tensor) -> int | None:

@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_map
 
 from lightning_memopt._compat import in_backward
 from lightning_memopt._replay import is_replaying
-from lightning_memopt.checkpointing.calls import storage_key, tensors, without_cache
+from lightning_memopt._tree import tensors
+from lightning_memopt.checkpointing.calls import storage_key, without_cache
 
 __all__ = ["BlockInputs", "capture_block_inputs", "record_block_inputs"]
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_memopt.checkpointing.calls import tensors
+from lightning_memopt._tree import tensors
 from lightning_memopt.checkpointing.written import Snapshot
 
 __all__ = ["dry_run", "fake_call"]

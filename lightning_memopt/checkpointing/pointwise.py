@@ -70,7 +70,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_memopt._compat import saved_by, saved_tensors_hooks_below, view_base
-from lightning_memopt.checkpointing.calls import storage_key, tensors
+from lightning_memopt._tree import tensors
+from lightning_memopt.checkpointing.calls import storage_key
 
 __all__ = ["Pointwise", "pointwise_modules", "pointwise_forward"]
 

@@ -32,8 +32,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_memopt._tree import tensors
 from lightning_memopt.checkpointing.apply import apply_checkpointing, observe_saved, remove_checkpointing
-from lightning_memopt.checkpointing.calls import call_signature, storage_key, tensors
+from lightning_memopt.checkpointing.calls import call_signature, storage_key
 from lightning_memopt.checkpointing.capture import BlockInputs, capture_block_inputs
 from lightning_memopt.checkpointing.costs import CHOICES, BlockProfile, OptionCost
 from lightning_memopt.checkpointing.flops import OpCounter

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from lightning_memopt._tree import tensors
+
 __all__ = ["MemoryTracker", "CATEGORIES", "open_head", "state_bytes", "tensor_bytes"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
@@ -157,21 +159,6 @@ def _size(storage: torch.UntypedStorage, device: torch.device) -> int:
     return n
 
 
-def _tensors(value, found: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or results (tensors, possibly in lists, tuples and a kwargs dict),
-    appended to ``found``: an op's arguments nest no deeper, and a general pytree walk cost a third of the
-    tracker's time per op."""
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _tensors(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _tensors(item, found)
-    return found
-
-
 class _DispatchHook(TorchDispatchMode):
     """Registers every tensor an op reads or writes with every entered tracker."""
 
@@ -179,8 +166,8 @@ class _DispatchHook(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         trackers = dict.fromkeys(_ACTIVE)
         if trackers:
-            inputs = _tensors((args, kwargs), [])
-            outputs = _tensors(out, [])
+            inputs = tensors((args, kwargs))
+            outputs = tensors(out)
             for tracker in trackers:
                 # Inputs first: an input seen for the first time existed before the op (a batch's labels),
                 # and only storages the op made can be the output head's (an output viewing an input is
