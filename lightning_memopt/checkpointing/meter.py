@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_memopt._compat import in_backward
+from lightning_memopt._tree import tensors
 from lightning_memopt.checkpointing.apply import observe_saved
 from lightning_memopt.checkpointing.capture import BlockInputs, record_block_inputs
 from lightning_memopt.memory import MemoryTracker
@@ -56,29 +57,46 @@ class ActivationMeter:
         """Bytes held by all blocks together."""
         return sum(self.block_bytes.values())
 
+    def _beyond_view(self, t: torch.Tensor) -> int:
+        """The bytes of ``t``'s storage beyond ``t`` itself, where the block made autograd hold that storage:
+        a micro-batch is a slice of its batch, and a stem that saves it holds nothing the batch does not
+        (the plan counts the slice; the tracker, every byte of the storage it holds)."""
+        if self.tracker.category_of(t) != "activations":
+            return 0
+        try:
+            storage = t.untyped_storage().nbytes()
+        except (NotImplementedError, RuntimeError):  # a tensor without a storage of its own
+            return 0
+        return max(0, storage - t.numel() * t.element_size())
+
     def _mark(self, kind: str, t: torch.Tensor) -> None:
         if kind == "cached":
             self.tracker.mark(t, "activations")
 
     def __enter__(self) -> ActivationMeter:
-        start: dict[str, int] = {}
+        start: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
         def pre(name):
-            def hook(module, args):
+            def hook(module, args, kwargs):
                 if torch.is_grad_enabled() and not in_backward():  # the last forward counts, as above
-                    start[name] = self.tracker.current_breakdown["activations"]
+                    inputs = [
+                        t for t in tensors((args, kwargs)) if self.tracker.category_of(t) != "activations"
+                    ]
+                    start[name] = (self.tracker.current_breakdown["activations"], inputs)
 
             return hook
 
         def post(name):
             def hook(module, args, out):
                 if name in start:
-                    self.block_bytes[name] = self.tracker.current_breakdown["activations"] - start.pop(name)
+                    before, inputs = start.pop(name)
+                    grown = self.tracker.current_breakdown["activations"] - before
+                    self.block_bytes[name] = grown - sum(map(self._beyond_view, inputs))
 
             return hook
 
         for name, block in self.blocks:
-            self._stack.callback(block.register_forward_pre_hook(pre(name)).remove)
+            self._stack.callback(block.register_forward_pre_hook(pre(name), with_kwargs=True).remove)
             self._stack.callback(block.register_forward_hook(post(name)).remove)
         self._stack.enter_context(self.tracker)
         self._stack.enter_context(observe_saved(self._mark))

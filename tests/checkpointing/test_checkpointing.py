@@ -744,3 +744,23 @@ def test_forward_probe_reads_whats_held_outside_the_blocks_after_micro_batches_r
     del out
     assert split.outside_bytes == whole_part.outside_bytes > 0
     assert split.meter.total == whole_part.meter.total and whole.outside_bytes > split.outside_bytes
+
+
+@pytest.mark.parametrize("choice", ["keep", "full"])
+def test_a_stem_that_saves_a_slice_of_its_batch_holds_the_slice_not_the_batch(choice):
+    # A micro-batch is a slice of the DataLoader's batch (one storage); a stem block that saves its input
+    # (a convolution or linear layer on the raw batch) makes autograd hold that storage, which the tracker
+    # counts whole. The meter counts the slice, as the plan does: the rest of the batch is held anyway.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16)), nn.Sequential(nn.Linear(16, 8), nn.Tanh()))
+    apply_checkpointing(model, {"0": choice, "1": choice})
+    blocks = [("0", model[0]), ("1", model[1])]
+    batch = torch.randn(12, 8)
+    measured = []
+    for x in (batch[:3], batch[:3].clone()):  # the slice, and the same samples as a storage of their own
+        with ActivationMeter(model, blocks) as meter:
+            model(x).sum().backward()
+        measured.append(meter.block_bytes)
+    assert measured[0] == measured[1]
+    assert measured[0]["0"] == 3 * 8 * 4  # the slice (its output is held by the next block's linear layer)
+    remove_checkpointing(model)
