@@ -16,6 +16,7 @@ from torch import nn
 from lightning_memopt._compat import in_backward
 from lightning_memopt._tree import tensors
 from lightning_memopt.checkpointing.apply import observe_saved
+from lightning_memopt.checkpointing.calls import storage_key
 from lightning_memopt.checkpointing.capture import BlockInputs, record_block_inputs
 from lightning_memopt.memory import MemoryTracker
 
@@ -57,17 +58,18 @@ class ActivationMeter:
         """Bytes held by all blocks together."""
         return sum(self.block_bytes.values())
 
-    def _beyond_view(self, t: torch.Tensor) -> int:
-        """The bytes of ``t``'s storage beyond ``t`` itself, where the block made autograd hold that storage:
-        a micro-batch is a slice of its batch, and a stem that saves it holds nothing the batch does not
-        (the plan counts the slice; the tracker, every byte of the storage it holds)."""
-        if self.tracker.category_of(t) != "activations":
-            return 0
-        try:
-            storage = t.untyped_storage().nbytes()
-        except (NotImplementedError, RuntimeError):  # a tensor without a storage of its own
-            return 0
-        return max(0, storage - t.numel() * t.element_size())
+    def _beyond_views(self, inputs: list[torch.Tensor]) -> int:
+        """The bytes of the storages behind ``inputs`` beyond the views of them that the block was handed,
+        where it made autograd hold those storages: a micro-batch is a slice of its batch, and a stem that
+        saves it holds nothing the batch does not (the plan counts the slice; the tracker, every byte of
+        the storage it holds)."""
+        views: dict[int, list[int]] = {}  # storage: [its bytes, the bytes of the views handed in]
+        for t in inputs:
+            key = storage_key(t)
+            if key is not None and self.tracker.category_of(t) == "activations":
+                entry = views.setdefault(key, [t.untyped_storage().nbytes(), 0])
+                entry[1] += t.numel() * t.element_size()
+        return sum(max(0, total - seen) for total, seen in views.values())
 
     def _mark(self, kind: str, t: torch.Tensor) -> None:
         if kind == "cached":
@@ -91,7 +93,7 @@ class ActivationMeter:
                 if name in start:
                     before, inputs = start.pop(name)
                     grown = self.tracker.current_breakdown["activations"] - before
-                    self.block_bytes[name] = grown - sum(map(self._beyond_view, inputs))
+                    self.block_bytes[name] = grown - self._beyond_views(inputs)
 
             return hook
 

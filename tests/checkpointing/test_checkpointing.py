@@ -764,3 +764,23 @@ def test_a_stem_that_saves_a_slice_of_its_batch_holds_the_slice_not_the_batch(ch
     assert measured[0] == measured[1]
     assert measured[0]["0"] == 3 * 8 * 4  # the slice (its output is held by the next block's linear layer)
     remove_checkpointing(model)
+
+
+def test_a_stem_handed_two_slices_of_one_storage_counts_both_slices_once():
+    class Stem(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(4, 8)
+
+        def forward(self, left, right):
+            return self.a(left) + self.b(right)  # each linear layer saves its slice
+
+    torch.manual_seed(0)
+    stem = Stem()
+    batch = torch.randn(12, 8)
+    measured = []
+    for x in (batch[:3], batch[:3].clone()):  # both slices of the batch, or of a 3-sample storage
+        with ActivationMeter(stem, [("", stem)]) as meter:
+            stem(x[:, :4], x[:, 4:]).sum().backward()
+        measured.append(meter.block_bytes[""])
+    assert measured == [3 * 8 * 4, 3 * 8 * 4]  # the two halves of three samples: what the block holds
