@@ -28,11 +28,11 @@ this package writes on a block it treats (:data:`TREATED`, read with :func:`trea
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from lightning_memopt._rng import RngState
 
@@ -172,10 +172,11 @@ class Inputs:
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
         nested = {f"args[{i}]": a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
-        self.seen: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = [
-            (name, t, t._version, None if t.requires_grad else _copy_of(t))
-            for name, t in _named_tensors({**nested, **kwargs})
-        ]
+        self.seen: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = []
+        for path, t in tree_flatten_with_path({**nested, **kwargs})[0]:
+            if isinstance(t, torch.Tensor) and all(t is not other for _, other, _, _ in self.seen):
+                name = path[0].key + keystr(path[1:])  # args[1][0], state, position_embeddings[0]
+                self.seen.append((name, t, t._version, None if t.requires_grad else _copy_of(t)))
         self.calls = 0
         self.written: list[str] = []
         """The inputs written between the forward and the last recomputation, by path (``args[1][0]``)."""
@@ -197,39 +198,10 @@ class Inputs:
         if not changed:
             return fn(*args, **kwargs)
         swap = {key: copy for key, (_, copy) in changed.items()}
-        return fn(*_swapped(args, swap), **_swapped(kwargs, swap))
-
-
-def _named_tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(path, tensor)`` for each tensor in nested tuples, lists and dicts; each tensor once."""
-    seen: set[int] = set()
-
-    def walk(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-        if isinstance(value, torch.Tensor):
-            if id(value) not in seen:
-                seen.add(id(value))
-                yield path, value
-        elif isinstance(value, (tuple, list)):
-            for i, v in enumerate(value):
-                yield from walk(v, f"{path}[{i}]")
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                yield from walk(v, f"{path}[{k!r}]" if path else k)
-
-    return walk(value, path)
-
-
-def _swapped(value: Any, swap: dict[int, torch.Tensor]) -> Any:
-    """``value`` with each tensor whose ``id`` is in ``swap`` replaced (tuples, lists and dicts rebuilt)."""
-    if isinstance(value, torch.Tensor):
-        return swap.get(id(value), value)
-    if type(value) in (tuple, list):
-        return type(value)(_swapped(v, swap) for v in value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_swapped(v, swap) for v in value))
-    if type(value) is dict:
-        return {k: _swapped(v, swap) for k, v in value.items()}
-    return value
+        args, kwargs = tree_map(
+            lambda v: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v, (args, kwargs)
+        )
+        return fn(*args, **kwargs)
 
 
 # One copy of a tensor many blocks are handed (a mask, rotary tables) per version, while a record holds it.
