@@ -341,3 +341,37 @@ def test_a_leaf_heads_input_keeps_no_hook_after_exit():
         assert features._backward_hooks  # the head's closing hook, while entered
     assert not features._backward_hooks
     assert tracker.current_head == 0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.AdamW(p),
+        lambda p: torch.optim.Adam(p, amsgrad=True),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        lambda p: torch.optim.Adagrad(p),
+        lambda p: torch.optim.RMSprop(p, centered=True, momentum=0.5),
+        lambda p: torch.optim.NAdam(p),
+    ],
+)
+def test_optimizer_state_to_come_is_what_the_first_step_creates(make):
+    # Parameters of repeated kinds (shapes, dtypes) in two groups: the fake step runs one parameter of each
+    # kind and counts its state once per parameter of that kind; a real first step creates exactly that
+    # (Adagrad creates its state when constructed: none to come, none created by the step).
+    from lightning_memopt.memory.tracker import optimizer_state_to_come, tensor_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)], torch.nn.Linear(8, 3))
+    model[3].double()
+    optimizer = make([{"params": model[:2].parameters()}, {"params": model[2:].parameters(), "lr": 0.01}])
+
+    def held() -> int:
+        return tensor_bytes(t for state in optimizer.state.values() for t in state.values())
+
+    predicted, before = optimizer_state_to_come([optimizer]), held()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert predicted == held() - before
+    assert optimizer_state_to_come([optimizer]) == 0  # it holds its state now
