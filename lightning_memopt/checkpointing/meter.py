@@ -67,7 +67,7 @@ class ActivationMeter:
         for t in inputs:
             key = storage_key(t)
             if key is not None and self.tracker.category_of(t) == "activations":
-                entry = views.setdefault(key, [t.untyped_storage().nbytes(), 0])
+                entry = views.setdefault(key, [self.tracker.bytes_of(t), 0])
                 entry[1] += t.numel() * t.element_size()
         return sum(max(0, total - seen) for total, seen in views.values())
 

@@ -285,6 +285,12 @@ class MemoryTracker:
         entries = [self._entries.get(id(s)) for s, _ in _storages(tensor)]
         return entries[0].category if entries and entries[0] is not None else None
 
+    def bytes_of(self, tensor: torch.Tensor) -> int:
+        """The bytes the tracker counts for ``tensor``'s storages (the whole storages, as a CUDA allocator's
+        blocks hold them; 0 for those it has not seen)."""
+        entries = [self._entries.get(id(s)) for s, _ in _storages(tensor)]
+        return sum(entry.nbytes for entry in entries if entry is not None)
+
     # ------------------------------------------------------------------ marking
     def track_modules(self, *modules: torch.nn.Module) -> None:
         """Add modules after construction (e.g. layers created in ``configure_model``)."""

@@ -375,3 +375,14 @@ def test_optimizer_state_to_come_is_what_the_first_step_creates(make):
     optimizer.step()
     assert predicted == held() - before
     assert optimizer_state_to_come([optimizer]) == 0  # it holds its state now
+
+
+def test_bytes_of_counts_the_whole_storage_behind_a_view_and_nothing_unseen():
+    model = torch.nn.Linear(4, 4)
+    with MemoryTracker(model) as tracker:
+        batch = torch.randn(6, 4)
+        model(batch[:2]).sum().backward()  # the slice is saved: its storage counted whole
+        assert tracker.bytes_of(batch[:2]) == tracker.bytes_of(batch) == 6 * 4 * 4
+        assert tracker.bytes_of(model.weight) == 16 * 4
+        assert tracker.bytes_of(torch.zeros(3)) == 12  # made under the tracker: seen
+    assert tracker.bytes_of(torch.zeros(3)) == 0  # made after it: never seen
