@@ -19,6 +19,7 @@ from lightning_memopt.checkpointing.apply import observe_saved
 from lightning_memopt.checkpointing.calls import storage_key
 from lightning_memopt.checkpointing.capture import BlockInputs, record_block_inputs
 from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.memory.tracker import allocated_bytes
 
 __all__ = ["ActivationMeter", "ForwardProbe"]
 
@@ -59,17 +60,18 @@ class ActivationMeter:
         return sum(self.block_bytes.values())
 
     def _beyond_views(self, inputs: list[torch.Tensor]) -> int:
-        """The bytes of the storages behind ``inputs`` beyond the views of them that the block was handed,
-        where it made autograd hold those storages: a micro-batch is a slice of its batch, and a stem that
-        saves it holds nothing the batch does not (the plan counts the slice; the tracker, every byte of
-        the storage it holds)."""
-        views: dict[int, list[int]] = {}  # storage: [its bytes, the bytes of the views handed in]
+        """The bytes the tracker counts for the storages behind ``inputs`` beyond the views of them that the
+        block was handed, where it made autograd hold those storages: a micro-batch is a slice of its batch,
+        and a stem that saves it holds nothing the batch does not (the plan counts the slice, as a storage
+        of its own; the tracker, the whole storage autograd holds)."""
+        views: dict[int, list] = {}  # storage: [a tensor on it, the bytes of the views handed in]
         for t in inputs:
             key = storage_key(t)
             if key is not None and self.tracker.category_of(t) == "activations":
-                entry = views.setdefault(key, [self.tracker.bytes_of(t), 0])
-                entry[1] += t.numel() * t.element_size()
-        return sum(max(0, total - seen) for total, seen in views.values())
+                views.setdefault(key, [t, 0])[1] += t.numel() * t.element_size()
+        return sum(
+            max(0, self.tracker.bytes_of(t) - allocated_bytes(seen, t.device)) for t, seen in views.values()
+        )
 
     def _mark(self, kind: str, t: torch.Tensor) -> None:
         if kind == "cached":

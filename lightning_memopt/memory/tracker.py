@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from lightning_memopt._tree import tensors
 
-__all__ = ["MemoryTracker", "CATEGORIES", "open_head", "state_bytes", "tensor_bytes"]
+__all__ = ["MemoryTracker", "CATEGORIES", "allocated_bytes", "open_head", "state_bytes", "tensor_bytes"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 HEAD = "head"
@@ -152,11 +152,20 @@ def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]
         return []
 
 
+def allocated_bytes(nbytes: int, device: torch.device) -> int:
+    """The bytes a storage of ``nbytes`` takes as a tracker counts them: rounded up to the CUDA caching
+    allocator's 512-byte blocks on CUDA, as they are elsewhere.
+
+    Example::
+
+        >>> allocated_bytes(100, torch.device("cuda")), allocated_bytes(100, torch.device("cpu"))
+        (512, 100)
+    """
+    return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK if device.type == "cuda" else nbytes
+
+
 def _size(storage: torch.UntypedStorage, device: torch.device) -> int:
-    n = storage.nbytes()
-    if device.type == "cuda":
-        n = -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
-    return n
+    return allocated_bytes(storage.nbytes(), device)
 
 
 class _DispatchHook(TorchDispatchMode):
