@@ -99,8 +99,11 @@ def profile_blocks(
         with _gathered(block) as call:
             if key not in cache:
                 cache[key] = _profile_block(name, block, call, captured, choices, context, clock)
-        profile = copy.deepcopy(cache[key])
+        computed, held = cache[key]
+        profile = copy.deepcopy(computed)
         profile.name, profile.chained, profile.input_held = name, captured.chained, captured.input_held
+        for choice, option in profile.options.items():  # inputs held once count in the first block only
+            option.internal_bytes -= sum(held[choice].get(i, 0) for i in captured.shared)
         profiles.append(profile)
     return profiles
 
@@ -169,9 +172,13 @@ def _take_off(blocks: list[nn.Module]) -> None:
 
 
 def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
+    """What a block's profile runs: blocks alike in it are profiled (and timed) once. Which inputs an
+    earlier block holds already (``captured.shared``) changes only what the block counts, not what runs:
+    the first layer of a stack, which counts the attention mask and position embeddings, is profiled with
+    the others."""
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
     inputs = call_signature((captured.args, captured.kwargs))
-    return (type(block), repr(block), block.training, params, inputs, captured.shared, captured.grad_inputs)
+    return (type(block), repr(block), block.training, params, inputs, captured.grad_inputs)
 
 
 @contextlib.contextmanager
@@ -197,12 +204,18 @@ def _gathered(block: nn.Module) -> Iterator[Callable]:
         block.reshard()
 
 
-def _profile_block(name, block, call, captured: BlockInputs, choices, context, clock) -> BlockProfile:
+def _profile_block(
+    name, block, call, captured: BlockInputs, choices, context, clock
+) -> tuple[BlockProfile, dict[str, dict[int, int]]]:
+    """The block's profile, its options' ``internal_bytes`` counting every input the block holds, and
+    by option the bytes of each other input held (by position, as ``BlockInputs.shared``): a block for
+    which an earlier one holds some takes them off (:func:`profile_blocks`)."""
     state = treatment_state(block)
     before = state.choice if state is not None else None
     fake_model = nn.Module()  # apply_checkpointing works on a model; give the block a one-entry tree
     fake_model.add_module("b", block)
     options: dict[str, OptionCost] = {}
+    held: dict[str, dict[int, int]] = {}
     keep_bwd = (0, 0)
     forward_flops = in_bytes = out_bytes = 0
     seconds = None
@@ -210,7 +223,7 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context, c
     try:
         for choice in choices if note is None else ["keep"]:
             try:
-                cost, fwd_flops, bwd, sizes, written = _run_choice(
+                cost, fwd_flops, bwd, sizes, held[choice], written = _run_choice(
                     fake_model, choice, call, captured, context
                 )
             except Exception as err:  # noqa: BLE001 - whatever fails, the block keeps and the fit goes on
@@ -230,7 +243,7 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context, c
             if note is not None:
                 break
         if note is not None and not options:
-            cost, forward_flops, keep_bwd, (in_bytes, out_bytes), _ = _run_choice(
+            cost, forward_flops, keep_bwd, (in_bytes, out_bytes), held["keep"], _ = _run_choice(
                 fake_model, "keep", call, captured, context
             )
             options["keep"] = cost
@@ -246,7 +259,7 @@ def _profile_block(name, block, call, captured: BlockInputs, choices, context, c
         name, forward_flops, in_bytes, out_bytes, captured.chained, options, captured.input_held, seconds
     )
     profile.note = None if note is None else f"{note}: a recomputation would not reproduce the forward"
-    return profile
+    return profile, held
 
 
 def _first_line(err: BaseException) -> str:
@@ -348,12 +361,12 @@ def _run(block, call, captured: BlockInputs, context):
     ):
         saves_out = False  # one storage: count it once, as the input
     internal = acts - in_bytes * saves_in - out_bytes * saves_out
-    inputs = tensors((args, kwargs))
-    internal -= sum(  # inputs held once for several blocks count in the first (see BlockInputs.shared)
-        inputs[i].untyped_storage().nbytes()
-        for i in captured.shared
-        if tracker.category_of(inputs[i]) == "activations"
-    )
+    # the other inputs held for backward, by position: those an earlier block holds come off per block
+    held = {
+        i: t.untyped_storage().nbytes()
+        for i, t in enumerate(tensors((args, kwargs)))
+        if i > 0 and tracker.category_of(t) == "activations"
+    }
     cost = OptionCost(internal, saves_in, saves_out, transfer_bytes=offloaded[0])
     params = [p for p in block.parameters() if p.requires_grad]
     bwd_counter = OpCounter()
@@ -363,4 +376,4 @@ def _run(block, call, captured: BlockInputs, context):
         del out, outs, primary_out
         with bwd_counter:
             torch.autograd.grad(loss, leaves + params, allow_unused=True)
-    return cost, counter.flops, (bwd_counter.flops, bwd_counter.bytes), (in_bytes, out_bytes)
+    return cost, counter.flops, (bwd_counter.flops, bwd_counter.bytes), (in_bytes, out_bytes), held

@@ -593,6 +593,59 @@ def test_input_held_by_op_outside_blocks_counted_once():
     assert meter.block_bytes == plan.block_bytes
 
 
+class _MaskedBlock(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x, mask):
+        return x + self.fc2(torch.relu(self.fc1(x)) * mask)  # the product saves the mask for backward
+
+
+class _Masked(nn.Module):
+    def __init__(self, n: int, h: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_MaskedBlock(h) for _ in range(n))
+
+    def forward(self, x, mask):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+def test_blocks_alike_but_for_an_input_an_earlier_one_holds_are_profiled_once_and_count_it_once():
+    # Every layer takes the one mask; the first counts it. The layers run alike: one profile serves all,
+    # and each takes off what an earlier layer holds (as a Hugging Face stack's attention mask).
+    torch.manual_seed(0)
+    B, T, h = 2, 8, 16
+    model = _Masked(3, h)
+    x, mask = torch.randn(B, T, h, requires_grad=True), (torch.rand(B, T, 4 * h) > 0.5).float()
+    blocks = find_blocks(model, [_MaskedBlock])
+    inputs = capture_block_inputs(model, blocks, x, mask)
+    assert [inputs[n].shared for n, _ in blocks] == [(), (1,), (1,)]
+    runs = {n: 0 for n, _ in blocks}
+    hooks = [b.register_forward_pre_hook(lambda *a, n=n: runs.__setitem__(n, runs[n] + 1)) for n, b in blocks]
+    profiles = profile_blocks(model, blocks, inputs=inputs)
+    for hook in hooks:
+        hook.remove()
+    assert runs["layers.0"] > 0 and runs["layers.1"] == runs["layers.2"] == 0
+    mask_bytes = B * T * 4 * h * 4
+    first, later = profiles[0].options, profiles[1].options
+    for choice in ("keep", "selective", "full"):  # full too: a checkpoint saves its inputs
+        assert first[choice].internal_bytes - later[choice].internal_bytes == mask_bytes, choice
+    assert later["full"].internal_bytes == 0  # its primary input alone, counted apart
+    assert first["offload"].internal_bytes == later["offload"].internal_bytes == 0  # on the host
+    assert [p.name for p in profiles] == [n for n, _ in blocks]
+    for choices in [("keep",) * 3, ("full", "keep", "keep"), ("keep", "full", "selective"), ("full",) * 3]:
+        predicted = evaluate_plan(profiles, choices)
+        apply_checkpointing(model, predicted)
+        with ActivationMeter(model, blocks) as meter:
+            out = model(x, mask).sum()
+        out.backward()
+        assert meter.block_bytes == predicted.block_bytes, choices
+    remove_checkpointing(model)
+
+
 def test_profile_of_a_stem_whose_input_needs_no_grad_matches_measurement():
     torch.manual_seed(0)
 
