@@ -26,7 +26,7 @@ from lightning_memopt.checkpointing import (
     remove_checkpointing,
 )
 from lightning_memopt.checkpointing.flops import OpCounter
-from tests.checkpointing.helpers import live_tensors
+from tests.checkpointing.helpers import LiveTensors
 from tests.checkpointing.models import Block, TinyGPT
 from tests.oracles import brute_force_plan
 
@@ -343,7 +343,7 @@ def test_steps_leave_no_tensor_behind_and_nothing_holds_the_parameters(choice):
     model = nn.Sequential(_RMSNormed(), _RMSNormed())
     apply_checkpointing(model, {"0": choice, "1": choice})
     x = torch.randn(2, 8, 16, requires_grad=True)
-    counts = []
+    live_tensors, counts = LiveTensors(), []
     for _ in range(3):
         model(x).square().sum().backward()
         counts.append(live_tensors())

@@ -21,7 +21,7 @@ from lightning_memopt.checkpointing.apply import is_compute_op
 from lightning_memopt.checkpointing.dry_run import dry_run
 from lightning_memopt.checkpointing.pointwise import Pointwise, pointwise_modules
 from lightning_memopt.checkpointing.written import treatment_state
-from tests.checkpointing.helpers import live_tensors
+from tests.checkpointing.helpers import LiveTensors, live_tensors
 from tests.checkpointing.models import TinyGPT
 
 
@@ -166,7 +166,7 @@ def test_pointwise_gradients_equal_the_plain_run_on_the_zoo(name):
         torch.testing.assert_close(
             got[n], plain[n], rtol=0, atol=64 * eps * plain[n].abs().max().item(), msg=n
         )
-    live = live_tensors()
+    live = live_tensors()  # a step's gradients replace the last's: the count stays
     _grads(model, **batch)
     assert live_tensors() == live  # nothing a step made again stays behind (GPT-2's GELU, Llama's norms)
     found = [
@@ -505,7 +505,7 @@ def test_pointwise_forward_that_raises_leaves_nothing_behind():
     apply_checkpointing(model, {"0": "pointwise", "1": "pointwise"})
     model(x).sum().backward()
     model[1].fails = True
-    counts = []
+    live_tensors, counts = LiveTensors(), []
     for _ in range(3):
         with pytest.raises(torch.OutOfMemoryError, match="injected"):
             model(x)
