@@ -71,6 +71,11 @@ class Recompute(Protocol):
         """Run the way ``"keep"`` (every block kept) or ``"full"`` (every block recomputed) from now on, or
         ``"own head"`` (kept, the model's own head)."""
 
+    def try_plan(self, kept_peak: Callable[[int], float] | None = None) -> None:
+        """Run, at a step of the trial, the least recompute that fits the micro-batch about to run: the
+        first time, every block recomputed while the step is measured, for the plan made when it ends;
+        later, that plan. ``kept_peak``: as for :meth:`decided`."""
+
     def decided(self, way: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
         """The search chose ``way`` for the micro-batches to come, for the reason ``why`` (one line);
         ``kept_peak(samples)``: where recompute won over plain micro-batches that fit, a whole micro-step's
@@ -282,10 +287,13 @@ class MicroBatchSizes:
         the engine times each step's micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch
         of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
         that slows down meanwhile weighs on every way alike), and the fastest way runs from the step after
-        the last. Any way gives a step the same gradient: the timing costs no extra step, only the slower
-        ways' extra seconds. Where ``full`` is taken, ``AutoCheckpoint`` then plans the least recompute
-        that fits the size chosen. Every rank takes the same path (sizes are the smallest over ranks,
-        seconds the longest).
+        the last. Recompute runs as it would if it won: at its first turn every block recomputes while
+        ``AutoCheckpoint`` measures the step and plans the least recompute that fits its micro-batch;
+        its later turns (one more than the other ways') run that plan, and they price it (every block
+        recomputed priced the ResNet of ``benchmarks/fastest_step.py`` at 0.22 s a step where its plan
+        ran 0.17). Any way gives a step the same gradient: the timing costs no extra step, only the slower
+        ways' extra seconds and the plan's profile. Every rank takes the same path (sizes are the smallest
+        over ranks, seconds the longest).
         """
         assert self.recompute is not None
         floor = probes.floor
@@ -352,10 +360,14 @@ class MicroBatchSizes:
         return self._trial is not None
 
     def _try(self, way: str) -> int:
-        """Run ``way`` for the next optimizer step of the trial; its size."""
+        """Run ``way`` for the next optimizer step of the trial; its size. Recompute runs as it will if it
+        wins: the least recompute that fits its micro-batch (planned at its first turn)."""
         assert self._trial is not None and self.recompute is not None
         size, self.probes = self._trial.found[way]
-        self.recompute.use(way)
+        if way == "full":
+            self.recompute.try_plan(_peak_at(self._trial.kept))
+        else:
+            self.recompute.use(way)
         return size
 
     def _next_way(self, probes: Probes) -> None:
@@ -374,10 +386,13 @@ class MicroBatchSizes:
             trial.turn += 1
             self._size_to(self._try(trial.turns[trial.turn]))
             return
-        fastest = [min(s for w, s in zip(trial.turns, trial.seconds) if w == way) for way in trial.ways]
+        # recompute's first turn planned (every block recomputed, measured): its later turns ran the plan
+        priced = [i for i, w in enumerate(trial.turns) if w != "full" or i != trial.turns.index("full")]
+        fastest = [min(trial.seconds[i] for i in priced if trial.turns[i] == way) for way in trial.ways]
         agreed = max_over_ranks_each([int(seconds * 1e9) for seconds in fastest], probes.device)
         seconds = {way: ns / 1e9 for way, ns in zip(trial.ways, agreed)}
         said, parts = _said(chunked=trial.ways[0] == "own head"), []
+        said["full"] = "with the least recompute that fits them"
         for i, way in enumerate(trial.ways):
             count, runs = _split(trial.found[way][0], self._limits[2])
             if i == 0:
@@ -599,7 +614,8 @@ class _Trial:
     kept: list[tuple[int, int | None]]
     """The probes with every block kept (AutoCheckpoint's plan holds their transient, where full wins)."""
     turns: list[str] = field(init=False)
-    """The way of each trial step: the ways in turn, :data:`_TRIAL_ROUNDS` times."""
+    """The way of each trial step: the ways in turn, :data:`_TRIAL_ROUNDS` times, and recompute once more
+    (its first turn makes its plan)."""
     seconds: list[float | None] = field(init=False)
     """Each turn's step seconds as measured on this rank (None until its step has trained)."""
     turn: int = 0
@@ -608,7 +624,8 @@ class _Trial:
     """Restored from a checkpoint: the way is applied again at the next step."""
 
     def __post_init__(self) -> None:
-        self.turns = self.ways * _TRIAL_ROUNDS
+        # recompute's first turn makes its plan: one turn more, so that the plan runs as often as each way
+        self.turns = self.ways * _TRIAL_ROUNDS + [w for w in self.ways if w == "full"]
         self.seconds = [None] * len(self.turns)
 
     def state(self) -> dict[str, Any]:

@@ -157,6 +157,8 @@ class AutoCheckpointer:
         self._by_shape = False  # whether plans are made per batch shape: auto under a known limit
         self._probe: ForwardProbe | None = None  # measures a step's forward (and records block inputs)
         self._kept_peak: Callable[[int], float] | None = None  # the size search's kept peaks (decided)
+        self._trial_plan: Plan | None = None  # the plan the size search's trial runs (try_plan)
+        self._trying = False  # the step running is profiled for the trial's plan
 
     def prepare(self, device: torch.device | str) -> None:
         """Resolve the limit (a fraction of ``device``'s capacity where given so) and the treatments.
@@ -254,11 +256,29 @@ class AutoCheckpointer:
         apply_checkpointing(self._model, choices)
         self.plan = Plan.unprofiled(choices)
 
+    def try_plan(self, kept_peak: Callable[[int], float] | None = None) -> None:
+        """Run the least recompute that fits the micro-batch about to run, for the size search's trial
+        (:class:`~lightning_memopt.batching.sizes.Recompute`): the first time, every block recomputes and
+        the step is measured, and the plan is made when it ends (:meth:`finish_step`), for the micro-batch
+        that ran; every later time that plan runs, unmeasured (its step is timed). ``kept_peak``: as for
+        :meth:`decided`."""
+        if self._trial_plan is None:
+            self._kept_peak = kept_peak
+            self.use("full")
+            self._trying = True
+            self._probe = ForwardProbe(self._model, self._found, record=True)
+            return
+        self.use("full")  # the chunked head, and no probe open
+        self.plan = self._trial_plan
+        apply_checkpointing(self._model, self.plan)
+
     def decided(self, way: str, why: str, kept_peak: Callable[[int], float] | None = None) -> None:
         """The size search chose ``way``: ``keep`` and ``own head`` are final (plain micro-batches are
         the fastest step that fits: nothing to profile or plan, said in one line; ``own head`` also takes
-        the chunked output head off, the model's own computing its loss); after ``full`` the step is measured and
-        the least recompute that fits the chosen micro-batch is planned, as without micro-batching.
+        the chunked output head off, the model's own computing its loss); after ``full`` the plan the trial
+        ran (:meth:`try_plan`) runs on, and its next step is measured against it; where no trial ran, this
+        step is measured and the least recompute that fits the chosen micro-batch is planned, as without
+        micro-batching.
 
         ``kept_peak(samples)``: the peak bytes the search measured for a whole micro-step with every block
         kept. What the profile does not account for of it at the micro-batch that runs is the transient
@@ -267,16 +287,22 @@ class AutoCheckpointer:
         (:attr:`~lightning_memopt.checkpointing.Plan.transient`), so it never keeps what the search measured
         not to fit."""
         self._kept_peak = kept_peak if way == "full" else None
+        planned, self._trial_plan, self._trying = self._trial_plan, None, False
         self.use(way)
         if way == "own head":  # nothing of the head stays attached, nor comes back on resume
             self._leave_own_head()
         if way != "full":
             self._needs_check = self._by_shape = False
+            self.shape_plans = ShapePlans()  # the trial's plan, if one was made, is not run
             head = " and leaves its own output head" if way == "own head" else ""
             self.note(f"{self.name} checkpoints no block of {type(self._model).__name__}{head}: {why}")
             return
-        self._probe = ForwardProbe(self._model, self._found, record=True)
         self.note(f"{self.name} recomputes: {why}")
+        if planned is not None:
+            self.plan, self._needs_check = planned, True
+            apply_checkpointing(self._model, planned)
+            return
+        self._probe = ForwardProbe(self._model, self._found, record=True)
 
     def forward_done(self) -> None:
         """The step's forward ended: measure no more (backward runs untracked)."""
@@ -314,6 +340,8 @@ class AutoCheckpointer:
         if not self.plan.predicted:
             ran, planned = self.plan.choices, self._plan_from(probe, context, optimizers, gather)
             notes = self._notes
+            if self._trying:  # the trial's: run at its next turns (try_plan), timed
+                self._trial_plan, self._trying = planned, False
             if planned.choices != ran:
                 apply_checkpointing(self._model, planned)
             # The next step runs the plan and is measured: this one may have run other micro-batches (the
@@ -341,7 +369,8 @@ class AutoCheckpointer:
         agreed = agree(gather(Measured(self._signature, profiles, states, probe.outside_bytes, transient)))
         held = lambda: (agreed.states, agreed.outside, agreed.transient)  # noqa: E731
         self.plan = policy.choose(agreed.profiles, self.plan.choices, held)
-        self._say_if_idle(self._model)
+        if not self._trying:  # a trial's plan is said with the decision, if it runs
+            self._say_if_idle(self._model)
         if self._by_shape:
             first, *others = agreed.signatures
             self.shape_plans.add(first, self.plan, full_bytes=full_peak(agreed.profiles), also=others)
@@ -387,7 +416,13 @@ class AutoCheckpointer:
         """The plans as plain values, for a checkpoint (:meth:`load_state`), and whether the size search
         chose the model's own output head."""
         plan = self.plan.to_dict() if self.plan is not None else None
-        return {"plan": plan, "shapes": self.shape_plans.state(), "own_head": self._own_head}
+        trial = self._trial_plan.to_dict() if self._trial_plan is not None else None
+        return {
+            "plan": plan,
+            "shapes": self.shape_plans.state(),
+            "own_head": self._own_head,
+            "trial_plan": trial,
+        }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Take the plans of :meth:`state`: applied now if installed, else at :meth:`install`; not profiled.
@@ -395,6 +430,8 @@ class AutoCheckpointer:
         installed): the resumed run computes its loss as the run that saved did."""
         if state.get("own_head"):
             self._leave_own_head()
+        if state.get("trial_plan") is not None:  # saved during the size search's trial
+            self._trial_plan = Plan.from_dict(state["trial_plan"])
         if state.get("plan") is None:
             return
         self.plan = self._loaded_plan = Plan.from_dict(state["plan"])

@@ -18,7 +18,9 @@ class FakeModel:
     """Blocks that hold ``kept`` bytes a sample kept, ``recomputed`` when recomputed; a micro-step costs
     ``launch + per_sample * n`` seconds kept, ``recompute`` more per sample when recomputed. With
     ``logits`` (bytes a sample), a chunked output head was installed: the model's own head (``"own head"``)
-    holds ``logits`` more a sample and costs ``chunked`` less a sample than the chunked one."""
+    holds ``logits`` more a sample and costs ``chunked`` less a sample than the chunked one. The trial's
+    plan (``"plan"``: every block recomputed at its first turn, ``"full"``) recomputes ``planned`` of
+    what recomputing every block does."""
 
     def __init__(
         self,
@@ -30,10 +32,12 @@ class FakeModel:
         recompute=0.03,
         logits=None,
         chunked=0.02,
+        planned=1.0,
     ) -> None:
         self.kept, self.recomputed = kept, recomputed
         self.launch, self.per_sample, self.recompute = launch, per_sample, recompute
-        self.logits, self.chunked = logits, chunked
+        self.logits, self.chunked, self.planned = logits, chunked, planned
+        self.has_plan = False  # the trial's plan was made (AutoCheckpoint's state keeps it)
         self.own_head = logits is not None
         self.way = "full"  # AutoCheckpoint installs every block full before the first step
         self.said: list[tuple[str, str]] = []
@@ -41,7 +45,7 @@ class FakeModel:
 
     def seconds(self, samples: int) -> float:
         """A micro-step of ``samples`` in the way used now."""
-        extra = self.recompute * samples if self.way == "full" else 0.0
+        extra = self.recompute * samples * {"full": 1.0, "plan": self.planned}.get(self.way, 0.0)
         if self.own_head and self.way != "own head":
             extra += self.chunked * samples
         return self.launch + self.per_sample * samples + extra
@@ -50,6 +54,12 @@ class FakeModel:
     def use(self, way: str) -> None:
         self.way = way
         self.used.append(way)
+
+    def try_plan(self, kept_peak=None) -> None:
+        self.way = "plan" if self.has_plan else "full"
+        self.has_plan = True
+        self.used.append(self.way)
+        self.kept_peak = kept_peak
 
     def decided(self, way: str, why: str, kept_peak=None) -> None:
         self.way = way
@@ -70,7 +80,12 @@ class FakeProbes:
     def peak(self, samples: int, evaluation: bool) -> int:
         m = self.model
         self.probed.append((m.way, samples))
-        per = {"own head": m.kept + (m.logits or 0), "keep": m.kept, "full": m.recomputed}[m.way]
+        per = {
+            "own head": m.kept + (m.logits or 0),
+            "keep": m.kept,
+            "full": m.recomputed,
+            "plan": m.recomputed,
+        }[m.way]
         return HELD + samples * per
 
     def held(self) -> int:
@@ -101,7 +116,8 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     model = FakeModel(launch=0.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.way == "keep"
-    assert probes.timed == [("keep", 16), ("full", 64)] * 2  # optimizer steps, taking turns, two each
+    # optimizer steps, taking turns, two each: recompute's first planned, its others ran the plan
+    assert probes.timed == [("keep", 16), ("full", 64), ("keep", 16), ("plan", 64), ("plan", 64)]
     # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
     first_full = next(i for i, (way, _) in enumerate(probes.probed) if way == "full")
     # Its next probe comes from the bytes the kept search measured not to grow with the size (its line's
@@ -111,7 +127,8 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     assert model.said == [
         (
             "keep",
-            "4 micro-batches of 16 without recompute: 6.4 s a step; 1 of 64 recomputing every block: 8.32 s",
+            "4 micro-batches of 16 without recompute: 6.4 s a step; 1 of 64 with the least recompute that fits "
+            "them: 8.32 s",
         )
     ]
     assert sizes.step_seconds == pytest.approx(6.4)
@@ -172,16 +189,34 @@ def test_without_an_offer_the_search_is_as_before():
     assert math.isclose(sizes.probes[-1][1], HELD + 64 * 25)
 
 
+def test_recompute_is_priced_by_its_plan_not_by_every_block_recomputed():
+    # keep: 4 x (0.3 + 1.6) = 7.6 s; every block recomputed: 1 x (0.3 + 6.4 + 1.92) = 8.62 s, slower; the plan
+    # for 64 recomputes a quarter of that: 0.3 + 6.4 + 0.48 = 7.18 s, faster. Priced as every block
+    # recomputed, plain micro-batches would run at 7.6 s where the plan runs at 7.18.
+    model = FakeModel(launch=0.3, planned=0.25)
+    sizes, size, probes = _decide(model, limit=HELD + 1_600)
+    assert probes.timed == [("keep", 16), ("full", 64), ("keep", 16), ("plan", 64), ("plan", 64)]
+    assert size == 64 and model.said == [
+        (
+            "full",
+            "4 micro-batches of 16 without recompute: 7.6 s a step; 1 of 64 with the least recompute that fits "
+            "them: 7.18 s",
+        )
+    ]
+    assert sizes.step_seconds == pytest.approx(7.18)
+
+
 def test_each_way_is_timed_at_the_micro_batch_that_runs():
     # 15 samples fit kept: a batch of 48 runs as 4 x 12, so the kept way is timed at 12, not 15; 48 fit
     # recomputed (one micro-step).
     model = FakeModel(launch=1.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_500, total=48)
-    assert probes.timed == [("keep", 12), ("full", 48)] * 2
+    assert probes.timed == [("keep", 12), ("full", 48), ("keep", 12), ("plan", 48), ("plan", 48)]
     # keep: 4 x (1 + 1.2) = 8.8 s; full: 1 x (1 + 4.8 + 1.44) = 7.24 s
     assert model.said[0] == (
         "full",
-        "4 micro-batches of 12 without recompute: 8.8 s a step; 1 of 48 recomputing every block: 7.24 s",
+        "4 micro-batches of 12 without recompute: 8.8 s a step; 1 of 48 with the least recompute that fits "
+        "them: 7.24 s",
     )
 
 
@@ -229,12 +264,15 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
     # 4 x 2.56 + 2.44 = 12.7 s; recomputed: 60 fit: 2 x 32, 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
     model = FakeModel(logits=300)
     _, size, probes = _decide(model, limit=HELD + 1_500)
-    assert probes.timed == [("own head", 3), ("keep", 13), ("full", 32)] * 2
+    assert (
+        probes.timed
+        == [("own head", 3), ("keep", 13), ("full", 32), ("own head", 3), ("keep", 13)] + [("plan", 32)] * 2
+    )
     assert model.said == [
         (
             "full",
             "22 micro-batches of 3 with the model's own head: 28.4 s a step; 5 of 13 with the chunked head, "
-            "without recompute: 12.7 s; 2 of 32 recomputing every block: 11.6 s",
+            "without recompute: 12.7 s; 2 of 32 with the least recompute that fits them: 11.6 s",
         )
     ]
     assert size == 60 and all(model.kept_peak(s) == HELD + 100 * s for s in [1, 15])  # the chunked head's
@@ -242,26 +280,29 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
 
 def test_the_ways_take_turns_at_real_steps_and_each_way_s_fastest_step_counts():
     """The search ends with the first way in use (nothing timed apart from training); the ways take turns
-    at the next steps, two each; the step after the last runs the fastest way, each priced at its fastest
-    step (the first of a way pays first-time costs: here 5 s more). A step that trained without seconds
-    measured does not end its turn."""
+    at the next steps, two each, recompute one more: its first turn (every block recomputed, measured for
+    the plan) does not price it, its plan's turns do; the step after the last runs the fastest way, each
+    priced at its fastest step (the first of a way pays first-time costs: here 5 s more). A step that
+    trained without seconds measured does not end its turn."""
     model = FakeModel(launch=1.0)
     sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
     sizes.recompute = model
     probes = FakeProbes(model)
     ran = []
-    for seconds in (8.8 + 5, None, 7.24 + 5, 8.8, 7.24, 7.24):
+    for seconds in (8.8 + 5, None, 5.0, 8.8, 7.24 + 5, 7.24, 7.24):
         size, count, _ = sizes.plan(total=48, width=1, probes=probes)
         ran.append((model.way, size, count, sizes.timing))
         sizes.succeeded(retried=False, total=48, size=size, seconds=seconds)
-    keep, full = ("keep", 15, 4, True), ("full", 48, 1, True)
-    assert ran == [keep, full, full, keep, full, ("full", 48, 1, False)]
+    keep, full, plan = ("keep", 15, 4, True), ("full", 48, 1, True), ("plan", 48, 1, True)
+    assert ran == [keep, full, full, keep, plan, plan, ("full", 48, 1, False)]
+    assert model.used[-4:] == ["full", "keep", "plan", "plan"]  # the trial's (the search's before)
     assert model.said == [
         (
             "full",
-            "4 micro-batches of 12 without recompute: 8.8 s a step; 1 of 48 recomputing every block: 7.24 s",
+            "4 micro-batches of 12 without recompute: 8.8 s a step; 1 of 48 with the least recompute that fits "
+            "them: 7.24 s",
         )
-    ]
+    ]  # not the 5 s of the step that planned
     assert sizes.recompute is None and sizes.step_seconds == pytest.approx(7.24)
     # The shape model is the way's that runs: after the decision, the recomputed probes' (25 bytes a sample)
     assert all(peak == HELD + 25 * s for s, peak in sizes.probes)
@@ -274,14 +315,18 @@ def test_trial_steps_on_batches_of_other_lengths_are_priced_as_the_first_batch()
     sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)  # the first batch: 8 tokens a sample
     sizes.recompute = model
     probes = FakeProbes(model)
-    # recomputing: 4.5 s twice for half the tokens a sample, 9 s as the first batch; kept: 9 s, then 4.4 s
-    # for half the samples, 8.8 s as the first batch. Taken as measured, recompute would win at 4.5 s.
-    for width, total, seconds in [(8, 48, 9.0), (4, 48, 4.5), (8, 24, 4.4), (4, 48, 4.5)]:
+    # recomputing, as planned: 4.5 s twice for half the tokens a sample, 9 s as the first batch; kept: 9 s,
+    # then 4.4 s for half the samples, 8.8 s as the first batch. Taken as measured, recompute would win at
+    # 4.5 s. (Its first turn, which planned, prices nothing.)
+    for width, total, seconds in [(8, 48, 9.0), (8, 48, 9.5), (8, 24, 4.4), (4, 48, 4.5), (4, 48, 4.5)]:
         size, _, _ = sizes.plan(total=total, width=width, probes=probes)
         sizes.succeeded(retried=False, total=total, size=size, seconds=seconds)
     sizes.plan(total=48, width=8, probes=probes)
     assert model.said[0][0] == "keep" and sizes.step_seconds == pytest.approx(8.8)
-    assert "without recompute: 8.8 s a step; 1 of 48 recomputing every block: 9 s" in model.said[0][1]
+    assert (
+        "without recompute: 8.8 s a step; 1 of 48 with the least recompute that fits them: 9 s"
+        in (model.said[0][1])
+    )
 
 
 def test_a_run_resumed_during_the_trial_goes_on_with_it():
@@ -297,26 +342,27 @@ def test_a_run_resumed_during_the_trial_goes_on_with_it():
             sizes.succeeded(retried=False, total=48, size=size, seconds=seconds[model.way])
         return ran
 
-    seconds = {"keep": 8.8, "full": 7.24}
+    seconds = {"keep": 8.8, "full": 7.24, "plan": 7.24}
     model = FakeModel(launch=1.0)
     sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
     sizes.recompute = model
     probes = FakeProbes(model)
     first = steps(sizes, model, probes, 2, seconds)
     saved = sizes.state()
-    went_on = steps(sizes, model, probes, 4, seconds)
+    went_on = steps(sizes, model, probes, 5, seconds)
 
     resumed_model = FakeModel(launch=1.0)
     resumed_model.way = "keep"  # what a resumed AutoCheckpoint installs is not the way the trial is at
+    resumed_model.has_plan = True  # the trial's plan, made at the step before the save: in its state
     resumed = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
     resumed.load(torch.load(_saved(saved), weights_only=True))  # through a checkpoint file's round trip
     resumed.recompute = resumed_model
     resumed_probes = FakeProbes(resumed_model)
     assert resumed.probed and resumed.timing
-    assert steps(resumed, resumed_model, resumed_probes, 4, seconds) == went_on
+    assert steps(resumed, resumed_model, resumed_probes, 5, seconds) == went_on
     assert (
         first + went_on
-        == [("keep", 15, 4), ("full", 48, 1), ("keep", 15, 4), ("full", 48, 1)] + [("full", 48, 1)] * 2
+        == [("keep", 15, 4), ("full", 48, 1), ("keep", 15, 4)] + [("plan", 48, 1)] * 2 + [("full", 48, 1)] * 2
     )
     assert resumed_probes.probed == [] and resumed_model.said == model.said
     assert resumed.step_seconds == sizes.step_seconds == pytest.approx(7.24)
