@@ -286,8 +286,8 @@ class AutoCheckpointer:
         loss's gradient w.r.t. the logits): the plan holds it beside the activations it keeps
         (:attr:`~lightning_memopt.checkpointing.Plan.transient`), so it never keeps what the search measured
         not to fit."""
-        self._kept_peak = kept_peak if way == "full" else None
         planned, self._trial_plan, self._trying = self._trial_plan, None, False
+        self._kept_peak = kept_peak if way == "full" and planned is None else None  # the plan to make
         self.use(way)
         if way == "own head":  # nothing of the head stays attached, nor comes back on resume
             self._leave_own_head()

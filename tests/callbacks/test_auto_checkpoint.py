@@ -233,8 +233,9 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
 
 
 def test_a_fit_resumed_during_the_trial_trains_as_the_fit_that_went_on(tmp_path, monkeypatch):
-    """A checkpoint after the trial's second step (of four): the resumed fit goes on with the trial, takes
-    the same decision, profiles and plans as the fit that went on, and ends with the same parameters."""
+    """A checkpoint after the trial's second step (of five), where recompute's plan was made: the resumed
+    fit goes on with the trial and its plan, takes the same decision as the fit that went on, profiles
+    nothing again, and ends with the same parameters."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_memopt import AutoAccumulation
@@ -260,6 +261,10 @@ def test_a_fit_resumed_during_the_trial_trains_as_the_fit_that_went_on(tmp_path,
 
     went_on, cb, said = fit()
     monkeypatch.setattr(BatchProbes, "peak", lambda *a, **k: pytest.fail("searched again"))
+    # the trial's plan, made at the step saved (recompute's first turn), comes with AutoCheckpoint's state
+    monkeypatch.setattr(
+        ac_module.AutoCheckpointer, "_plan_from", lambda *a, **k: pytest.fail("profiled again")
+    )
     resumed, resumed_cb, resumed_said = fit(ckpt=str(tmp_path / "epoch=0-step=2.ckpt"))
     assert said == resumed_said and len(said) == 1 and said[0].startswith("AutoCheckpoint recomputes")
     assert resumed_cb.plan.choices == cb.plan.choices and set(cb.plan.choices.values()) != {"keep"}
