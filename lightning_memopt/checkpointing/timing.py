@@ -9,11 +9,13 @@ treatment's price is the median, over rounds, of its pass's seconds minus ``keep
 (paired: what slows a whole round down cancels). The clock is the device's (:func:`~lightning_memopt.data.clock.step_clock`:
 CUDA events on CUDA, ``perf_counter`` elsewhere); tests pass a fake one.
 
-Cost, paid once per profile (the first batch, and a batch of a new shape under a limit): ``repeats``
-passes (forward and backward) of the block per treatment, for each *distinct* block (blocks with the same
-class, configuration and input shapes are profiled and timed once). With the default 5 repeats and the
-four treatments ``AutoCheckpoint`` weighs on CPU (keep, selective, full, pointwise; five with offload on
-CUDA): 20 (25) block passes, about two training steps of a 12-block model whose blocks are all alike.
+Cost, paid once per profile (the first batch, and a batch of a new shape under a limit): 3 to 5 passes
+(forward and backward) of the block per treatment, for each *distinct* block (blocks with the same class,
+configuration and input shapes are profiled and timed once). Rounds stop after 3 where every treatment's
+extra varied by at most a tenth of keep's pass over them (a quiet machine, CUDA events: more rounds
+would move its median by less than that), else go on to 5. With the four treatments ``AutoCheckpoint`` weighs
+on CPU (keep, selective, full, pointwise; five with offload on CUDA): 12 to 20 (15 to 25) block passes,
+one to two training steps of a 12-block model whose blocks are all alike.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from lightning_memopt.data.clock import Clock
 __all__ = ["TIMING_REPEATS", "Timing", "time_treatments"]
 
 TIMING_REPEATS = 5
-"""Timed passes per treatment and distinct block (each after the profile's untimed pass, its warm-up)."""
+"""Timed passes per treatment and distinct block at most (each after the profile's untimed pass, its
+warm-up)."""
+_LEAST = 3  # rounds at least
+_STEADY = 0.1  # of keep's median pass: the most a treatment's extra may vary over rounds to stop early
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,9 @@ def time_treatments(
     clock: Clock,
     repeats: int = TIMING_REPEATS,
 ) -> dict[str, Timing]:
-    """Each treatment's :class:`Timing` over ``repeats`` rounds, every round timing one pass of each.
+    """Each treatment's :class:`Timing` over up to ``repeats`` rounds, every round timing one pass of each;
+    from the third on, the rounds stop where every treatment's extra over keep varied by at most a tenth
+    of keep's median pass (the module docstring).
 
     Args:
         prepare: ``prepare(choice)`` sets the block to ``choice`` and returns the pass to time (what it
@@ -59,7 +66,7 @@ def time_treatments(
         choices: The treatments, timed in this order within a round; ``keep`` among them (the extra of
             each is taken over it; without it, extras are the passes' own seconds).
         clock: Marks on the device's timeline (:class:`~lightning_memopt.data.clock.Clock`).
-        repeats: Rounds; at least 1.
+        repeats: Rounds at most; at least 1.
 
     Raises:
         ValueError: If ``repeats`` is below 1.
@@ -74,7 +81,7 @@ def time_treatments(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     samples: dict[str, list[float]] = {c: [] for c in choices}
-    for _ in range(repeats):
+    for rounds in range(1, repeats + 1):
         for choice in choices:
             run = prepare(choice)
             start = clock.mark()
@@ -82,9 +89,23 @@ def time_treatments(
             end = clock.mark()
             clock.settle(end)
             samples[choice].append(clock.seconds(start, end))
-    keep = samples.get("keep", [0.0] * repeats)
+        if rounds >= _LEAST and _steady(samples):
+            break
+    keep = samples.get("keep", [0.0] * len(next(iter(samples.values()), [])))
     timings = {}
     for choice, seconds in samples.items():
         extra = [s - k for s, k in zip(seconds, keep)]
         timings[choice] = Timing(statistics.median(seconds), statistics.median(extra), min(extra), max(extra))
     return timings
+
+
+def _steady(samples: dict[str, list[float]]) -> bool:
+    """Whether every treatment's extra over keep varied by at most :data:`_STEADY` of keep's median pass
+    over the rounds so far (without keep, its own seconds, against their median)."""
+    keep = samples.get("keep")
+    for seconds in samples.values():
+        extra = [s - k for s, k in zip(seconds, keep)] if keep is not None else seconds
+        scale = statistics.median(keep if keep is not None else seconds)
+        if max(extra) - min(extra) > _STEADY * scale:
+            return False
+    return True

@@ -43,14 +43,34 @@ def test_time_treatments_alternates_and_pairs_each_round_with_keep():
         time_treatments(prepare, ["keep"], clock, repeats=0)
 
 
+def test_rounds_stop_at_three_where_every_extra_is_steady_and_go_on_to_five_where_not():
+    clock = FakeClock()
+
+    def timed(noise):
+        order = []
+
+        def prepare(choice):
+            order.append(choice)
+            rounds = (len(order) - 1) // 2  # the round this pass is in (0, 1, ...), two treatments a round
+            extra = 1.0 + (noise if choice == "full" and rounds % 2 else 0.0)
+            return lambda: clock.advance(10.0 + (extra if choice == "full" else 0.0))
+
+        return time_treatments(prepare, ["keep", "full"], clock), len(order) // 2
+
+    # keep's pass takes 10 s: full's extra varying by 1 s (a tenth) is steady, by 1.01 s it is not
+    assert timed(1.0) == ({"keep": Timing(10.0, 0.0, 0.0, 0.0), "full": Timing(11.0, 1.0, 1.0, 2.0)}, 3)
+    timings, rounds = timed(1.01)
+    assert rounds == TIMING_REPEATS == 5 and timings["full"].high == pytest.approx(2.01)
+
+
 def test_profile_times_each_treatment_with_a_bounded_number_of_passes():
     torch.manual_seed(0)
     model, idx = TinyGPT(3), torch.randint(0, 32, (2, 8))
     choices = ["keep", "selective", "full", "pointwise"]
     clock = WorkClock()
     profiles = profile_blocks(model, find_blocks(model), idx, choices=choices, clock=clock)
-    # Three alike blocks are profiled, and timed, once: repeats passes per treatment (timing.py's bound).
-    assert clock.passes == TIMING_REPEATS * len(choices) == 20
+    # Three alike blocks are profiled, and timed, once: 3 passes per treatment, work being steady.
+    assert clock.passes == 3 * len(choices) == 12
     again = profile_blocks(model, find_blocks(model), idx, choices=choices, clock=WorkClock())
     assert [p.options for p in again] == [p.options for p in profiles]  # work, not time: deterministic
     options = profiles[0].options
