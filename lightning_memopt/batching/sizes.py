@@ -387,12 +387,12 @@ class MicroBatchSizes:
             self._size_to(self._try(trial.turns[trial.turn]))
             return
         # recompute's first turn planned (every block recomputed, measured): its later turns ran the plan
-        priced = [i for i, w in enumerate(trial.turns) if w != "full" or i != trial.turns.index("full")]
-        fastest = [min(trial.seconds[i] for i in priced if trial.turns[i] == way) for way in trial.ways]
+        planning = trial.turns.index("full") if "full" in trial.turns else None
+        timed = [(w, s) for i, (w, s) in enumerate(zip(trial.turns, trial.seconds)) if i != planning]
+        fastest = [min(s for w, s in timed if w == way) for way in trial.ways]
         agreed = max_over_ranks_each([int(seconds * 1e9) for seconds in fastest], probes.device)
         seconds = {way: ns / 1e9 for way, ns in zip(trial.ways, agreed)}
-        said, parts = _said(chunked=trial.ways[0] == "own head"), []
-        said["full"] = "with the least recompute that fits them"
+        said, parts = _said(chunked=trial.ways[0] == "own head", planned=True), []
         for i, way in enumerate(trial.ways):
             count, runs = _split(trial.found[way][0], self._limits[2])
             if i == 0:
@@ -642,12 +642,12 @@ class _Trial:
         return trial
 
 
-def _said(*, chunked: bool) -> dict[str, str]:
-    """How the decision's one line names each way."""
+def _said(*, chunked: bool, planned: bool = False) -> dict[str, str]:
+    """How the decision's one line names each way (``planned``: recompute as the trial ran it, its plan)."""
     return {
         "own head": "with the model's own head",
         "keep": "with the chunked head, without recompute" if chunked else "without recompute",
-        "full": "recomputing every block",
+        "full": "with the least recompute that fits them" if planned else "recomputing every block",
     }
 
 

@@ -91,21 +91,24 @@ def time_treatments(
             samples[choice].append(clock.seconds(start, end))
         if rounds >= _LEAST and _steady(samples):
             break
-    keep = samples.get("keep", [0.0] * len(next(iter(samples.values()), [])))
     timings = {}
-    for choice, seconds in samples.items():
-        extra = [s - k for s, k in zip(seconds, keep)]
+    for choice, extra in _extras(samples).items():
+        seconds = samples[choice]
         timings[choice] = Timing(statistics.median(seconds), statistics.median(extra), min(extra), max(extra))
     return timings
 
 
-def _steady(samples: dict[str, list[float]]) -> bool:
-    """Whether every treatment's extra over keep varied by at most :data:`_STEADY` of keep's median pass
-    over the rounds so far (without keep, its own seconds, against their median)."""
+def _extras(samples: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each treatment's seconds beyond keep's, round by round (without keep, its own seconds)."""
     keep = samples.get("keep")
-    for seconds in samples.values():
-        extra = [s - k for s, k in zip(seconds, keep)] if keep is not None else seconds
-        scale = statistics.median(keep if keep is not None else seconds)
+    return {c: [s - k for s, k in zip(v, keep)] if keep is not None else list(v) for c, v in samples.items()}
+
+
+def _steady(samples: dict[str, list[float]]) -> bool:
+    """Whether every treatment's extra varied by at most :data:`_STEADY` of keep's median pass over the
+    rounds so far (without keep, of its own median pass)."""
+    for choice, extra in _extras(samples).items():
+        scale = statistics.median(samples.get("keep", samples[choice]))
         if max(extra) - min(extra) > _STEADY * scale:
             return False
     return True
