@@ -175,10 +175,12 @@ def _signature(block: nn.Module, captured: BlockInputs) -> tuple:
     """What a block's profile runs: blocks alike in it are profiled (and timed) once. Which inputs an
     earlier block holds already (``captured.shared``) changes only what the block counts, not what runs:
     the first layer of a stack, which counts the attention mask and position embeddings, is profiled with
-    the others."""
+    the others. The inputs' strides do change what runs (torch's ``TransformerEncoder`` hands its first
+    layer a transposed view, which its first op copies: that layer does not hold its input, the next do)."""
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
     inputs = call_signature((captured.args, captured.kwargs))
-    return (type(block), repr(block), block.training, params, inputs, captured.grad_inputs)
+    strides = tuple(t.stride() for t in tensors((captured.args, captured.kwargs)))
+    return (type(block), repr(block), block.training, params, inputs, strides, captured.grad_inputs)
 
 
 @contextlib.contextmanager

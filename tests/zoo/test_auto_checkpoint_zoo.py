@@ -21,7 +21,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_memopt import AutoCheckpoint
-from lightning_memopt.checkpointing import CostModel, checkpointed_blocks, find_blocks
+from lightning_memopt.checkpointing import (
+    CostModel,
+    capture_block_inputs,
+    checkpointed_blocks,
+    find_blocks,
+    profile_blocks,
+)
 from lightning_memopt.memory import MemoryTracker
 from tests.batching.helpers import quiet_trainer
 from tests.zoo.models import ZOO, ZooModule, loader, packed_causal_lm_batch
@@ -149,6 +155,36 @@ def _assert_nothing_left(module) -> None:
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_discovery_finds_every_stack(name):
     assert [n for n, _ in find_blocks(ZooModule(name))] == EXPECTED_BLOCKS[name]
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_blocks_profiled_once_hold_what_each_holds_profiled_alone(name, monkeypatch):
+    """Blocks that run alike are profiled once, though the first of a stack counts the inputs every layer
+    takes (an attention mask, position embeddings): each then holds, by treatment, what it holds profiled
+    on its own. Every grouped-query LM's layers are one profile."""
+    import lightning_memopt.checkpointing.profile as profile_module
+
+    torch.manual_seed(0)
+    model = ZOO[name].build()
+    blocks = find_blocks(model)
+    inputs = capture_block_inputs(model, blocks, **ZOO[name].batch(2, 0))
+    runs = []
+    run = profile_module._profile_block
+    monkeypatch.setattr(profile_module, "_profile_block", lambda n, *a: runs.append(n) or run(n, *a))
+    choices = ["keep", "full", "selective"]
+
+    def held(profile):
+        return {
+            c: (o.internal_bytes, o.saves_input, o.saves_output, o.recompute_flops)
+            for c, o in profile.options.items()
+        }
+
+    together = [held(p) for p in profile_blocks(model, blocks, inputs=inputs, choices=choices)]
+    profiled = len(runs)
+    alone = [held(profile_blocks(model, [block], inputs=inputs, choices=choices)[0]) for block in blocks]
+    assert together == alone
+    if name in GQA:
+        assert profiled == 1 < len(blocks)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
