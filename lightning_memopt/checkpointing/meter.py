@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_memopt._compat import in_backward
+from lightning_memopt._replay import is_replaying
 from lightning_memopt._tree import tensors
 from lightning_memopt.checkpointing.apply import observe_saved
 from lightning_memopt.checkpointing.calls import storage_key
@@ -82,7 +83,8 @@ class ActivationMeter:
 
         def pre(name):
             def hook(module, args, kwargs):
-                if torch.is_grad_enabled() and not in_backward():  # the last forward counts, as above
+                # the last forward counts, as above; never a replay (the one-time exactness check's passes)
+                if torch.is_grad_enabled() and not in_backward() and not is_replaying():
                     inputs = [
                         t for t in tensors((args, kwargs)) if self.tracker.category_of(t) != "activations"
                     ]

@@ -819,6 +819,24 @@ def test_a_stem_that_saves_a_slice_of_its_batch_holds_the_slice_not_the_batch(ch
     remove_checkpointing(model)
 
 
+def test_the_meter_counts_no_replay():
+    # The one-time exactness check runs the batch again as another split (a replay): its last micro-batch
+    # is smaller, and a block's last forward would read too little.
+    from lightning_memopt._replay import replaying
+
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    blocks = find_blocks(model)
+    apply_checkpointing(model, {n: "keep" for n, _ in blocks})
+    with ActivationMeter(model, blocks) as meter:
+        model(torch.randint(0, 32, (4, 8))).sum()
+        measured = dict(meter.block_bytes)
+        with replaying():
+            model(torch.randint(0, 32, (1, 8))).sum()
+    assert meter.block_bytes == measured and all(v > 0 for v in measured.values())
+    remove_checkpointing(model)
+
+
 def test_a_stem_handed_two_slices_of_one_storage_counts_both_slices_once():
     class Stem(nn.Module):
         def __init__(self) -> None:
