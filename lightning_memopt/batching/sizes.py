@@ -287,9 +287,10 @@ class MicroBatchSizes:
         the engine times each step's micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch
         of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
         that slows down meanwhile weighs on every way alike), and the fastest way runs from the step after
-        the last. Recompute runs as it would if it won: at its first turn every block recomputes while
-        ``AutoCheckpoint`` measures the step and plans the least recompute that fits its micro-batch;
-        its later turns (one more than the other ways') run that plan, and they price it (every block
+        the last. Recompute runs as it would if it won: at its first turn, the fit's first step (slowed by
+        the probes before it: it prices no way), every block recomputes while ``AutoCheckpoint`` measures
+        the step and plans the least recompute that fits its micro-batch; its later turns (two, as every
+        way's) run that plan, and they price it (every block
         recomputed priced the ResNet of ``benchmarks/fastest_step.py`` at 0.22 s a step where its plan
         ran 0.17). Any way gives a step the same gradient: the timing costs no extra step, only the slower
         ways' extra seconds and the plan's profile. Every rank takes the same path (sizes are the smallest
@@ -351,7 +352,7 @@ class MicroBatchSizes:
         # Several count: they take turns at the fit's next optimizer steps, each timed (the trial), then the
         # fastest runs (_next_way).
         self._trial = _Trial(counting, {w: found[w] for w in counting}, kept)
-        return self._try(counting[0])
+        return self._try(self._trial.turns[0])
 
     @property
     def timing(self) -> bool:
@@ -614,8 +615,8 @@ class _Trial:
     kept: list[tuple[int, int | None]]
     """The probes with every block kept (AutoCheckpoint's plan holds their transient, where full wins)."""
     turns: list[str] = field(init=False)
-    """The way of each trial step: the ways in turn, :data:`_TRIAL_ROUNDS` times, and recompute once more
-    (its first turn makes its plan)."""
+    """The way of each trial step: recompute first where it is a way (that turn makes its plan), then the
+    ways in turn, :data:`_TRIAL_ROUNDS` times."""
     seconds: list[float | None] = field(init=False)
     """Each turn's step seconds as measured on this rank (None until its step has trained)."""
     turn: int = 0
@@ -624,8 +625,10 @@ class _Trial:
     """Restored from a checkpoint: the way is applied again at the next step."""
 
     def __post_init__(self) -> None:
-        # recompute's first turn makes its plan: one turn more, so that the plan runs as often as each way
-        self.turns = self.ways * _TRIAL_ROUNDS + [w for w in self.ways if w == "full"]
+        # Recompute's first turn makes its plan (one turn more, so that the plan runs as often as each way),
+        # first: the fit's first step, slowed by the search's probes just before, prices no way, and each
+        # way's turns come one after the plan's profile and one later.
+        self.turns = [w for w in self.ways if w == "full"] + self.ways * _TRIAL_ROUNDS
         self.seconds = [None] * len(self.turns)
 
     def state(self) -> dict[str, Any]:

@@ -116,8 +116,9 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     model = FakeModel(launch=0.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.way == "keep"
-    # optimizer steps, taking turns, two each: recompute's first planned, its others ran the plan
-    assert probes.timed == [("keep", 16), ("full", 64), ("keep", 16), ("plan", 64), ("plan", 64)]
+    # optimizer steps, taking turns, two each: recompute's first (the fit's first step) planned, its others
+    # ran the plan
+    assert probes.timed == [("full", 64), ("keep", 16), ("plan", 64), ("keep", 16), ("plan", 64)]
     # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
     first_full = next(i for i, (way, _) in enumerate(probes.probed) if way == "full")
     # Its next probe comes from the bytes the kept search measured not to grow with the size (its line's
@@ -195,7 +196,7 @@ def test_recompute_is_priced_by_its_plan_not_by_every_block_recomputed():
     # recomputed, plain micro-batches would run at 7.6 s where the plan runs at 7.18.
     model = FakeModel(launch=0.3, planned=0.25)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)
-    assert probes.timed == [("keep", 16), ("full", 64), ("keep", 16), ("plan", 64), ("plan", 64)]
+    assert probes.timed == [("full", 64), ("keep", 16), ("plan", 64), ("keep", 16), ("plan", 64)]
     assert size == 64 and model.said == [
         (
             "full",
@@ -211,7 +212,7 @@ def test_each_way_is_timed_at_the_micro_batch_that_runs():
     # recomputed (one micro-step).
     model = FakeModel(launch=1.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_500, total=48)
-    assert probes.timed == [("keep", 12), ("full", 48), ("keep", 12), ("plan", 48), ("plan", 48)]
+    assert probes.timed == [("full", 48), ("keep", 12), ("plan", 48), ("keep", 12), ("plan", 48)]
     # keep: 4 x (1 + 1.2) = 8.8 s; full: 1 x (1 + 4.8 + 1.44) = 7.24 s
     assert model.said[0] == (
         "full",
@@ -264,10 +265,7 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
     # 4 x 2.56 + 2.44 = 12.7 s; recomputed: 60 fit: 2 x 32, 2 x (1 + 3.2 + 0.96 + 0.64) = 11.6 s
     model = FakeModel(logits=300)
     _, size, probes = _decide(model, limit=HELD + 1_500)
-    assert (
-        probes.timed
-        == [("own head", 3), ("keep", 13), ("full", 32), ("own head", 3), ("keep", 13)] + [("plan", 32)] * 2
-    )
+    assert probes.timed == [("full", 32)] + [("own head", 3), ("keep", 13), ("plan", 32)] * 2
     assert model.said == [
         (
             "full",
@@ -279,23 +277,23 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
 
 
 def test_the_ways_take_turns_at_real_steps_and_each_way_s_fastest_step_counts():
-    """The search ends with the first way in use (nothing timed apart from training); the ways take turns
-    at the next steps, two each, recompute one more: its first turn (every block recomputed, measured for
-    the plan) does not price it, its plan's turns do; the step after the last runs the fastest way, each
-    priced at its fastest step (the first of a way pays first-time costs: here 5 s more). A step that
-    trained without seconds measured does not end its turn."""
+    """The search ends with recompute in use, every block recomputed (nothing timed apart from training):
+    that turn, the fit's first step, measures the step for the plan and does not price it; the ways then
+    take turns at the next steps, two each, recompute's running its plan; the step after the last runs the
+    fastest way, each priced at its fastest step (the first of a way pays first-time costs: here 5 s
+    more). A step that trained without seconds measured does not end its turn."""
     model = FakeModel(launch=1.0)
     sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
     sizes.recompute = model
     probes = FakeProbes(model)
     ran = []
-    for seconds in (8.8 + 5, None, 5.0, 8.8, 7.24 + 5, 7.24, 7.24):
+    for seconds in (5.0, None, 8.8 + 5, 7.24 + 5, 8.8, 7.24, 7.24):
         size, count, _ = sizes.plan(total=48, width=1, probes=probes)
         ran.append((model.way, size, count, sizes.timing))
         sizes.succeeded(retried=False, total=48, size=size, seconds=seconds)
     keep, full, plan = ("keep", 15, 4, True), ("full", 48, 1, True), ("plan", 48, 1, True)
-    assert ran == [keep, full, full, keep, plan, plan, ("full", 48, 1, False)]
-    assert model.used[-4:] == ["full", "keep", "plan", "plan"]  # the trial's (the search's before)
+    assert ran == [full, keep, keep, plan, keep, plan, ("full", 48, 1, False)]
+    assert model.used[-5:] == ["full", "keep", "plan", "keep", "plan"]  # the trial's (the search's before)
     assert model.said == [
         (
             "full",
@@ -318,7 +316,7 @@ def test_trial_steps_on_batches_of_other_lengths_are_priced_as_the_first_batch()
     # recomputing, as planned: 4.5 s twice for half the tokens a sample, 9 s as the first batch; kept: 9 s,
     # then 4.4 s for half the samples, 8.8 s as the first batch. Taken as measured, recompute would win at
     # 4.5 s. (Its first turn, which planned, prices nothing.)
-    for width, total, seconds in [(8, 48, 9.0), (8, 48, 9.5), (8, 24, 4.4), (4, 48, 4.5), (4, 48, 4.5)]:
+    for width, total, seconds in [(8, 48, 9.5), (8, 48, 9.0), (4, 48, 4.5), (8, 24, 4.4), (4, 48, 4.5)]:
         size, _, _ = sizes.plan(total=total, width=width, probes=probes)
         sizes.succeeded(retried=False, total=total, size=size, seconds=seconds)
     sizes.plan(total=48, width=8, probes=probes)
@@ -361,8 +359,7 @@ def test_a_run_resumed_during_the_trial_goes_on_with_it():
     assert resumed.probed and resumed.timing
     assert steps(resumed, resumed_model, resumed_probes, 5, seconds) == went_on
     assert (
-        first + went_on
-        == [("keep", 15, 4), ("full", 48, 1), ("keep", 15, 4)] + [("plan", 48, 1)] * 2 + [("full", 48, 1)] * 2
+        first + went_on == [("full", 48, 1)] + [("keep", 15, 4), ("plan", 48, 1)] * 2 + [("full", 48, 1)] * 2
     )
     assert resumed_probes.probed == [] and resumed_model.said == model.said
     assert resumed.step_seconds == sizes.step_seconds == pytest.approx(7.24)

@@ -186,7 +186,7 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     module = _Wide(n_layer=4)
     accumulation = AutoAccumulation(max_memory=1_500_000, headroom=0.0)
     cb = AutoCheckpoint(max_memory=1_500_000, headroom=0.0, cost_model=CostModel(use_time=False))
-    # steps 1-5 the trial (kept, recomputed and profiled, kept, the plan, the plan), 6 the decision, 7 the
+    # steps 1-5 the trial (recomputed and profiled, kept, the plan, kept, the plan), 6 the decision, 7 the
     # plan measured
     trainer = _trainer(tmp_path, [cb, accumulation], steps=7)
     with warnings.catch_warnings(record=True) as caught, MemoryCap(1_500_000, modules=module) as cap:
@@ -195,8 +195,8 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     # Within the limit: every out-of-memory error the cap raised was a probe's, none a step's.
     assert cap.raised == sum(p is None for _, p in accumulation.probes)
     ways = [way for way, _ in timed]  # the trial's steps: every micro-step of each, taking turns twice
-    n_plain, n_larger = ways.count("keep") // 2, ways.count("full") // 3  # recompute once more: its plan
-    assert ways == (["keep"] * n_plain + ["full"] * n_larger) * 2 + ["full"] * n_larger
+    n_plain, n_larger = ways.count("keep") // 2, ways.count("full") // 3  # recompute first: it plans
+    assert ways == ["full"] * n_larger + (["keep"] * n_plain + ["full"] * n_larger) * 2
     assert n_plain > n_larger >= 1
     plain, larger = max(n for w, n in timed if w == "keep"), max(n for w, n in timed if w == "full")
     assert (
@@ -742,13 +742,14 @@ def test_with_autoaccumulation_the_chunked_head_stays_only_where_the_step_is_fas
     limit = 9_000_000
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
     # up to 7 trial steps (own head, chunked, recomputed, twice, and the plan once more), then the way decided
-    trainer = _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0), accumulation], steps=9)
+    trainer = _trainer(tmp_path, [AutoCheckpoint(max_memory=limit, headroom=0.0), accumulation], steps=10)
     with warnings.catch_warnings(record=True) as caught, MemoryCap(limit, modules=module) as cap:
         warnings.simplefilter("always")
         trainer.fit(module)
     assert cap.raised == sum(p is None for _, p in accumulation.probes)  # only probes ran out of memory
     ways = [way for i, (way, _) in enumerate(timed) if i == 0 or timed[i - 1][0] != way]  # a step each
-    assert ways[:2] == ["own head", "keep"] and ways == ways[: len(ways) // 2] * 2
+    # recompute first (it plans), then the ways in turn, twice
+    assert ways[:3] == ["full", "own head", "keep"] and ways[1:] == ways[1 : 1 + len(ways) // 2] * 2
     said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
     assert len(said) == 1 and "micro-batches of" in said[0] and "with the model's own head" in said[0]
     steady = module.heads[-6:]  # the last steps' forwards, after the search's probes
