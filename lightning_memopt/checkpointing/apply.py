@@ -291,12 +291,17 @@ def _as_read(state: _BlockState, inputs: Inputs, fn, /, *args, **kwargs):
     finally:
         if inputs.calls > 1:  # a recomputation (which may stop early, by raising)
             if inputs.written:
-                shown = ", ".join(inputs.written[:4]) + (", ..." if len(inputs.written) > 4 else "")
                 state.unrepeatable = (
-                    state.unrepeatable or f"the model writes its inputs after it ran ({shown})"
+                    state.unrepeatable
+                    or f"the model writes its inputs after it ran ({_shown(inputs.written)})"
                 )
             elif state.unrepeatable is None:
                 state.verified = True
+
+
+def _shown(names: list[str]) -> str:
+    """The first few of ``names`` for a note, and how many there are where there are more."""
+    return ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
 
 
 def _watched(block: nn.Module, state: _BlockState, before: Snapshot, verified: bool = True) -> None:
@@ -306,8 +311,7 @@ def _watched(block: nn.Module, state: _BlockState, before: Snapshot, verified: b
     if not written:
         state.verified = verified
         return
-    shown = ", ".join(written[:4]) + (f", ... ({len(written)} in all)" if len(written) > 4 else "")
-    state.unrepeatable = f"its forward writes state ({shown})"  # profile.py says what follows
+    state.unrepeatable = f"its forward writes state ({_shown(written)})"  # profile.py says what follows
     state.recompute = before
 
 
