@@ -16,6 +16,7 @@ from lightning_memopt.batching.regime import no_sync
 from lightning_memopt.batching.size_search import smallest_micro_batch
 from lightning_memopt.batching.split import split_batch
 from lightning_memopt.batching.state import StepState
+from lightning_memopt.data.clock import Clock, step_clock
 from lightning_memopt.memory.device import is_out_of_memory, memory_of
 from lightning_memopt.memory.tracker import MemoryTracker, optimizer_state_to_come, state_bytes, tensor_bytes
 
@@ -30,10 +31,12 @@ def measure_peak(
     state: StepState,
     tracker: Any = None,
     evaluation: bool = False,
-) -> int | None:
+    clock: Clock | None = None,
+) -> tuple[int | None, float | None]:
     """Run ``step`` (one training micro-step and its backward, or an evaluation step under ``no_grad``) and
-    return its peak bytes, or None if it ran out of memory; then put gradients, buffers, torchmetrics
-    states, RNGs and the module's train/eval mode back as they were.
+    return its peak bytes and seconds (None for both if it ran out of memory; seconds None without a
+    ``clock``); then put gradients, buffers, torchmetrics states, RNGs and the module's train/eval mode
+    back as they were.
 
     A training probe runs as a micro-batch after the first of an accumulated step does, with a gradient
     held for every parameter that trains (zeros where there was none), which its backward adds to. The
@@ -50,6 +53,8 @@ def measure_peak(
         state: The start state, captured before.
         tracker: A :class:`~lightning_memopt.memory.MemoryTracker` to measure inside (None: the allocator).
         evaluation: ``step`` is an evaluation step: no backward.
+        clock: Times ``step`` and its backward (:func:`~lightning_memopt.data.clock.step_clock`); under a
+            ``tracker`` the seconds include its dispatch mode's overhead on every op.
     """
     module = strategy.lightning_module
     grads = [(p, p.grad) for p in strategy.model.parameters()]
@@ -57,6 +62,7 @@ def measure_peak(
         p.grad = None
     was_training = module.training
     peak: int | None = None
+    seconds: float | None = None
     with contextlib.ExitStack() as stack:
         if tracker is not None:
             stack.enter_context(tracker)
@@ -67,6 +73,7 @@ def measure_peak(
                     if p.requires_grad and not is_dtensor(p):  # FSDP2's sharded gradients: as they come
                         p.grad = torch.zeros_like(p)
             memory.reset_peak()
+            start = clock.mark() if clock is not None else None
             with LogRecorder(module), no_sync(strategy):
                 if evaluation:
                     module.eval()
@@ -74,6 +81,10 @@ def measure_peak(
                         step()
                 else:
                     loss_of(step()).backward()
+            if clock is not None:
+                end = clock.mark()
+                clock.settle(end)
+                seconds = clock.seconds(start, end)
         except BaseException as error:
             if not is_out_of_memory(error):
                 raise
@@ -85,7 +96,7 @@ def measure_peak(
         p.grad = grad
     state.restore()
     memory.empty_cache()
-    return peak
+    return peak, seconds
 
 
 class BatchProbes:
@@ -98,10 +109,15 @@ class BatchProbes:
         self.device = engine.trainer.strategy.root_device
         self.floor = smallest_micro_batch(module)
         self.evaluates = is_overridden("validation_step", module)
+        self.clock = step_clock(self.device)
+        self.seconds: float | None = None
+        """The last probe's forward and backward (or evaluation step), in seconds; None if it ran out of
+        memory."""
 
     def peak(self, samples: int, evaluation: bool = False) -> int | None:
         """Peak bytes of one training (``evaluation``: validation) micro-step of ``samples`` samples of the
-        batch, None if it ran out of memory, every state left as it was (:func:`measure_peak`)."""
+        batch, None if it ran out of memory, every state left as it was (:func:`measure_peak`); its seconds
+        in :attr:`seconds`."""
         strategy, optimizers = self.engine.trainer.strategy, self.engine.trainer.optimizers
         tracker = None if self.device.type == "cuda" else MemoryTracker(strategy.model, optimizers)
         if tracker is not None:  # what the device holds meanwhile, which an allocator would count too
@@ -122,14 +138,16 @@ class BatchProbes:
             engine.original("validation_step" if evaluation else "training_step"), part, 0
         )
         state = engine.capture(module)
-        return measure_peak(
+        peak, self.seconds = measure_peak(
             trainer.strategy,
             step,
             memory=memory,
             state=state,
             tracker=tracker,
             evaluation=evaluation,
+            clock=self.clock,
         )
+        return peak
 
     def held(self) -> int:
         """The bytes alive when a micro-step of the batch starts, besides what it allocates: the allocator's

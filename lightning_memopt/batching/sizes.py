@@ -38,6 +38,7 @@ __all__ = ["MicroBatchSizes", "Probes", "Recompute"]
 _FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
 _ROUNDS = 3  # probe rounds at most for one new width
 _TRIAL_ROUNDS = 2  # the steps each way runs in the trial, taking turns (the fastest of them counts)
+_GAIN = 0.02  # of a step: where fewer micro-batches could save no more, later ways are not searched nor tried
 
 
 class Probes(Protocol):
@@ -50,6 +51,8 @@ class Probes(Protocol):
     """The fewest samples a training micro-batch can hold (2 with BatchNorm in training mode)."""
     evaluates: bool
     """Also search the evaluation size (the module has a ``validation_step``)."""
+    seconds: float | None
+    """The last :meth:`peak`'s micro-step in seconds on the device's clock (None if it ran out of memory)."""
 
     def peak(self, samples: int, evaluation: bool) -> int | None:
         """Peak bytes of one training (or evaluation) micro-step of that many samples of the batch, None
@@ -140,6 +143,7 @@ class MicroBatchSizes:
         self.last_total: int | None = None
         self.ran: int | None = None  # samples per micro-batch of the last step that trained
         self.probes: list[tuple[int, int | None]] = []
+        self._timed: list[tuple[int, float]] = []  # a way's training probes that fit: samples, seconds
         self.eval_probes: list[tuple[int, int | None]] = []
         self.shape_probes: list[tuple[int, int, int | None]] = []
         self.probed_width: int | None = None
@@ -280,7 +284,10 @@ class MicroBatchSizes:
         chunked head was installed: :attr:`Recompute.own_head`), every block kept (``keep``), every block
         recomputed (``full``). For each in turn the largest micro-batch that fits is found, starting where
         the one before ended (a later way holds less); where the whole batch fits, the later ways are not
-        tried. A later way counts only where it runs the step in fewer micro-batches (``ceil(whole /
+        tried, nor where the first way that fits is measured to gain nothing from larger micro-batches: its
+        probes are timed, and where a micro-step's seconds grow with its samples alone, one micro-batch
+        instead of several would make the step at most :data:`_GAIN` faster, before any recompute's cost
+        (:func:`_fewer_cannot_pay`; a large model on a GPU: no profile, no trial). A later way counts only where it runs the step in fewer micro-batches (``ceil(whole /
         size)``, split evenly) than every way before it: as many micro-steps, each costing more, cannot be
         faster. Where one way counts, it is taken untimed; else the ways that count run the fit's next
         optimizer steps, taking turns, :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`):
@@ -304,7 +311,7 @@ class MicroBatchSizes:
 
         def largest(way: str, start: int | None, fixed: float | None) -> tuple[int | None, list]:
             self.recompute.use(way)
-            self.probes = []
+            self.probes, self._timed = [], []
             try:
                 size = self._find(probes, whole, limit, floor, evaluation=False, start=start, fixed=fixed)
             except MicroBatchOOMError:
@@ -316,7 +323,7 @@ class MicroBatchSizes:
         # Each later way starts where the one before ended, its next probe predicted from the bytes that
         # the one before measured not to grow with the size (parameters, gradients, optimizer state, the
         # batch): they are the same whatever the blocks keep, which saves a probe a way.
-        start, fixed = None, None
+        start, fixed, flat = None, None, None
         for way in ways:
             size, way_probes = found[way] = largest(way, start, fixed)
             if size is None:
@@ -328,6 +335,8 @@ class MicroBatchSizes:
             fixed = line.fixed if line is not None else None
             if size == whole:  # no way runs fewer than one micro-batch
                 break
+            if counting == [way] and (flat := _fewer_cannot_pay(self._timed[1:], size, whole)) is not None:
+                break  # its micro-steps' seconds grow with their samples alone: no later way can be faster
         if not counting:  # the blocks stay recomputed: the least memory
             self.recompute = None
             measured = [p for _, way_probes in found.values() for p in way_probes]
@@ -347,6 +356,9 @@ class MicroBatchSizes:
                 after = [named[w] for w in found if ways.index(w) > ways.index(way)]
                 verb = "runs" if len(after) == 1 else "run"
                 later = [f"{' and '.join(after)} {verb} the step in no fewer micro-batches"] if after else []
+                if flat is not None:
+                    count, runs = _split(size, whole)
+                    later = [f"{count} micro-batches of {runs} {said[way]}: {flat}"]
                 why = "; ".join(before + later)
             return self._decided(way, size, way_probes, why, kept=kept if way == "full" else ())
         # Several count: they take turns at the fit's next optimizer steps, each timed (the trial), then the
@@ -429,8 +441,13 @@ class MicroBatchSizes:
 
         def probe(samples: int) -> int | None:  # the largest peak over ranks, None if any ran out of memory
             peak = probes.peak(samples, evaluation)
-            agreed = max_over_ranks(_FAILED if peak is None else peak, probes.device)
+            seconds = (probes.seconds or 0.0) if peak is not None else 0.0
+            agreed, nanoseconds = max_over_ranks_each(
+                [_FAILED if peak is None else peak, round(seconds * 1e9)], probes.device
+            )
             log.append((samples, None if agreed == _FAILED else agreed))
+            if not evaluation and agreed != _FAILED:
+                self._timed.append((samples, nanoseconds / 1e9))
             return log[-1][1]
 
         try:
@@ -659,6 +676,48 @@ def _split(size: int, whole: int) -> tuple[int, int]:
     split: 4 of 12 where 15 fit a batch of 48)."""
     count = -(-whole // size)
     return count, -(-whole // count)
+
+
+def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> str | None:
+    """Where a way's timed probes show that its micro-steps' seconds grow with their samples alone, so that
+    fewer, larger micro-batches (a later way's: the chunked head, recompute) could make the step at most
+    :data:`_GAIN` faster: why, in words; else None (they could, or too few probes to tell).
+
+    ``timed``: the way's probes that fit, samples and seconds, the first of its search left out (it pays
+    first-time costs). The line through the largest and the largest at most half its size: its intercept is
+    what a micro-step costs whatever its samples, and a step of ``whole`` samples in ``count`` micro-batches
+    of at most ``size`` costs ``count`` intercepts and ``whole`` slopes; the fewest micro-batches, one,
+    save ``count - 1`` intercepts at most. Where a micro-step's seconds bend (a device that is not yet
+    busy at small sizes), the chord's intercept is the larger: the later ways are tried.
+
+    Example::
+
+        >>> _fewer_cannot_pay([(2, 0.21), (4, 0.41), (8, 0.81)], 8, 32)  # 3 x 0.01 s of 3.24 s
+        'fewer, larger micro-batches would save at most 0.9% of the step (a micro-step: 0.41 s at 4 samples, 0.81 s at 8)'
+        >>> _fewer_cannot_pay([(2, 0.3), (4, 0.5), (8, 0.9)], 8, 32) is None  # 3 x 0.1 s of 3.6 s
+        True
+    """
+    seconds = dict(timed)
+    if not seconds:
+        return None
+    high = max(seconds)
+    lows = [samples for samples in seconds if samples <= high / 2]
+    if not lows:
+        return None
+    low = max(lows)
+    slope = (seconds[high] - seconds[low]) / (high - low)
+    intercept = seconds[low] - slope * low
+    count = _split(size, whole)[0]
+    step = count * intercept + slope * whole
+    if slope <= 0 or step <= 0:
+        return None
+    saved = (count - 1) * max(intercept, 0.0) / step
+    if saved > _GAIN:
+        return None
+    return (
+        f"fewer, larger micro-batches would save at most {saved:.1%} of the step (a micro-step: "
+        f"{seconds[low]:.3g} s at {low} samples, {seconds[high]:.3g} s at {high})"
+    )
 
 
 def _peak_at(probes: list[tuple[int, int | None]]) -> Callable[[int], float] | None:

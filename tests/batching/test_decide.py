@@ -71,6 +71,7 @@ class FakeProbes:
     device = torch.device("cpu")
     floor = 1
     evaluates = False
+    seconds: float | None = None
 
     def __init__(self, model: FakeModel) -> None:
         self.model = model
@@ -80,6 +81,7 @@ class FakeProbes:
     def peak(self, samples: int, evaluation: bool) -> int:
         m = self.model
         self.probed.append((m.way, samples))
+        self.seconds = m.seconds(samples)
         per = {
             "own head": m.kept + (m.logits or 0),
             "keep": m.kept,
@@ -111,9 +113,10 @@ def _decide(
         sizes.succeeded(retried=False, total=total, size=size, seconds=seconds)
 
 
-def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
-    # Time per sample does not fall with the size (no launch cost): recompute buys nothing.
-    model = FakeModel(launch=0.0)
+def test_plain_micro_batches_win_where_larger_ones_gain_less_than_recompute_costs():
+    # Time per sample falls a little with the size (a launch cost of 0.05 s a micro-step): recompute's one
+    # micro-batch saves 3 launches, 0.15 s of 6.6, and costs 1.92 s.
+    model = FakeModel(launch=0.05)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.way == "keep"
     # optimizer steps, taking turns, two each: recompute's first (the fit's first step) planned, its others
@@ -128,12 +131,36 @@ def test_plain_micro_batches_win_where_a_step_costs_what_its_samples_do():
     assert model.said == [
         (
             "keep",
-            "4 micro-batches of 16 without recompute: 6.4 s a step; 1 of 64 with the least recompute that fits "
-            "them: 8.32 s",
+            "4 micro-batches of 16 without recompute: 6.6 s a step; 1 of 64 with the least recompute that fits "
+            "them: 8.37 s",
         )
     ]
-    assert sizes.step_seconds == pytest.approx(6.4)
+    assert sizes.step_seconds == pytest.approx(6.6)
     assert sizes.recompute is None  # decided once; nothing stays attached
+
+
+def test_a_micro_step_costing_what_its_samples_do_is_neither_recomputed_nor_tried():
+    # Time per sample does not fall with the size (no launch cost), as the search's timed probes measure:
+    # fewer micro-batches save nothing, so recompute is neither searched nor profiled nor tried.
+    model = FakeModel(launch=0.0)
+    sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
+    assert size == 16 and model.way == "keep" and model.used == ["keep"]
+    assert probes.probed == [("keep", 1), ("keep", 2), ("keep", 5), ("keep", 8), ("keep", 16)]
+    assert probes.timed == [] and sizes.step_seconds is None
+    assert model.said == [
+        (
+            "keep",
+            "4 micro-batches of 16 without recompute: fewer, larger micro-batches would save at most 0.0% of "
+            "the step (a micro-step: 0.8 s at 8 samples, 1.6 s at 16)",
+        )
+    ]
+    # With a launch cost of 0.02 s, one micro-batch would save 3 of them, 0.06 s of 6.48 (0.9%): still not
+    # tried; of 0.03 s, 0.09 of 6.52 (1.4%): not; of 0.04 s, 0.12 of 6.56 (1.8%): not; 0.05 s: 2.3%, tried.
+    for launch, tried in [(0.02, False), (0.03, False), (0.04, False), (0.05, True)]:
+        model = FakeModel(launch=launch)
+        _, _, probes = _decide(model, limit=HELD + 1_600)
+        assert bool(probes.timed) is tried, launch
+        assert ("full", 16) in probes.probed if tried else all(way == "keep" for way, _ in probes.probed)
 
 
 def test_recompute_wins_where_larger_micro_batches_run_faster_per_sample():
@@ -238,16 +265,16 @@ def test_the_model_own_head_where_the_whole_batch_fits_with_it():
 
 
 def test_the_model_own_head_where_the_chunked_head_runs_no_fewer_micro_batches():
-    # own head: 150 bytes a sample, 10 fit: 7 micro-batches of 64 (10 or 9 each), 64 x 0.1 = 6.4 s without a
-    # launch cost; chunked: 100, 15 fit: 5 of 13, 64 x 0.12 = 7.68 s; recomputed: 95, 15 fit: no fewer than 5.
-    model = FakeModel(logits=50, recomputed=95, launch=0.0)
+    # own head: 150 bytes a sample, 10 fit: 7 micro-batches of 64 (10 or 9 each), 7 x 0.05 + 64 x 0.1 = 6.75 s;
+    # chunked: 100, 15 fit: 5 of 13, 5 x 0.05 + 64 x 0.12 = 7.93 s; recomputed: 95, 15 fit: no fewer than 5.
+    model = FakeModel(logits=50, recomputed=95, launch=0.05)
     _, size, probes = _decide(model, limit=HELD + 1_500)
     assert probes.timed == [("own head", 10), ("keep", 13)] * 2 and size == 10
     assert model.said == [
         (
             "own head",
-            "7 micro-batches of 10 with the model's own head: 6.4 s a step; 5 of 13 with the chunked head, "
-            "without recompute: 7.68 s",
+            "7 micro-batches of 10 with the model's own head: 6.75 s a step; 5 of 13 with the chunked head, "
+            "without recompute: 7.93 s",
         )
     ]
     # own head: 115 a sample, 13 fit: 5 micro-batches, as many as chunked (15) and recomputed (15): untimed

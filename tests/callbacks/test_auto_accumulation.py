@@ -1,4 +1,5 @@
 import re
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -119,6 +120,40 @@ def test_the_size_fits_the_micro_batches_that_hold_the_gradients(tmp_path):
     assert cap.raised == len(failed) == 1 and callback.eval_probes[0] == (32, None)
     assert max(s for s, p in callback.probes if p is not None and p <= capacity) == 10
     assert model.seen_sizes[-4:] == [8, 8, 8, 8]  # 32 samples in micro-batches of at most 10
+
+
+class _SlowBroadNet(BroadNet):
+    """BroadNet whose training step takes at least 20 ms a sample."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.02 * len(batch[0]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_each_probe_is_timed_on_the_step_clock(tmp_path, monkeypatch):
+    """The size search's probes time their micro-step and its backward (``BatchProbes.seconds``, what the
+    search's decision on recompute reads): at least the step's own sleep; none where it ran out of memory
+    (here the evaluation's, which starts at the whole batch, as above)."""
+    from lightning_memopt.batching.probe import BatchProbes
+
+    seen, peak = [], BatchProbes.peak
+
+    def timed(self, samples, evaluation=False):
+        self.seconds = "stale"
+        result = peak(self, samples, evaluation)
+        seen.append((samples, evaluation, result, self.seconds))
+        return result
+
+    monkeypatch.setattr(BatchProbes, "peak", timed)
+    batch = tuple(t.clone() for t in dataset(64)[:32])
+    capacity = (peak_bytes(BroadNet(), batch, 10) + peak_bytes(BroadNet(), batch, 11)) // 2
+    model, callback = _SlowBroadNet(), AutoAccumulation(max_memory=capacity, headroom=0.0, exactness="off")
+    with MemoryCap(capacity, modules=model):
+        fit(model, [callback], steps=1, batch=32, tmp_path=tmp_path)
+    training = [(n, p, s) for n, evaluation, p, s in seen if not evaluation]
+    assert len(training) >= 3 and [(32, None)] == [(n, s) for n, e, p, s in seen if e and p is None]
+    for samples, result, seconds in training:
+        assert result is not None and 0.02 * samples <= seconds < 0.02 * samples + 5.0
 
 
 def test_the_size_holds_the_optimizer_state_the_first_step_creates(tmp_path):

@@ -232,6 +232,60 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
     assert measured == cb.plan.activation_bytes > 0
 
 
+@pytest.mark.parametrize("launch", [0.0, 100.0])
+def test_micro_steps_timed_to_cost_their_samples_alone_are_neither_recomputed_nor_tried(
+    tmp_path, monkeypatch, launch
+):
+    """The size search's probes are timed: where a micro-step costs its samples alone (priced here, probes
+    and steps alike, ``launch + samples`` seconds, +30% recomputed), fewer micro-batches save nothing, and
+    recompute is neither probed, nor profiled, nor tried; with a launch cost it is all three."""
+    from lightning_memopt import AutoAccumulation
+    from lightning_memopt.batching.probe import BatchProbes
+    from lightning_memopt.checkpointing import CostModel
+
+    timed = _timed(monkeypatch, launch)
+    probed, peak = [], BatchProbes.peak
+
+    def priced(self, samples, evaluation=False):
+        result = peak(self, samples, evaluation)
+        full = set(checkpointed_blocks(self.engine.trainer.lightning_module.model).values()) != {"keep"}
+        probed.append(("full" if full else "keep", samples))
+        if result is not None:
+            self.seconds = launch + samples * (1.3 if full else 1.0)
+        return result
+
+    monkeypatch.setattr(BatchProbes, "peak", priced)
+    profiled = []
+    plan_from = ac_module.AutoCheckpointer._plan_from
+    monkeypatch.setattr(
+        ac_module.AutoCheckpointer, "_plan_from", lambda *a, **k: profiled.append(1) or plan_from(*a, **k)
+    )
+    torch.manual_seed(0)
+    module = _Wide(n_layer=4)
+    limit = 2_500_000
+    accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
+    cb = AutoCheckpoint(max_memory=limit, headroom=0.0, cost_model=CostModel(use_time=False))
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
+    if launch:  # recompute's search and trial: its probes, its profile at the trial's first step
+        assert any(way == "full" for way, _ in probed) and profiled and timed and said == []  # trial: 5 steps
+        return
+    assert all(way == "keep" for way, _ in probed) and not profiled and timed == []
+    fit = [n for n, p in accumulation.probes[1:] if p is not None]  # the first pays first-time costs
+    high = max(fit)  # the largest that fits: a step of 16 runs as 4 micro-batches of 4
+    low = max(n for n in fit if n <= high / 2)
+    count = -(-16 // high)
+    assert said == [
+        f"AutoCheckpoint checkpoints no block of _Wide: {count} micro-batches of {-(-16 // count)} without "
+        f"recompute: fewer, larger micro-batches would save at most 0.0% of the step (a micro-step: {low:g} s "
+        f"at {low} samples, {high:g} s at {high})"
+    ]
+    assert count > 1 and all(set(c.values()) == {"keep"} for c in module.seen_choices)
+
+
 def test_a_fit_resumed_during_the_trial_trains_as_the_fit_that_went_on(tmp_path, monkeypatch):
     """A checkpoint after the trial's second step (of five), where recompute's plan was made: the resumed
     fit goes on with the trial and its plan, takes the same decision as the fit that went on, profiles
