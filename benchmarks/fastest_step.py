@@ -58,8 +58,10 @@ AdamW state do not fit the card together), every step time is read after ``torch
 
 It prints a Markdown table per model run, then the defaults' start-up by phase (what the warm-up steps
 took beyond steady steps, each warm-up step in steady steps; the seconds and calls of the size search's
-probes and AutoCheckpoint's profiling, each also in steady steps), what the defaults decided (``AutoCheckpoint``'s one-line
-note) and whether their steady peak stayed within ``L``; progress and tracebacks go to stderr.
+probes and AutoCheckpoint's profiling, each also in steady steps), the seconds of each training probe of
+the search (what its decision to try recompute at all reads), what the defaults decided
+(``AutoCheckpoint``'s one-line note) and whether their steady peak stayed within ``L``; progress and
+tracebacks go to stderr.
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ WAYS = ("plain + accumulate", "full ckpt + accumulate", "defaults")
 PHASES = {"search probes": (BatchProbes, "peak")}
 PHASES["profiling"] = (AutoCheckpointer, "_plan_from")
 spent: dict[str, list[float]] = {}
+# the defaults' training probes that ran (not out of memory): samples, seconds (BatchProbes.seconds)
+probed: list[tuple[int, float]] = []
 
 
 def count_phases() -> None:
@@ -127,17 +131,21 @@ def count_phases() -> None:
     for name, (owner, attribute) in PHASES.items():
         original = getattr(owner, attribute)
 
-        def timed(*args, _name=name, _original=original, **kwargs):
+        def timed(*args, _name=name, _original=original, _owner=owner, **kwargs):
             if threading.current_thread().name != "defaults":
                 return _original(*args, **kwargs)
             start = time.perf_counter()
             try:
-                return _original(*args, **kwargs)
+                result = _original(*args, **kwargs)
             finally:
                 sync()
                 entry = spent.setdefault(_name, [0.0, 0])
                 entry[0] += time.perf_counter() - start
                 entry[1] += 1
+            evaluation = args[2] if len(args) > 2 else kwargs.get("evaluation", False)
+            if _owner is BatchProbes and result is not None and not evaluation:
+                probed.append((args[1], args[0].seconds))
+            return result
 
         setattr(owner, attribute, timed)
 
@@ -596,6 +604,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
 
     print(f"{name}: timing (L = {limit / MiB:.2f} MiB) ({stamp()})", file=sys.stderr)
     spent.clear()
+    probed.clear()
     total = args.warmup + args.rounds * args.steps
     live = []
     with warnings.catch_warnings(record=True) as caught:
@@ -625,6 +634,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
             run.thread.join()
     defaults = runs[2]
     phases = {k: tuple(v) for k, v in spent.items()}
+    probe_seconds = list(probed)
     if cuda():  # the peaks of the timed steps (the Pacer's)
         defaults.peak_sizes, defaults.peak_notes = defaults.pacer.steady_sizes, defaults.notes
     elif defaults.error is None:
@@ -646,6 +656,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
         "whole_fits": whole_fits,
         "runs": runs,
         "phases": phases,
+        "probe_seconds": probe_seconds,
         "warmup": args.warmup,
     }
 
@@ -731,6 +742,9 @@ def details(results: list[dict]) -> str:
                 f" the {len(warm)} warm-up steps (each: {each} steps): "
                 + ("; ".join(parts) or "no probe, no profiling")
             )
+        if res["probe_seconds"]:  # what the search's decision on recompute reads (sizes.py: decide)
+            timed = ", ".join(f"{n}: {t:.3g} s" for n, t in res["probe_seconds"])
+            out.append(f"  - defaults' training probes that ran, in order (samples: seconds): {timed}")
         notes = defaults.notes or ["(no AutoCheckpoint note)"]
         for note in notes:
             out.append(f"  - defaults decided: {note}")
