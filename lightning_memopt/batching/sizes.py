@@ -143,7 +143,7 @@ class MicroBatchSizes:
         self.last_total: int | None = None
         self.ran: int | None = None  # samples per micro-batch of the last step that trained
         self.probes: list[tuple[int, int | None]] = []
-        self._timed: list[tuple[int, float]] = []  # a way's training probes that fit: samples, seconds
+        self._timed: list[tuple[int, float]] = []  # a way's training probes that ran: samples, seconds
         self.eval_probes: list[tuple[int, int | None]] = []
         self.shape_probes: list[tuple[int, int, int | None]] = []
         self.probed_width: int | None = None
@@ -287,10 +287,10 @@ class MicroBatchSizes:
         tried, nor where the first way that fits is measured to gain nothing from larger micro-batches: its
         probes are timed, and where a micro-step's seconds grow with its samples alone, one micro-batch
         instead of several would make the step at most :data:`_GAIN` faster, before any recompute's cost
-        (:func:`_fewer_cannot_pay`; a large model on a GPU: no profile, no trial). A later way counts only where it runs the step in fewer micro-batches (``ceil(whole /
-        size)``, split evenly) than every way before it: as many micro-steps, each costing more, cannot be
-        faster. Where one way counts, it is taken untimed; else the ways that count run the fit's next
-        optimizer steps, taking turns, :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`):
+        (:func:`_fewer_cannot_pay`; a large model on a GPU: no profile, no trial). A later way counts only
+        where it runs the step in fewer micro-batches (``ceil(whole / size)``, split evenly) than every way
+        before it: as many micro-steps, each costing more, cannot be faster. Where one way counts, it is
+        taken untimed; else the ways that count run the fit's next optimizer steps, taking turns, :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`):
         the engine times each step's micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch
         of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
         that slows down meanwhile weighs on every way alike), and the fastest way runs from the step after
@@ -683,8 +683,8 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
     fewer, larger micro-batches (a later way's: the chunked head, recompute) could make the step at most
     :data:`_GAIN` faster: why, in words; else None (they could, or too few probes to tell).
 
-    ``timed``: the way's probes that fit, samples and seconds, the first of its search left out (it pays
-    first-time costs). The line through the largest and the largest at most half its size: its intercept is
+    ``timed``: the way's probes that ran (not out of memory), samples and seconds, the first of its search
+    left out (it pays first-time costs). The line through the largest and the largest at most half its size: its intercept is
     what a micro-step costs whatever its samples, and a step of ``whole`` samples in ``count`` micro-batches
     of at most ``size`` costs ``count`` intercepts and ``whole`` slopes; the fewest micro-batches, one,
     save ``count - 1`` intercepts at most. Where a micro-step's seconds bend (a device that is not yet
