@@ -226,7 +226,7 @@ class MicroBatchEngine:
         if self.log_metrics:
             values = {"micro_batch_size": step.size, "num_micro_batches": len(step.sizes)}
             values["oom_retries"] = self.sizes.oom_retries
-            if self.sizes.step_seconds is not None:  # the decision's trial timed it (sizes.py: decide)
+            if self.sizes.step_seconds is not None:  # timed by the trial or its probes (sizes.py: decide)
                 values["step_seconds_predicted"] = self.sizes.step_seconds
             if before is not None:  # thrashing is watched
                 values["near_misses"] = self.sizes.near_misses

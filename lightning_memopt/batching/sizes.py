@@ -151,7 +151,9 @@ class MicroBatchSizes:
         self.recompute: Recompute | None = None
         """Where activation checkpointing takes part in the first batch's search (:meth:`decide`)."""
         self.step_seconds: float | None = None
-        """The optimizer step's seconds at the way and size chosen, as its trial step measured them."""
+        """The optimizer step's seconds at the way and size chosen (its micro-steps' together), as its trial
+        step measured them, or as the search's timed probes predict them where they ruled the later ways
+        out (:func:`_fewer_cannot_pay`)."""
         self._trial: _Trial | None = None
         self._limits: tuple[int, int, int] | None = None  # the search's (limit, held, whole batch)
 
@@ -358,9 +360,10 @@ class MicroBatchSizes:
                 later = [f"{' and '.join(after)} {verb} the step in no fewer micro-batches"] if after else []
                 if flat is not None:
                     count, runs = _split(size, whole)
-                    later = [f"{count} micro-batches of {runs} {said[way]}: {flat}"]
+                    later = [f"{count} micro-batches of {runs} {said[way]}: {flat[0]}"]
                 why = "; ".join(before + later)
-            return self._decided(way, size, way_probes, why, kept=kept if way == "full" else ())
+            seconds = flat[1] if flat is not None else None
+            return self._decided(way, size, way_probes, why, seconds, kept=kept if way == "full" else ())
         # Several count: they take turns at the fit's next optimizer steps, each timed (the trial), then the
         # fastest runs (_next_way).
         self._trial = _Trial(counting, {w: found[w] for w in counting}, kept)
@@ -678,10 +681,11 @@ def _split(size: int, whole: int) -> tuple[int, int]:
     return count, -(-whole // count)
 
 
-def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> str | None:
+def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> tuple[str, float] | None:
     """Where a way's timed probes show that its micro-steps' seconds grow with their samples alone, so that
     fewer, larger micro-batches (a later way's: the chunked head, recompute) could make the step at most
-    :data:`_GAIN` faster: why, in words; else None (they could, or too few probes to tell).
+    :data:`_GAIN` faster: why, in words, and the step's seconds predicted (its micro-steps' together, as
+    the trial prices a step); else None (they could, or too few probes to tell).
 
     ``timed``: the way's probes that ran (not out of memory), samples and seconds, the first of its search
     left out (it pays first-time costs). The line through the largest and the largest at most half its size: its intercept is
@@ -692,8 +696,9 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
 
     Example::
 
-        >>> _fewer_cannot_pay([(2, 0.21), (4, 0.41), (8, 0.81)], 8, 32)  # 3 x 0.01 s of 3.24 s
-        'fewer, larger micro-batches would save at most 0.9% of the step (a micro-step: 0.41 s at 4 samples, 0.81 s at 8)'
+        >>> why, seconds = _fewer_cannot_pay([(2, 0.21), (4, 0.41), (8, 0.81)], 8, 32)  # 3 x 0.01 s of 3.24 s
+        >>> why, round(seconds, 6)
+        ('fewer, larger micro-batches would save at most 0.9% of the step (a micro-step: 0.41 s at 4 samples, 0.81 s at 8)', 3.24)
         >>> _fewer_cannot_pay([(2, 0.3), (4, 0.5), (8, 0.9)], 8, 32) is None  # 3 x 0.1 s of 3.6 s
         True
     """
@@ -714,10 +719,11 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
     saved = (count - 1) * max(intercept, 0.0) / step
     if saved > _GAIN:
         return None
-    return (
+    why = (
         f"fewer, larger micro-batches would save at most {saved:.1%} of the step (a micro-step: "
         f"{seconds[low]:.3g} s at {low} samples, {seconds[high]:.3g} s at {high})"
     )
+    return why, step
 
 
 def _peak_at(probes: list[tuple[int, int | None]]) -> Callable[[int], float] | None:

@@ -67,7 +67,9 @@ class AutoAccumulation(MicroBatching):
     ``batching/num_micro_batches``          micro-batches this step ran as
     ``batching/oom_retries``                out-of-memory retries since the fit started (cumulative count)
     ``batching/step_seconds_predicted``     with ``AutoCheckpoint``, where the first batch's search timed it:
-                                            seconds per optimizer step at the size and treatment chosen
+                                            seconds per optimizer step at the size and treatment chosen,
+                                            its micro-steps' forward and backward together (measured in
+                                            the trial, or predicted from the search's timed probes)
     ``batching/step_seconds``               every ``log_every_n_steps``: the mean wall-clock seconds of the
                                             optimizer steps since the last log (one training step's end to
                                             the next: optimizer, data loading, forward and backward; a

@@ -146,7 +146,8 @@ def test_a_micro_step_costing_what_its_samples_do_is_neither_recomputed_nor_trie
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.way == "keep" and model.used == ["keep"]
     assert probes.probed == [("keep", 1), ("keep", 2), ("keep", 5), ("keep", 8), ("keep", 16)]
-    assert probes.timed == [] and sizes.step_seconds is None
+    # the step's seconds as the probes predict them: 4 micro-steps of 16 samples at 0.1 s each
+    assert probes.timed == [] and sizes.step_seconds == pytest.approx(6.4)
     assert model.said == [
         (
             "keep",

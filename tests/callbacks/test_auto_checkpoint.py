@@ -284,6 +284,8 @@ def test_micro_steps_timed_to_cost_their_samples_alone_are_neither_recomputed_no
         f"at {low} samples, {high:g} s at {high})"
     ]
     assert count > 1 and all(set(c.values()) == {"keep"} for c in module.seen_choices)
+    # logged: the step's seconds as the probes predict them, a second a sample (its micro-steps' together)
+    assert trainer.callback_metrics["batching/step_seconds_predicted"].item() == pytest.approx(16.0)
 
 
 def test_a_fit_resumed_during_the_trial_trains_as_the_fit_that_went_on(tmp_path, monkeypatch):
