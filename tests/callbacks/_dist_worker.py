@@ -130,6 +130,33 @@ def decide_with_rank_timings(rank: int) -> dict:
     }
 
 
+def decide_with_rank_probe_timings(rank: int) -> dict:
+    """The search's timed probes under DDP: rank 0's micro-steps cost their samples alone (recompute cannot
+    pay there: alone it would not search, profile nor try it), rank 1's pay a launch cost each. Agreed as
+    the longest over ranks, they rule recompute out on neither rank: both search it and run the trial (its
+    collectives), not one waiting for the other, and take one decision."""
+    from lightning_memopt.batching.probe import BatchProbes
+    from tests.callbacks.test_auto_checkpoint import GPTModule, _price_steps, _Wide
+
+    peak = BatchProbes.peak
+
+    def priced(self, samples, evaluation=False):
+        result = peak(self, samples, evaluation)
+        if result is not None:
+            self.seconds = (100.0 if rank == 1 else 0.0) + samples
+        return result
+
+    def price(module, samples):
+        return "", (100.0 if rank == 1 else 0.0) + samples
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BatchProbes, "peak", priced)
+        _price_steps(patch, GPTModule, price)
+        module = _Wide(n_layer=4)
+        _, accumulation = _fit_deciding(module, 2_500_000)  # 5 samples fit kept: 4 probes
+    return {"probes": accumulation.probes, "size": accumulation.micro_batch_size}
+
+
 def decide_head_with_rank_timings(rank: int) -> dict:
     """The output head in the decision under DDP: a tiny Hugging Face GPT-2 whose logits outweigh its
     blocks; rank 1 pays a launch cost per micro-step (the chunked head's larger micro-batches win there),
@@ -168,6 +195,7 @@ def main(out: str) -> None:
         result = {"plain": plain, "checkpointed": checkpointed}
         if kind == "ddp":
             result["decided"] = decide_with_rank_timings(rank)
+            result["probe_decided"] = decide_with_rank_probe_timings(rank)
             result["head_decided"] = decide_head_with_rank_timings(rank)
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)

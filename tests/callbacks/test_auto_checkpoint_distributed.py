@@ -60,6 +60,11 @@ def test_two_process_training_matches_plain(results, kind):
             # 9 fit recomputed: a batch of 16 runs as 2 micro-batches of 8, timed in its trial step, priced at
             # rank 1's 100 + 8 x 1.3 s (the longest over ranks)
             assert decided["size"] == 9 and decided["seconds"] == pytest.approx(2 * (100 + 8 * 1.3))
+            # rank-dependent probe timings: rank 0's alone would rule recompute out; agreed, neither rank
+            # does, and both search it (its probes, the same on both), try it and decide alike
+            probed = result["probe_decided"]
+            assert probed == torch.load(tmp_path / "ddp_params0.pt")["probe_decided"]
+            assert probed["size"] == 16  # recomputed, the batch of 16 fits whole (kept, 5 do)
             # the head in the decision: rank 1's launch cost makes the chunked head's fewer micro-batches the
             # faster step on both ranks (seconds the longest over ranks); neither rank keeps its own head
             head = result["head_decided"]
