@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_memopt._patch import patch
+from lightning_memopt._text import listed
 from lightning_memopt.batching.state import host_copy
 
 __all__ = ["batchnorms", "causes", "difference", "gradients", "no_dropout", "tolerance", "written_in_place"]
@@ -114,12 +115,12 @@ def causes(*, batchnorm: list[str], written: list[str], unexplained: bool, drawn
     found = []
     if batchnorm:
         found.append(
-            f"BatchNorm layers ({_names(batchnorm)}) normalize each micro-batch by its own statistics; add "
+            f"BatchNorm layers ({listed(batchnorm)}) normalize each micro-batch by its own statistics; add "
             "lightning_memopt.BatchNormToGroupNorm() to the callbacks (GroupNorm does not depend on the batch)"
         )
     if written:
         found.append(
-            f"training_step writes {_names(written)} in place, so the write happens once per micro-batch (and "
+            f"training_step writes {listed(written)} in place, so the write happens once per micro-batch (and "
             "again when a step is retried) instead of once per step; move it to on_train_batch_end or "
             "on_before_optimizer_step"
         )
@@ -142,8 +143,3 @@ def causes(*, batchnorm: list[str], written: list[str], unexplained: bool, drawn
             "micro-batches or compute that term over the whole batch yourself"
         )
     return "; and ".join(found)
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:6])
-    return shown + (f" and {len(names) - 6} more" if len(names) > 6 else "")

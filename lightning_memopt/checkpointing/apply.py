@@ -43,6 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
 from lightning_memopt._compat import selective_checkpoint_contexts
+from lightning_memopt._text import listed
 from lightning_memopt._tree import tensors
 from lightning_memopt.checkpointing.calls import call_signature, is_kv_cache, storage_key, without_cache
 from lightning_memopt.checkpointing.costs import CHOICES
@@ -293,15 +294,10 @@ def _as_read(state: _BlockState, inputs: Inputs, fn, /, *args, **kwargs):
             if inputs.written:
                 state.unrepeatable = (
                     state.unrepeatable
-                    or f"the model writes its inputs after it ran ({_shown(inputs.written)})"
+                    or f"the model writes its inputs after it ran ({listed(inputs.written)})"
                 )
             elif state.unrepeatable is None:
                 state.verified = True
-
-
-def _shown(names: list[str]) -> str:
-    """The first few of ``names`` for a note, and how many there are where there are more."""
-    return ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
 
 
 def _watched(block: nn.Module, state: _BlockState, before: Snapshot, verified: bool = True) -> None:
@@ -311,7 +307,7 @@ def _watched(block: nn.Module, state: _BlockState, before: Snapshot, verified: b
     if not written:
         state.verified = verified
         return
-    state.unrepeatable = f"its forward writes state ({_shown(written)})"  # profile.py says what follows
+    state.unrepeatable = f"its forward writes state ({listed(written)})"  # profile.py says what follows
     state.recompute = before
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from lightning_memopt._compat import fsdp_module_type, is_dtensor
+from lightning_memopt._text import listed
 from lightning_memopt.checkpointing.written import treatment_state
 
 __all__ = ["find_blocks", "blocks_run", "candidate_classes", "check_blocks"]
@@ -234,10 +235,9 @@ def _given(model: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
             inside.update(id(m) for m in module.modules())
     if not chosen:
         found = [n for n, _ in find_blocks(model)]
-        shown = ", ".join(found[:8]) + (f", ... ({len(found)} in all)" if len(found) > 8 else "")
         raise ValueError(
             f"blocks={blocks!r} matched no module of {type(model).__name__}; candidate block classes found: "
-            f"{candidate_classes(model) or 'none'}; discovered blocks: [{shown}]. Pass classes, class names or "
+            f"{candidate_classes(model) or 'none'}; discovered blocks: [{listed(found)}]. Pass classes, class names or "
             "module-name patterns (relative to the model or to the module holding the blocks)."
         )
     return chosen

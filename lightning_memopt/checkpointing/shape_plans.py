@@ -220,9 +220,9 @@ class ShapePlans:
     def state(self) -> list[dict]:
         """The plans as plain values, for a checkpoint: per plan, its first shapes and the other
         processes' (``also``)."""
-        listed = lambda keys: [[list(shape) for shape in key] for key in keys]  # noqa: E731
+        as_lists = lambda keys: [[list(shape) for shape in key] for key in keys]  # noqa: E731
         return [
-            {"shapes": listed(keys[:1])[0], "also": listed(keys[1:]), "plan": plan.to_dict()}
+            {"shapes": as_lists(keys[:1])[0], "also": as_lists(keys[1:]), "plan": plan.to_dict()}
             for plan, keys in self._entries
         ]
 

@@ -201,6 +201,65 @@ def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name, weight_gra
         assert len(second_passes) >= STEPS  # every step's head (and the first batch's check)
 
 
+@pytest.mark.parametrize(("name", "flat"), [(name, True) for name in sorted(BF16_TAKEN)] + [("llama", False)])
+def test_bf16_lms_whose_micro_steps_cost_their_samples_keep_their_own_head_untried(name, flat, monkeypatch):
+    """``AutoCheckpoint()`` beside ``AutoAccumulation`` under bf16-mixed, a batch of 16 where 5 samples fit
+    (the probes' bytes priced: held + 1,000 a sample with the model's own head, 700 with the chunked head,
+    200 recomputed; the own head searched first): where the search's
+    timed probes say a micro-step costs its samples alone (``flat``: priced 0.01 s a sample), the model's
+    own head runs 4 micro-batches of 4, and neither the chunked head nor recompute is probed, profiled or
+    tried; with a launch cost (1 s a micro-step) the later ways are searched and the trial starts (3 steps:
+    it goes on)."""
+    from lightning_memopt.batching.probe import BatchProbes
+    from lightning_memopt.checkpointing.auto import AutoCheckpointer
+
+    used, use = [], AutoCheckpointer.use
+    monkeypatch.setattr(AutoCheckpointer, "use", lambda self, way: used.append(way) or use(self, way))
+    profiled, plan_from = [], AutoCheckpointer._plan_from
+    monkeypatch.setattr(
+        AutoCheckpointer, "_plan_from", lambda *a, **k: profiled.append(1) or plan_from(*a, **k)
+    )
+    peak = BatchProbes.peak
+
+    def priced(self, samples, evaluation=False):
+        peak(self, samples, evaluation)  # the real micro-step, as the search runs it
+        self.seconds = (0.0 if flat else 1.0) + 0.01 * samples
+        return self.held() + {"own head": 1_000, "keep": 700, "full": 200}[used[-1]] * samples
+
+    monkeypatch.setattr(BatchProbes, "peak", priced)
+    module = LM(BF16_TAKEN[name], dtype=torch.float32)
+    keys = list(module.state_dict())
+    limit = 0
+
+    class Limit(AutoAccumulation):  # the limit from the bytes held at the first batch: 5 samples fit
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            nonlocal limit
+            if not limit:
+                limit = self.engine.probes(batch).held() + 5_500
+                self.engine.sizes.max_memory = limit
+            return super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    accumulation = Limit(max_memory=10**12, headroom=0.0)
+    checkpoint = AutoCheckpoint()
+    trainer = quiet_trainer([checkpoint, accumulation], max_steps=STEPS, precision="bf16-mixed")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, zoo.loader("gpt2", 16, batches=STEPS, dtype=torch.float32))
+    said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
+    assert list(module.state_dict()) == keys
+    _assert_nothing_left(module)
+    if not flat:
+        assert "full" in used and profiled and said == []
+        return
+    assert set(used) == {"own head"} and not profiled  # searched, then decided
+    assert said == [
+        "AutoCheckpoint checkpoints no block of LM and leaves its own output head: 4 micro-batches of 4 with "
+        "the model's own head: fewer, larger micro-batches would save at most 0.0% of the step (a micro-step: "
+        "0.02 s at 2 samples, 0.05 s at 5)"
+    ]
+    assert module.logits_seen[-4:] == [True] * 4  # the own head: logits made
+
+
 @pytest.mark.parametrize("name", sorted(DECLINED))
 def test_declined_with_one_note_and_trains_as_without(name):
     build, reason = DECLINED[name]

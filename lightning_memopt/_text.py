@@ -1,0 +1,23 @@
+"""How a message lists names: the one format every note and error of the package uses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["listed"]
+
+_MOST = 6  # names a message shows before it counts the rest
+
+
+def listed(names: Sequence[str]) -> str:
+    """The first few of ``names``, joined, and how many more there are.
+
+    Example::
+
+        >>> listed(["a", "b"])
+        'a, b'
+        >>> listed([f"layers.{i}" for i in range(8)])
+        'layers.0, layers.1, layers.2, layers.3, layers.4, layers.5 and 2 more'
+    """
+    shown = ", ".join(names[:_MOST])
+    return shown + (f" and {len(names) - _MOST} more" if len(names) > _MOST else "")
