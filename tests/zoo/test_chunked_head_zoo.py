@@ -204,12 +204,11 @@ def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name, weight_gra
 @pytest.mark.parametrize(("name", "flat"), [(name, True) for name in sorted(BF16_TAKEN)] + [("llama", False)])
 def test_bf16_lms_whose_micro_steps_cost_their_samples_keep_their_own_head_untried(name, flat, monkeypatch):
     """``AutoCheckpoint()`` beside ``AutoAccumulation`` under bf16-mixed, a batch of 16 where 5 samples fit
-    (the probes' bytes priced: held + 1,000 a sample with the model's own head, 700 with the chunked head,
-    200 recomputed; the own head searched first): where the search's
-    timed probes say a micro-step costs its samples alone (``flat``: priced 0.01 s a sample), the model's
-    own head runs 4 micro-batches of 4, and neither the chunked head nor recompute is probed, profiled or
-    tried; with a launch cost (1 s a micro-step) the later ways are searched and the trial starts (3 steps:
-    it goes on)."""
+    (the probes' bytes priced: a million + 1,000 a sample with the model's own head, 700 with the chunked
+    head, 200 recomputed; the own head searched first): where the search's timed probes say a micro-step
+    costs its samples alone (``flat``: priced 0.01 s a sample), the model's own head runs 4 micro-batches
+    of 4, and neither the chunked head nor recompute is probed, profiled or tried; with a launch cost (1 s
+    a micro-step) the later ways are searched and the trial starts (3 steps: it goes on)."""
     from lightning_memopt.batching.probe import BatchProbes
     from lightning_memopt.checkpointing.auto import AutoCheckpointer
 
@@ -224,22 +223,12 @@ def test_bf16_lms_whose_micro_steps_cost_their_samples_keep_their_own_head_untri
     def priced(self, samples, evaluation=False):
         peak(self, samples, evaluation)  # the real micro-step, as the search runs it
         self.seconds = (0.0 if flat else 1.0) + 0.01 * samples
-        return self.held() + {"own head": 1_000, "keep": 700, "full": 200}[used[-1]] * samples
+        return 10**6 + {"own head": 1_000, "keep": 700, "full": 200}[used[-1]] * samples
 
     monkeypatch.setattr(BatchProbes, "peak", priced)
     module = LM(BF16_TAKEN[name], dtype=torch.float32)
     keys = list(module.state_dict())
-    limit = 0
-
-    class Limit(AutoAccumulation):  # the limit from the bytes held at the first batch: 5 samples fit
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            nonlocal limit
-            if not limit:
-                limit = self.engine.probes(batch).held() + 5_500
-                self.engine.sizes.max_memory = limit
-            return super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    accumulation = Limit(max_memory=10**12, headroom=0.0)
+    accumulation = AutoAccumulation(max_memory=10**6 + 5_500, headroom=0.0)  # 5 samples fit, own head
     checkpoint = AutoCheckpoint()
     trainer = quiet_trainer([checkpoint, accumulation], max_steps=STEPS, precision="bf16-mixed")
     with warnings.catch_warnings(record=True) as caught:
