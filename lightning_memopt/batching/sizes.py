@@ -337,7 +337,7 @@ class MicroBatchSizes:
             fixed = line.fixed if line is not None else None
             if size == whole:  # no way runs fewer than one micro-batch
                 break
-            if counting == [way] and (flat := _fewer_cannot_pay(self._timed[1:], size, whole)) is not None:
+            if counting == [way] and (flat := self._flat(probes, size, whole)) is not None:
                 break  # its micro-steps' seconds grow with their samples alone: no later way can be faster
         if not counting:  # the blocks stay recomputed: the least memory
             self.recompute = None
@@ -368,6 +368,25 @@ class MicroBatchSizes:
         # fastest runs (_next_way).
         self._trial = _Trial(counting, {w: found[w] for w in counting}, kept)
         return self._try(self._trial.turns[0])
+
+    def _flat(self, probes: Probes, size: int, whole: int) -> tuple[str, float] | None:
+        """:func:`_fewer_cannot_pay` over the way's timed probes but its search's first, which pays first-time
+        costs. Where none of the others is at most half the largest (a way that fits 2 or 3 samples: 1, 2,
+        3), the first's size is timed once more, now warm (one micro-step of the fewest samples; every rank
+        runs it, the seconds the longest over ranks)."""
+        if not self._timed:
+            return None
+        (first, _), timed = self._timed[0], self._timed[1:]
+        high = max((n for n, _ in timed), default=first)
+        if first <= high / 2 and not any(n <= high / 2 for n, _ in timed):
+            peak = probes.peak(first, False)
+            seconds = (probes.seconds or 0.0) if peak is not None else 0.0
+            failed, nanoseconds = max_over_ranks_each(
+                [int(peak is None), round(seconds * 1e9)], probes.device
+            )
+            if not failed:
+                timed = [*timed, (first, nanoseconds / 1e9)]
+        return _fewer_cannot_pay(timed, size, whole)
 
     @property
     def timing(self) -> bool:
@@ -687,8 +706,8 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
     :data:`_GAIN` faster: why, in words, and the step's seconds predicted (its micro-steps' together, as
     the trial prices a step); else None (they could, or too few probes to tell).
 
-    ``timed``: the way's probes that ran (not out of memory), samples and seconds, the first of its search
-    left out (it pays first-time costs). The line through the largest and the largest at most half its size: its intercept is
+    ``timed``: the way's probes that ran (not out of memory), samples and seconds, but the first of its
+    search, which pays first-time costs (:meth:`MicroBatchSizes._flat`). The line through the largest and the largest at most half its size: its intercept is
     what a micro-step costs whatever its samples, and a step of ``whole`` samples in ``count`` micro-batches
     of at most ``size`` costs ``count`` intercepts and ``whole`` slopes; the fewest micro-batches, one,
     save ``count - 1`` intercepts at most. Where a micro-step's seconds bend (a device that is not yet
@@ -721,7 +740,7 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
         return None
     why = (
         f"fewer, larger micro-batches would save at most {saved:.1%} of the step (a micro-step: "
-        f"{seconds[low]:.3g} s at {low} samples, {seconds[high]:.3g} s at {high})"
+        f"{seconds[low]:.3g} s at {low} sample{'s' if low > 1 else ''}, {seconds[high]:.3g} s at {high})"
     )
     return why, step
 

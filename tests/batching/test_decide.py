@@ -164,6 +164,27 @@ def test_a_micro_step_costing_what_its_samples_do_is_neither_recomputed_nor_trie
         assert ("full", 16) in probes.probed if tried else all(way == "keep" for way, _ in probes.probed)
 
 
+def test_a_way_that_fits_two_samples_times_its_first_probe_again_to_tell():
+    # The model's own head fits 2 samples (100 + 600 bytes a sample of 1,600): its search probes 1 and 2;
+    # the first probe pays first-time costs and is left out, so the size 1 is timed once more (warm): a
+    # micro-step costs its samples alone, and neither the chunked head nor recompute is searched or tried.
+    model = FakeModel(logits=600, launch=0.0)
+    sizes, size, probes = _decide(model, limit=HELD + 1_600)
+    assert probes.probed == [("own head", 1), ("own head", 2), ("own head", 1)] and probes.timed == []
+    assert size == 2 and model.said == [
+        (
+            "own head",
+            "32 micro-batches of 2 with the model's own head: fewer, larger micro-batches would save at most "
+            "0.0% of the step (a micro-step: 0.1 s at 1 sample, 0.2 s at 2)",
+        )
+    ]
+    assert sizes.step_seconds == pytest.approx(6.4)
+    # with a launch cost, the same probes tell that fewer micro-batches would pay: the later ways are tried
+    model = FakeModel(logits=600, launch=1.0)
+    _, _, probes = _decide(model, limit=HELD + 1_600)
+    assert probes.probed[:3] == [("own head", 1), ("own head", 2), ("own head", 1)] and probes.timed
+
+
 def test_recompute_wins_where_larger_micro_batches_run_faster_per_sample():
     model = FakeModel(launch=1.0)
     sizes, size, _ = _decide(model, limit=HELD + 1_600)

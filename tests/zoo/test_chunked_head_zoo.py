@@ -201,14 +201,20 @@ def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name, weight_gra
         assert len(second_passes) >= STEPS  # every step's head (and the first batch's check)
 
 
-@pytest.mark.parametrize(("name", "flat"), [(name, True) for name in sorted(BF16_TAKEN)] + [("llama", False)])
-def test_bf16_lms_whose_micro_steps_cost_their_samples_keep_their_own_head_untried(name, flat, monkeypatch):
-    """``AutoCheckpoint()`` beside ``AutoAccumulation`` under bf16-mixed, a batch of 16 where 5 samples fit
-    (the probes' bytes priced: a million + 1,000 a sample with the model's own head, 700 with the chunked
+@pytest.mark.parametrize(
+    ("name", "flat", "fit"),
+    [(name, True, 5) for name in sorted(BF16_TAKEN)] + [("llama", False, 5), ("llama", True, 2)],
+)
+def test_bf16_lms_whose_micro_steps_cost_their_samples_keep_their_own_head_untried(
+    name, flat, fit, monkeypatch
+):
+    """``AutoCheckpoint()`` beside ``AutoAccumulation`` under bf16-mixed, a batch of 16 where ``fit`` samples
+    fit (the probes' bytes priced: a million + 1,000 a sample with the model's own head, 700 with the chunked
     head, 200 recomputed; the own head searched first): where the search's timed probes say a micro-step
     costs its samples alone (``flat``: priced 0.01 s a sample), the model's own head runs 4 micro-batches
-    of 4, and neither the chunked head nor recompute is probed, profiled or tried; with a launch cost (1 s
-    a micro-step) the later ways are searched and the trial starts (3 steps: it goes on)."""
+    of 4 (8 of 2 where 2 fit: its first probe, of 1 sample, timed again), and neither the chunked head nor
+    recompute is probed, profiled or tried; with a launch cost (1 s a micro-step) the later ways are
+    searched and the trial starts (3 steps: it goes on)."""
     from lightning_memopt.batching.probe import BatchProbes
     from lightning_memopt.checkpointing.auto import AutoCheckpointer
 
@@ -228,7 +234,7 @@ def test_bf16_lms_whose_micro_steps_cost_their_samples_keep_their_own_head_untri
     monkeypatch.setattr(BatchProbes, "peak", priced)
     module = LM(BF16_TAKEN[name], dtype=torch.float32)
     keys = list(module.state_dict())
-    accumulation = AutoAccumulation(max_memory=10**6 + 5_500, headroom=0.0)  # 5 samples fit, own head
+    accumulation = AutoAccumulation(max_memory=10**6 + fit * 1_000 + 500, headroom=0.0)  # the own head's
     checkpoint = AutoCheckpoint()
     trainer = quiet_trainer([checkpoint, accumulation], max_steps=STEPS, precision="bf16-mixed")
     with warnings.catch_warnings(record=True) as caught:
@@ -241,12 +247,13 @@ def test_bf16_lms_whose_micro_steps_cost_their_samples_keep_their_own_head_untri
         assert "full" in used and profiled and said == []
         return
     assert set(used) == {"own head"} and not profiled  # searched, then decided
+    count, low = -(-16 // fit), {5: "0.02 s at 2 samples", 2: "0.01 s at 1 sample"}[fit]
     assert said == [
-        "AutoCheckpoint checkpoints no block of LM and leaves its own output head: 4 micro-batches of 4 with "
-        "the model's own head: fewer, larger micro-batches would save at most 0.0% of the step (a micro-step: "
-        "0.02 s at 2 samples, 0.05 s at 5)"
+        f"AutoCheckpoint checkpoints no block of LM and leaves its own output head: {count} micro-batches of "
+        f"{16 // count} with the model's own head: fewer, larger micro-batches would save at most 0.0% of the "
+        f"step (a micro-step: {low}, {0.01 * fit:g} s at {fit})"
     ]
-    assert module.logits_seen[-4:] == [True] * 4  # the own head: logits made
+    assert module.logits_seen[-count:] == [True] * count  # the own head: logits made
 
 
 @pytest.mark.parametrize("name", sorted(DECLINED))
