@@ -58,8 +58,8 @@ AdamW state do not fit the card together), every step time is read after ``torch
 
 It prints a Markdown table per model run, then the defaults' start-up by phase (what the warm-up steps
 took beyond steady steps, each warm-up step in steady steps; the seconds and calls of the size search's
-probes and AutoCheckpoint's profiling, each also in steady steps), the seconds of each training probe of
-the search (what its decision to try recompute at all reads), what the defaults decided
+probes and AutoCheckpoint's profiling, each also in steady steps), on CUDA the seconds of each training
+probe of the search (what its decision to try the later ways at all reads), what the defaults decided
 (``AutoCheckpoint``'s one-line note) and whether their steady peak stayed within ``L``; progress and
 tracebacks go to stderr.
 """
@@ -122,7 +122,7 @@ WAYS = ("plain + accumulate", "full ckpt + accumulate", "defaults")
 PHASES = {"search probes": (BatchProbes, "peak")}
 PHASES["profiling"] = (AutoCheckpointer, "_plan_from")
 spent: dict[str, list[float]] = {}
-# the defaults' training probes that ran (not out of memory): samples, seconds (BatchProbes.seconds)
+# the defaults' training probes that ran and were timed (on CUDA): samples, seconds (BatchProbes.seconds)
 probed: list[tuple[int, float]] = []
 
 
@@ -143,8 +143,13 @@ def count_phases() -> None:
                 entry[0] += time.perf_counter() - start
                 entry[1] += 1
             evaluation = args[2] if len(args) > 2 else kwargs.get("evaluation", False)
-            if _owner is BatchProbes and result is not None and not evaluation:
-                probed.append((args[1], args[0].seconds))
+            if (
+                _owner is BatchProbes
+                and result is not None
+                and not evaluation
+                and args[0].seconds is not None
+            ):
+                probed.append((args[1], args[0].seconds))  # timed on CUDA only (untracked)
             return result
 
         setattr(owner, attribute, timed)

@@ -111,8 +111,9 @@ class BatchProbes:
         self.evaluates = is_overridden("validation_step", module)
         self.clock = step_clock(self.device)
         self.seconds: float | None = None
-        """The last probe's forward and backward (or evaluation step), in seconds; None if it ran out of
-        memory."""
+        """The last probe's forward and backward (or evaluation step), in seconds on the device's clock; None
+        if it ran out of memory, or ran under a tracker (on a CPU), whose cost on every op would count as a
+        micro-step's fixed cost: seconds the search could rule ways out on by noise."""
 
     def peak(self, samples: int, evaluation: bool = False) -> int | None:
         """Peak bytes of one training (``evaluation``: validation) micro-step of ``samples`` samples of the
@@ -145,7 +146,7 @@ class BatchProbes:
             state=state,
             tracker=tracker,
             evaluation=evaluation,
-            clock=self.clock,
+            clock=self.clock if tracker is None else None,
         )
         return peak
 

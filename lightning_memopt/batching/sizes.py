@@ -52,7 +52,8 @@ class Probes(Protocol):
     evaluates: bool
     """Also search the evaluation size (the module has a ``validation_step``)."""
     seconds: float | None
-    """The last :meth:`peak`'s micro-step in seconds on the device's clock (None if it ran out of memory)."""
+    """The last :meth:`peak`'s micro-step in seconds on the device's clock (None if it ran out of memory or
+    was not timed)."""
 
     def peak(self, samples: int, evaluation: bool) -> int | None:
         """Peak bytes of one training (or evaluation) micro-step of that many samples of the batch, None
@@ -380,11 +381,11 @@ class MicroBatchSizes:
         high = max((n for n, _ in timed), default=first)
         if first <= high / 2 and not any(n <= high / 2 for n, _ in timed):
             peak = probes.peak(first, False)
-            seconds = (probes.seconds or 0.0) if peak is not None else 0.0
-            failed, nanoseconds = max_over_ranks_each(
-                [int(peak is None), round(seconds * 1e9)], probes.device
+            seconds = probes.seconds if peak is not None else None
+            untimed, nanoseconds = max_over_ranks_each(
+                [int(seconds is None), round((seconds or 0.0) * 1e9)], probes.device
             )
-            if not failed:
+            if not untimed:
                 timed = [*timed, (first, nanoseconds / 1e9)]
         return _fewer_cannot_pay(timed, size, whole)
 
@@ -463,12 +464,13 @@ class MicroBatchSizes:
 
         def probe(samples: int) -> int | None:  # the largest peak over ranks, None if any ran out of memory
             peak = probes.peak(samples, evaluation)
-            seconds = (probes.seconds or 0.0) if peak is not None else 0.0
-            agreed, nanoseconds = max_over_ranks_each(
-                [_FAILED if peak is None else peak, round(seconds * 1e9)], probes.device
+            seconds = probes.seconds if peak is not None else None
+            agreed, untimed, nanoseconds = max_over_ranks_each(
+                [_FAILED if peak is None else peak, int(seconds is None), round((seconds or 0.0) * 1e9)],
+                probes.device,
             )
             log.append((samples, None if agreed == _FAILED else agreed))
-            if not evaluation and agreed != _FAILED:
+            if not evaluation and not untimed:  # timed on every rank
                 self._timed.append((samples, nanoseconds / 1e9))
             return log[-1][1]
 

@@ -130,10 +130,8 @@ class _SlowBroadNet(BroadNet):
         return super().training_step(batch, batch_idx)
 
 
-def test_each_probe_is_timed_on_the_step_clock(tmp_path, monkeypatch):
-    """The size search's probes time their micro-step and its backward (``BatchProbes.seconds``, what the
-    search's decision on recompute reads): at least the step's own sleep; none where it ran out of memory
-    (here the evaluation's, which starts at the whole batch, as above)."""
+def _probes_seen(monkeypatch) -> list[tuple[int, bool, int | None, object]]:
+    """Every probe of the size search: samples, evaluation, peak and ``BatchProbes.seconds`` after it."""
     from lightning_memopt.batching.probe import BatchProbes
 
     seen, peak = [], BatchProbes.peak
@@ -145,15 +143,32 @@ def test_each_probe_is_timed_on_the_step_clock(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(BatchProbes, "peak", timed)
+    return seen
+
+
+def test_probes_under_a_tracker_are_not_timed(tmp_path, monkeypatch):
+    """On a CPU the probes run under a MemoryTracker, whose cost on every op would read as a micro-step's
+    fixed cost: ``BatchProbes.seconds`` is None after each (the search then tries every way that counts;
+    on CUDA they are timed: ``test_each_probe_is_timed_on_the_device_clock``)."""
+    seen = _probes_seen(monkeypatch)
     batch = tuple(t.clone() for t in dataset(64)[:32])
     capacity = (peak_bytes(BroadNet(), batch, 10) + peak_bytes(BroadNet(), batch, 11)) // 2
     model, callback = _SlowBroadNet(), AutoAccumulation(max_memory=capacity, headroom=0.0, exactness="off")
     with MemoryCap(capacity, modules=model):
         fit(model, [callback], steps=1, batch=32, tmp_path=tmp_path)
-    training = [(n, p, s) for n, evaluation, p, s in seen if not evaluation]
-    assert len(training) >= 3 and [(32, None)] == [(n, s) for n, e, p, s in seen if e and p is None]
-    for samples, result, seconds in training:
-        assert result is not None and 0.02 * samples <= seconds < 0.02 * samples + 5.0
+    assert len(seen) >= 3 and all(seconds is None for *_, seconds in seen)
+
+
+@pytest.mark.cuda
+def test_each_probe_is_timed_on_the_device_clock(tmp_path, monkeypatch):
+    """On CUDA the size search's probes time their micro-step and its backward with CUDA events
+    (``BatchProbes.seconds``, what the search's decision on the later ways reads): at least the step's own
+    sleep, which the device spends idle between the two events."""
+    seen = _probes_seen(monkeypatch)
+    model, callback = _SlowBroadNet(), AutoAccumulation(max_memory="1GiB", headroom=0.0, exactness="off")
+    fit(model, [callback], steps=1, batch=32, tmp_path=tmp_path, accelerator="gpu")
+    training = [(n, s) for n, evaluation, p, s in seen if not evaluation and p is not None]
+    assert training and all(0.02 * n <= s < 0.02 * n + 5.0 for n, s in training)
 
 
 def test_the_size_holds_the_optimizer_state_the_first_step_creates(tmp_path):
