@@ -109,7 +109,6 @@ class BatchProbes:
         self.device = engine.trainer.strategy.root_device
         self.floor = smallest_micro_batch(module)
         self.evaluates = is_overridden("validation_step", module)
-        self.clock = step_clock(self.device)
         self.seconds: float | None = None
         """The last probe's forward and backward (or evaluation step), in seconds on the device's clock; None
         if it ran out of memory, or ran under a tracker (on a CPU), whose cost on every op would count as a
@@ -146,7 +145,7 @@ class BatchProbes:
             state=state,
             tracker=tracker,
             evaluation=evaluation,
-            clock=self.clock if tracker is None else None,
+            clock=step_clock(self.device) if tracker is None else None,
         )
         return peak
 

@@ -293,8 +293,8 @@ class MicroBatchSizes:
         (:func:`_fewer_cannot_pay`; a large model on a GPU: no profile, no trial). A later way counts only
         where it runs the step in fewer micro-batches (``ceil(whole / size)``, split evenly) than every way
         before it: as many micro-steps, each costing more, cannot be faster. Where one way counts, it is
-        taken untimed; else the ways that count run the fit's next optimizer steps, taking turns, :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`):
-        the engine times each step's micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch
+        taken untimed; else the ways that count run the fit's next optimizer steps, taking turns,
+        :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`): the engine times each step's micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch
         of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
         that slows down meanwhile weighs on every way alike), and the fastest way runs from the step after
         the last. Recompute runs as it would if it won: at its first turn, the fit's first step (slowed by
@@ -709,10 +709,10 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
     the trial prices a step); else None (they could, or too few probes to tell).
 
     ``timed``: the way's probes that ran (not out of memory), samples and seconds, but the first of its
-    search, which pays first-time costs (:meth:`MicroBatchSizes._flat`). The line through the largest and the largest at most half its size: its intercept is
-    what a micro-step costs whatever its samples, and a step of ``whole`` samples in ``count`` micro-batches
-    of at most ``size`` costs ``count`` intercepts and ``whole`` slopes; the fewest micro-batches, one,
-    save ``count - 1`` intercepts at most. Where a micro-step's seconds bend (a device that is not yet
+    search, which pays first-time costs (:meth:`MicroBatchSizes._flat`). The line through the largest and
+    the largest at most half its size: its intercept is what a micro-step costs whatever its samples, and a
+    step of ``whole`` samples in ``count`` micro-batches of at most ``size`` costs ``count`` intercepts and
+    ``whole`` slopes; the fewest micro-batches, one, save ``count - 1`` intercepts at most. Where a micro-step's seconds bend (a device that is not yet
     busy at small sizes), the chord's intercept is the larger: the later ways are tried.
 
     Example::
