@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tensors"]
+__all__ = ["numbers", "tensors"]
 
 
 def tensors(value, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -29,3 +29,26 @@ def tensors(value, found: list[torch.Tensor] | None = None) -> list[torch.Tensor
         for item in value.values():
             tensors(item, found)
     return found
+
+
+def numbers(values: list) -> list[float]:
+    """``values`` (Python numbers and one-element tensors) as floats, the tensors read back together: one
+    transfer per device, not one per value (each read waits for the device's queued work, and a GPU idles
+    until the next launch).
+
+    Example::
+
+        >>> numbers([torch.tensor(3), 0.5, torch.tensor([2.0])])
+        [3.0, 0.5, 2.0]
+    """
+    out = [float(v) if not isinstance(v, torch.Tensor) else None for v in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for device, at in by_device.items():
+        wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        read = torch.stack([values[i].detach().reshape(()).to(wide) for i in at]).tolist()
+        for i, number in zip(at, read):
+            out[i] = number
+    return out

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 
+from lightning_memopt._tree import numbers
 from lightning_memopt.batching.split import micro_batch_weights, tensors_of
 from lightning_memopt.head.loss import linear_cross_entropy
 
@@ -234,6 +235,10 @@ class Rule:
     clamp: bool = False
 
     def count(self, micro_batch: Any, samples: int) -> float:
+        return numbers([self.counted(micro_batch, samples)])[0]
+
+    def counted(self, micro_batch: Any, samples: int) -> torch.Tensor | float:
+        """:meth:`count`, a tensor not yet read back where the micro-batch's tensors give it."""
         if self.path is None:
             return self.per * samples
         tensors = dict(tensors_of(micro_batch, strict=False))
@@ -246,8 +251,8 @@ class Rule:
         else:
             counted = x.clamp(0, ignore) != ignore if self.clamp else x != ignore
         if self.weight is None:
-            return float(counted.sum())
-        return float(self.weight[x.masked_fill(~counted, 0).long()].masked_fill(~counted, 0).sum())
+            return counted.sum()
+        return self.weight[x.masked_fill(~counted, 0).long()].masked_fill(~counted, 0).sum()
 
     def __str__(self) -> str:
         if self.path is None:
@@ -339,30 +344,36 @@ class Weighting:
     def agreed_shares(self, micro_batches: Sequence[Any], sizes: Sequence[int]) -> list[float] | None:
         """The micro-batches' weights when every rule still possible for every part gives the same ones on
         this batch (the step need not be observed); None where they differ."""
-        found: list[float] | None = None
-        for rules in self.rules:
-            for rule in [rules] if rules == SUM else rules:
-                weights = shares(rule, micro_batches, sizes)
-                if found is None:
-                    found = weights
-                elif not all(_close(a, b) for a, b in zip(weights, found)):
-                    return None
-        return found if found is not None else shares(Rule(), micro_batches, sizes)
+        rules = [rule for rules in self.rules for rule in ([rules] if rules == SUM else rules)] or [Rule()]
+        first, *others = shares(rules, micro_batches, sizes)
+        if all(_close(a, b) for weights in others for a, b in zip(weights, first)):
+            return first
+        return None
 
 
-def shares(rule: Rule | str, micro_batches: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-    """Each micro-batch's weight under ``rule``: its share of the batch's count, or 1 for a sum.
+def shares(
+    rules: Sequence[Rule | str], micro_batches: Sequence[Any], sizes: Sequence[int]
+) -> list[list[float]]:
+    """Each micro-batch's weight under each of ``rules``: its share of the batch's count, or 1 for a sum;
+    every count read back from the device at once (a steady step reads the device once, before its first
+    forward).
 
     A batch that counts nothing at all (every label ignored) has a mean over nothing either way; its
     micro-batches are weighed by samples then.
     """
-    if rule == SUM:
-        return [1.0] * len(sizes)
-    counts = [rule.count(mb, n) for mb, n in zip(micro_batches, sizes)]
-    total = sum(counts)
-    if total <= 0:
-        counts, total = [float(n) for n in sizes], float(sum(sizes))
-    return [c / total for c in counts]
+    counted = [r.counted(mb, n) for r in rules if r != SUM for mb, n in zip(micro_batches, sizes)]
+    read = iter(numbers(counted))
+    result = []
+    for rule in rules:
+        if rule == SUM:
+            result.append([1.0] * len(sizes))
+            continue
+        counts = [next(read) for _ in sizes]
+        total = sum(counts)
+        if total <= 0:
+            counts, total = [float(n) for n in sizes], float(sum(sizes))
+        result.append([c / total for c in counts])
+    return result
 
 
 def batch_key(batch: Any) -> str:
@@ -432,7 +443,10 @@ class StepWeights:
             learned = self.weigher.learned[self.key] = Weighting(parts, mb, n)
         elif not learned.confirm(parts, mb, n):
             self.relearned = True
-        weights = [shares(learned.rule(j), self.micro_batches, self.sizes)[index] for j in range(len(parts))]
+        weights = [
+            w[index]
+            for w in shares([learned.rule(j) for j in range(len(parts))], self.micro_batches, self.sizes)
+        ]
         rest = weights[0] if weights else self.sizes[index] / sum(self.sizes)
         if len(set(weights)) <= 1:
             return loss * rest
@@ -442,5 +456,6 @@ class StepWeights:
     def loss(self) -> torch.Tensor:
         """The whole batch's loss: the micro-batches' weighted losses added (those that count nothing, NaN
         means over no item, left out)."""
-        kept = [v for v in self.values if not bool(torch.isnan(v))] or self.values
-        return sum(kept[1:], kept[0])
+        values = torch.stack(self.values)  # no read back: the step goes on to the optimizer unsynced
+        nan = values.isnan()
+        return torch.where(nan.all(), values.sum(), values.masked_fill(nan, 0).sum())

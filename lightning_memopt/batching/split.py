@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lightning_memopt._tree import numbers
+
 __all__ = [
     "batch_size",
     "describe_split",
@@ -215,9 +217,14 @@ def micro_batch_weights(
     Raises:
         ValueError: If the counts are negative or all zero.
     """
-    counts = (
-        [float(count_fn(mb)) for mb in micro_batches] if count_fn is not None else [float(s) for s in sizes]
-    )
+    values = [count_fn(mb) for mb in micro_batches] if count_fn is not None else list(sizes)
+    shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor) and v.numel() != 1]
+    if shapes:
+        raise ValueError(
+            f"count_fn must return one number per micro-batch, got a tensor of shape {shapes[0]}; return the "
+            "number of items its mean loss averages over, e.g. (labels != -100).sum()"
+        )
+    counts = numbers(values)
     total = sum(counts)
     if total <= 0 or min(counts) < 0:
         raise ValueError(

@@ -129,7 +129,7 @@ def test_shares_reproduce_the_token_mean():
         return F.cross_entropy(b["logits"].flatten(0, 1), b["labels"].flatten())
 
     parts = split_batch(batch, [2, 2])
-    weights = shares(Rule("batch['labels']", 0, -100), parts, [2, 2])
+    (weights,) = shares([Rule("batch['labels']", 0, -100)], parts, [2, 2])
     assert weights == [3 / 9, 6 / 9]
     combined = sum(w * loss(p) for w, p in zip(weights, parts))
     torch.testing.assert_close(combined, loss(batch), rtol=1e-12, atol=0)

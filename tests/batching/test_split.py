@@ -144,3 +144,7 @@ def test_token_count_weights():
     torch.testing.assert_close(combined, full)
     with pytest.raises(ValueError, match="count_fn must return non-negative counts with a positive sum"):
         micro_batch_weights(parts, sizes, count_fn=lambda mb: 0)
+    with pytest.raises(
+        ValueError, match=r"count_fn must return one number per micro-batch, got a tensor of shape \(2,\)"
+    ):
+        micro_batch_weights(parts, sizes, count_fn=lambda mb: mb["mask"].sum(1))

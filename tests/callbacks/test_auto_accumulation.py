@@ -1,4 +1,5 @@
 import re
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -449,3 +450,53 @@ def test_training_step_extra_keys_are_the_full_batch_values(tmp_path):
     assert set(a) == {"loss", "error", "mean_error"}
     torch.testing.assert_close(a["error"], b["error"])  # per-sample: joined, all 10 samples
     torch.testing.assert_close(a["mean_error"], b["mean_error"], rtol=1e-6, atol=0)  # weighted by share
+
+
+class TokenLM(pl.LightningModule):
+    """Next-token prediction whose labels ignore some positions: the loss's count is learned (tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        labels = tokens[:, 1:].masked_fill(tokens[:, 1:] == 0, -100)
+        logits = self.head(self.embed(tokens[:, :-1]))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_steady_micro_batched_step_reads_the_device_once(tmp_path, monkeypatch):
+    """On a GPU every read of a tensor's value waits for the device's queued work, and it idles until the next
+    launch: once the weights are learned and the split checked, a step of four micro-batches reads the
+    device once, the counts of its micro-batches together, before its first forward; its loss is not read."""
+    reads: list[tuple[int, str]] = []
+    step = [0]
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if "lightning_memopt" in caller:
+                reads.append((step[0], f"{_name} in {caller.rsplit('lightning_memopt', 1)[1]}"))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+
+    class Steps(pl.Callback):
+        def on_train_batch_start(self, *args):
+            step[0] += 1
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 11, (40, 9), generator=g)  # zeros are padding: a varying count per sample
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8)
+    trainer = quiet_trainer(
+        [AutoAccumulation(micro_batch_size=2), Steps()], max_steps=5, default_root_dir=tmp_path
+    )
+    trainer.fit(TokenLM(), loader)
+    steady = [where for at, where in reads if at >= 3]  # the first steps learn the count and check the split
+    assert steady == ["tolist in /_tree.py"] * 3
