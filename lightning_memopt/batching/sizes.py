@@ -14,7 +14,7 @@ probed, backed off, grown and agreed on: ``docs/micro_batching.md`` ("Sizing", "
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -378,8 +378,8 @@ class MicroBatchSizes:
         if not self._timed:
             return None
         (first, _), timed = self._timed[0], self._timed[1:]
-        high = max((n for n, _ in timed), default=first)
-        if first <= high / 2 and not any(n <= high / 2 for n, _ in timed):
+        sizes = [n for n, _ in timed]
+        if _chord(sizes) is None and _chord([first, *sizes]) is not None:
             peak = probes.peak(first, False)
             seconds = probes.seconds if peak is not None else None
             untimed, nanoseconds = max_over_ranks_each(
@@ -724,13 +724,10 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
         True
     """
     seconds = dict(timed)
-    if not seconds:
+    chord = _chord(seconds)
+    if chord is None:
         return None
-    high = max(seconds)
-    lows = [samples for samples in seconds if samples <= high / 2]
-    if not lows:
-        return None
-    low = max(lows)
+    low, high = chord
     slope = (seconds[high] - seconds[low]) / (high - low)
     intercept = seconds[low] - slope * low
     count = _split(size, whole)[0]
@@ -745,6 +742,15 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
         f"{seconds[low]:.3g} s at {low} sample{'s' if low > 1 else ''}, {seconds[high]:.3g} s at {high})"
     )
     return why, step
+
+
+def _chord(sizes: Iterable[int]) -> tuple[int, int] | None:
+    """The two sizes a micro-step's seconds are drawn through (:func:`_fewer_cannot_pay`): the largest at
+    most half the largest, and the largest; None where no size is at most half the largest."""
+    sizes = list(sizes)
+    high = max(sizes, default=0)
+    lows = [n for n in sizes if n <= high / 2]
+    return (max(lows), high) if lows else None
 
 
 def _peak_at(probes: list[tuple[int, int | None]]) -> Callable[[int], float] | None:
