@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on a lent GPU, in the order the open issues need it: issue 30's whole job
+# (fastest_step.py --device cuda), issue 31's head (head.py --shapes --device cuda), then the `cuda` tests.
+# Each part runs under its own time limit (a lent machine's time is counted in minutes, its start included),
+# writes its output and errors to $OUT/<part>.txt and .err, and the next part runs whatever the last did.
+#
+#   bash benchmarks/device.sh             # from the repository root; $OUT: where the results go (./device-out)
+#
+# The manual ways' micro-batches are those an H100 80GB measured (benchmarks/RESULTS-gpu.md: plain 2, Hugging
+# Face checkpointing 4): `--micro 2 4` skips their out-of-memory search. On another card, set MICRO="" to
+# search again.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-device-out}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+micro="${MICRO---micro 2 4}"
+
+part() { # part NAME SECONDS COMMAND...: COMMAND under a time limit, its output in $out/NAME.txt
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name (at most ${seconds} s): $*"
+    local began=$SECONDS
+    timeout "$seconds" "$@" >"$out/$name.txt" 2>"$out/$name.err"
+    echo "exit $? after $((SECONDS - began)) s"
+    tail -n 30 "$out/$name.txt"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; python3 -c \
+    "import torch, lightning, transformers; print(torch.__version__, lightning.__version__, transformers.__version__)"; \
+    git rev-parse --short HEAD; } >"$out/stack.txt" 2>&1
+cat "$out/stack.txt"
+# shellcheck disable=SC2086  # $micro is two words or none
+part fastest_step 330 python3 benchmarks/fastest_step.py --device cuda $micro --rounds 3
+part head 100 python3 benchmarks/head.py --shapes --device cuda --reps 5
+part cuda_tests 150 python3 -m pytest -q -m cuda tests/head/test_loss.py tests/checkpointing/test_offload.py \
+    tests/memory/test_device_cuda_fakes.py tests/test_gpu_benchmark.py tests/callbacks/test_auto_accumulation.py
