@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -106,3 +108,34 @@ def patch_regime(monkeypatch, name: str, value) -> None:
     for module in (regime, engine, step):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, value)
+
+
+class DeviceReads(pl.Callback):
+    """Every read of a tensor's value that the package makes (``float(t)``, ``t.item()``, ``t.tolist()``,
+    ...: on a GPU each waits for the device's queued work), by the optimizer step it falls in (1 for the
+    first); the methods are spied on through ``monkeypatch`` for the test's duration."""
+
+    METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+    def __init__(self, monkeypatch) -> None:
+        self.reads: list[tuple[int, str]] = []
+        self.step = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def spy(tensor, *args, _name=name, _original=original, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if "lightning_memopt" in caller:
+                    self.reads.append(
+                        (self.step, f"{_name} in lightning_memopt{caller.rsplit('lightning_memopt', 1)[1]}")
+                    )
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)
+
+    def on_train_batch_start(self, *args) -> None:
+        self.step += 1
+
+    def since(self, step: int) -> list[str]:
+        """The reads of the optimizer steps from ``step`` on: the method and the package's file."""
+        return [where for at, where in self.reads if at >= step]

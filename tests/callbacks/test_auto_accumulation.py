@@ -1,5 +1,4 @@
 import re
-import sys
 import time
 
 import lightning.pytorch as pl
@@ -11,7 +10,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_memopt import AutoAccumulation, MicroBatchOOMError, OOMBackoff
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.testing import MemoryCap
-from tests.batching.helpers import Net, assert_params_close, dataset, fit, quiet_trainer
+from tests.batching.helpers import DeviceReads, Net, assert_params_close, dataset, fit, quiet_trainer
 
 
 class GradRecorder(pl.Callback):
@@ -474,29 +473,13 @@ def test_a_steady_micro_batched_step_reads_the_device_once(tmp_path, monkeypatch
     """On a GPU every read of a tensor's value waits for the device's queued work, and it idles until the next
     launch: once the weights are learned and the split checked, a step of four micro-batches reads the
     device once, the counts of its micro-batches together, before its first forward; its loss is not read."""
-    reads: list[tuple[int, str]] = []
-    step = [0]
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"):
-        original = getattr(torch.Tensor, name)
-
-        def spy(self, *args, _name=name, _original=original, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if "lightning_memopt" in caller:
-                reads.append((step[0], f"{_name} in {caller.rsplit('lightning_memopt', 1)[1]}"))
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
-
-    class Steps(pl.Callback):
-        def on_train_batch_start(self, *args):
-            step[0] += 1
-
+    reads = DeviceReads(monkeypatch)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 11, (40, 9), generator=g)  # zeros are padding: a varying count per sample
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8)
     trainer = quiet_trainer(
-        [AutoAccumulation(micro_batch_size=2), Steps()], max_steps=5, default_root_dir=tmp_path
+        [AutoAccumulation(micro_batch_size=2), reads], max_steps=5, default_root_dir=tmp_path
     )
     trainer.fit(TokenLM(), loader)
-    steady = [where for at, where in reads if at >= 3]  # the first steps learn the count and check the split
-    assert steady == ["tolist in /_tree.py"] * 3
+    # the first steps learn the count and check the split
+    assert reads.since(3) == ["tolist in lightning_memopt/_tree.py"] * 3

@@ -20,7 +20,7 @@ import torch
 from lightning_memopt import AutoAccumulation, OOMBackoff, SplitNotExactError
 from lightning_memopt.norm import convert_batchnorm
 from lightning_memopt.testing import OOMInjector
-from tests.batching.helpers import quiet_trainer
+from tests.batching.helpers import DeviceReads, quiet_trainer
 from tests.zoo.models import ZOO, ZooModule, entry, loader, no_dropout
 
 # Hugging Face's causal-LM loss upcasts logits with .float(), down to float32 in a float64 model.
@@ -164,3 +164,16 @@ if __name__ == "__main__":
         start, reference, _ = train(name)
         diffs = [relative_difference(start, train(name, c)[1], reference) for c in CALLBACKS]
         print(f"{name:<20}{str(dtype_of(name))[6:]:<10}" + "".join(f"{d:>20.2e}" for d in diffs))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "gemma2", "phi3"])
+def test_bf16_causal_lms_read_the_device_once_a_steady_step(name: str, monkeypatch) -> None:
+    # Their loss is a mean over the labels != -100: each step's micro-batches weigh by their counts, which
+    # are read together, once, before the first forward (on a GPU a read waits for the queued work)
+    module = ZooModule(name, dtype=torch.float32)
+    no_dropout(module)
+    reads = DeviceReads(monkeypatch)
+    callbacks = [AutoAccumulation(micro_batch_size=2, log=False), reads]
+    trainer = quiet_trainer(callbacks, max_steps=4, precision="bf16-mixed")
+    trainer.fit(module, loader(name, 6, batches=4))
+    assert reads.since(3) == ["tolist in lightning_memopt/_tree.py"] * 2
