@@ -22,8 +22,12 @@ part() { # part NAME SECONDS COMMAND...: COMMAND under a time limit, its output 
     echo "== $name (at most ${seconds} s): $*"
     local began=$SECONDS
     timeout "$seconds" "$@" >"$out/$name.txt" 2>"$out/$name.err"
-    echo "exit $? after $((SECONDS - began)) s"
+    local rc=$?
+    echo "exit $rc after $((SECONDS - began)) s"
     tail -n 30 "$out/$name.txt"
+    if [ "$rc" -ne 0 ]; then # cut short or failed: what it said on the way (progress, decisions, the error)
+        tail -n 15 "$out/$name.err"
+    fi
 }
 
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; python3 -c \

@@ -630,6 +630,9 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
                 run.notes = [
                     str(w.message) for w in caught[seen:] if str(w.message).startswith(NOTE_PREFIXES)
                 ]
+                if cuda():  # said now: a call that runs out of time keeps what was decided
+                    for note in run.notes:
+                        print(f"  {run.way} decided: {note}", file=sys.stderr)
                 live.append(run)
         for r in range(args.rounds if not cuda() else 0):
             for run in live[r % len(live) :] + live[: r % len(live)]:
