@@ -1,4 +1,5 @@
-"""The tensors in a call's arguments or results: one walk for every part of the package that needs them."""
+"""The tensors in a call's arguments or results (one walk for every part of the package that needs them), and
+their values read back to the host together (:func:`numbers`)."""
 
 from __future__ import annotations
 
