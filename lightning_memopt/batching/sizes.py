@@ -355,7 +355,10 @@ class MicroBatchSizes:
             if size == whole and way == ways[0]:
                 why = f"the whole batch of {whole} fits {said[way]}"
             else:
-                before = [f"not one sample fits {said[w]}" for w in ways[: ways.index(way)]]
+                before = [
+                    f"not one sample fits {said[w]}{self._none_fits(found[w][1], limit)}"
+                    for w in ways[: ways.index(way)]
+                ]
                 after = [named[w] for w in found if ways.index(w) > ways.index(way)]
                 verb = "runs" if len(after) == 1 else "run"
                 later = [f"{' and '.join(after)} {verb} the step in no fewer micro-batches"] if after else []
@@ -494,6 +497,19 @@ class MicroBatchSizes:
                 f"{self._smallest_fit(log, min(floor, whole))}\n{advice}{CHECKLIST}"
             ) from None
         return min_over_ranks(int(result.size), probes.device)
+
+    def _none_fits(self, probes: list[tuple[int, int | None]], limit: int) -> str:
+        """Why a way fitted no micro-batch, for the decision's line: what its smallest probe measured against
+        the usable bytes, the headroom named (the step may fit ``max_memory`` itself)."""
+        least = min(size for size, _ in probes)
+        peaks = [peak for size, peak in probes if size == least and peak is not None]
+        samples = f"{least} sample{'s' if least > 1 else ''}"
+        if not peaks:
+            return f" ({samples} ran out of memory)"
+        usable = format_bytes(usable_bytes(limit, self.headroom, None))
+        if self.headroom:
+            usable = f"the {usable} that max_memory less its {self.headroom:.0%} headroom leaves"
+        return f" ({samples} peaked at {format_bytes(min(peaks))}, over {usable})"
 
     def _smallest_fit(self, probes: list[tuple[int, int | None]], floor: int) -> str:
         """The smallest limit that fits, named from the least peak the probes measured at ``floor``

@@ -209,7 +209,9 @@ def test_recompute_where_not_one_sample_fits_kept():
     model = FakeModel(kept=10_000)
     _, size, probes = _decide(model, limit=HELD + 1_600)
     assert size == 64 and model.way == "full" and probes.timed == []
-    assert model.said == [("full", "not one sample fits without recompute")]
+    # the line says what the smallest probe measured against what the limit leaves (1,000 held + 10,000 kept)
+    why = "not one sample fits without recompute (1 sample peaked at 10.74 KiB, over 2.54 KiB)"
+    assert model.said == [("full", why)]
 
 
 def test_nothing_fits_either_way_raises_and_leaves_blocks_recomputed():
