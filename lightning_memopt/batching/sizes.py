@@ -294,8 +294,8 @@ class MicroBatchSizes:
         where it runs the step in fewer micro-batches (``ceil(whole / size)``, split evenly) than every way
         before it: as many micro-steps, each costing more, cannot be faster. Where one way counts, it is
         taken untimed; else the ways that count run the fit's next optimizer steps, taking turns,
-        :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`): the engine times each step's micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch
-        of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
+        :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`): the engine times each step's
+        micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
         that slows down meanwhile weighs on every way alike), and the fastest way runs from the step after
         the last. Recompute runs as it would if it won: at its first turn, the fit's first step (slowed by
         the probes before it: it prices no way), every block recomputes while ``AutoCheckpoint`` measures
@@ -383,13 +383,9 @@ class MicroBatchSizes:
         (first, _), timed = self._timed[0], self._timed[1:]
         sizes = [n for n, _ in timed]
         if _chord(sizes) is None and _chord([first, *sizes]) is not None:
-            peak = probes.peak(first, False)
-            seconds = probes.seconds if peak is not None else None
-            untimed, nanoseconds = max_over_ranks_each(
-                [int(seconds is None), round((seconds or 0.0) * 1e9)], probes.device
-            )
-            if not untimed:
-                timed = [*timed, (first, nanoseconds / 1e9)]
+            _, seconds = _agreed_probe(probes, first, False)
+            if seconds is not None:
+                timed = [*timed, (first, seconds)]
         return _fewer_cannot_pay(timed, size, whole)
 
     @property
@@ -465,17 +461,12 @@ class MicroBatchSizes:
     ) -> int:
         log = self.eval_probes if evaluation else self.probes
 
-        def probe(samples: int) -> int | None:  # the largest peak over ranks, None if any ran out of memory
-            peak = probes.peak(samples, evaluation)
-            seconds = probes.seconds if peak is not None else None
-            agreed, untimed, nanoseconds = max_over_ranks_each(
-                [_FAILED if peak is None else peak, int(seconds is None), round((seconds or 0.0) * 1e9)],
-                probes.device,
-            )
-            log.append((samples, None if agreed == _FAILED else agreed))
-            if not evaluation and not untimed:  # timed on every rank
-                self._timed.append((samples, nanoseconds / 1e9))
-            return log[-1][1]
+        def probe(samples: int) -> int | None:
+            peak, seconds = _agreed_probe(probes, samples, evaluation)
+            log.append((samples, peak))
+            if not evaluation and seconds is not None:
+                self._timed.append((samples, seconds))
+            return peak
 
         try:
             result = find_micro_batch_size(
@@ -711,6 +702,18 @@ def _said(*, chunked: bool, planned: bool = False) -> dict[str, str]:
     }
 
 
+def _agreed_probe(probes: Probes, samples: int, evaluation: bool) -> tuple[int | None, float | None]:
+    """One probe on every rank: the largest peak over ranks (None if any ran out of memory), and the longest
+    seconds (None unless every rank timed it: on a CPU probes run tracked, untimed)."""
+    peak = probes.peak(samples, evaluation)
+    seconds = probes.seconds if peak is not None else None
+    agreed, untimed, nanoseconds = max_over_ranks_each(
+        [_FAILED if peak is None else peak, int(seconds is None), round((seconds or 0.0) * 1e9)],
+        probes.device,
+    )
+    return None if agreed == _FAILED else agreed, None if untimed else nanoseconds / 1e9
+
+
 def _split(size: int, whole: int) -> tuple[int, int]:
     """The micro-batches a step of ``whole`` samples runs as at ``size``, and the largest of them (an even
     split: 4 of 12 where 15 fit a batch of 48)."""
@@ -728,8 +731,9 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
     search, which pays first-time costs (:meth:`MicroBatchSizes._flat`). The line through the largest and
     the largest at most half its size: its intercept is what a micro-step costs whatever its samples, and a
     step of ``whole`` samples in ``count`` micro-batches of at most ``size`` costs ``count`` intercepts and
-    ``whole`` slopes; the fewest micro-batches, one, save ``count - 1`` intercepts at most. Where a micro-step's seconds bend (a device that is not yet
-    busy at small sizes), the chord's intercept is the larger: the later ways are tried.
+    ``whole`` slopes; the fewest micro-batches, one, save ``count - 1`` intercepts at most. Where a
+    micro-step's seconds bend (a device that is not yet busy at small sizes), the chord's intercept is the
+    larger: the later ways are tried.
 
     Example::
 
