@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lightning_memopt._text import listed
 from lightning_memopt._tree import numbers
 
 __all__ = [
@@ -182,7 +183,7 @@ def split_batch(
     return _split(batch, sizes, total)
 
 
-def describe_split(batch: Any, sizes: Sequence[int], *, most: int = 6) -> str:
+def describe_split(batch: Any, sizes: Sequence[int]) -> str:
     """One line: how the built-in splitter cut ``batch`` into micro-batches of ``sizes``, and how to say
     otherwise. Added to an error raised while a split step runs: a tensor that all samples share (a
     projection matrix beside as many samples as it has rows) passes the splitter's checks, is cut, and
@@ -197,11 +198,9 @@ def describe_split(batch: Any, sizes: Sequence[int], *, most: int = 6) -> str:
     """
     total = sum(sizes)
     names = [f"{path} {tuple(t.shape)}" for path, t in tensors_of(batch, strict=False) if t.dim() > 0]
-    if len(names) > most:
-        names[most:] = [f"and {len(names) - most} more"]
     return (
         f"micro-batching ran this batch of {total} samples as micro-batches of {list(sizes)}, cutting along dim 0: "
-        f"{', '.join(names)}; if a tensor holds something all samples share rather than one row per sample, "
+        f"{listed(names)}; if a tensor holds something all samples share rather than one row per sample, "
         "define `split_batch(self, batch, sizes)` on your LightningModule or pass `split_fn=` to the "
         "callback (return one batch per size, that tensor whole in each), or make it a module attribute"
     )
