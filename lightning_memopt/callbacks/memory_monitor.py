@@ -60,6 +60,10 @@ class MemoryMonitor(ReleasingCallback):
     ``memory/peak_head_gib``             GiB  of those, the bytes the output head created (with a breakdown
                                               and a head; a part of ``activations`` and ``other``)
     ``memory/val_peak_gib``              GiB  peak over the batches of one validation run (logged at its end)
+    ``memory/step_seconds``              s    a training step's time, the mean over the steps since the last
+                                              log (with a head; the longest of the ranks')
+    ``memory/head_seconds``              s    of it, the output head's: its forward, the loss and their
+                                              backward (with a head; mean, longest of the ranks')
     ===================================  ===  =================================================================
 
     GiB means ``bytes / 2**30``. At the end of fit rank zero writes ``memory_report.md`` (and, with
@@ -82,6 +86,9 @@ class MemoryMonitor(ReleasingCallback):
             ``memory/peak_head_gib``; what counts: :class:`~lightning_memopt.memory.MemoryTracker`).
             ``"auto"`` (default): each Hugging Face causal LM's output embeddings (``lm_head``), also
             when ``AutoCheckpoint`` computes its loss chunk by chunk; a submodule's name; None: none.
+            With a head, each step and the head in it are also timed on the device's clock
+            (:class:`~lightning_memopt.memory.head_time.HeadTimer`; on CUDA it waits for the step's
+            end; on a CPU the step runs tracked, which slows every op), logged and in the summary.
 
     Raises:
         ValueError: If ``log_every_n_steps`` or ``max_history`` is not a positive int, ``breakdown``

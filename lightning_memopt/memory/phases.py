@@ -14,7 +14,9 @@ Where the numbers come from is decided once, from the device and the ``breakdown
 - CUDA: the caching allocator's peak (free; ``reset_peak_memory_stats`` at each window, which other
   readers of that peak see too), and the breakdown only with ``"always"``, from a tracker run alongside.
 
-:class:`StepPeaks` keeps a run's records, as training and validation steps open and close them;
+:class:`StepPeaks` keeps a run's records, as training and validation steps open and close them, and
+times each training step and the output heads in it where it is given heads
+(:class:`~lightning_memopt.memory.head_time.HeadTimer`);
 :func:`record_metrics` and :func:`merge_across_ranks` turn records into the
 logged values. Nothing here imports Lightning.
 
@@ -34,9 +36,11 @@ import torch
 
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt.memory.device import DeviceMemory, TrackedMemory, device_memory
+from lightning_memopt.memory.head_time import HeadTimer
 from lightning_memopt.memory.report import (
     HEAD,
     PHASES,
+    TIMES,
     MemoryHistory,
     empty_record,
     fold_peak,
@@ -165,9 +169,10 @@ class PhaseRecorder:
         """What the peaks are: ``"live tensor bytes"`` (a tracker) or ``"CUDA allocator"``."""
         return "live tensor bytes" if isinstance(self.memory, TrackedMemory) else "CUDA allocator"
 
-    def new_record(self, step: int, phases: Sequence[str] = PHASES) -> dict[str, int]:
-        """An empty record for ``step``, with a breakdown where this recorder measures one."""
-        return empty_record(step, phases, breakdown=self.with_breakdown, head=self.with_head)
+    def new_record(self, step: int, phases: Sequence[str] = PHASES, *, timed: bool = False) -> dict[str, int]:
+        """An empty record for ``step``, with a breakdown where this recorder measures one (and with
+        ``timed``, :data:`~lightning_memopt.memory.report.TIMES`)."""
+        return empty_record(step, phases, breakdown=self.with_breakdown, head=self.with_head, timed=timed)
 
     def start(self, record: dict[str, int], phase: str) -> None:
         """Open a window for ``record[phase]``; a window still open (its step never ended) is dropped."""
@@ -252,6 +257,8 @@ class StepPeaks:
         self.steps = 0
         """Training steps recorded, resumed runs' included (the ``step`` of the next record)."""
         self.recorder: PhaseRecorder | None = None
+        self.timer: HeadTimer | None = None
+        """Times each training step and the output heads in it, where :meth:`begin` was given heads."""
         self._record: dict[str, int] | None = None  # the training step being measured
         self._val_record: dict[str, int] | None = None  # the validation run being measured
         self._window: dict[str, int] | None = None  # the steps since the last take_window, merged
@@ -264,9 +271,10 @@ class StepPeaks:
         heads: Sequence[torch.nn.Module] = (),
     ) -> None:
         """Measure ``module`` and its ``optimizers`` (and output ``heads``) on ``device`` from now on (a
-        :class:`PhaseRecorder`)."""
+        :class:`PhaseRecorder`), and where there are ``heads``, time each step and its heads."""
         self.end()
         self.recorder = PhaseRecorder(device, module, optimizers, breakdown=self.breakdown, heads=heads)
+        self.timer = HeadTimer(device, heads) if heads else None
         _MEASURING.add(self)
 
     def end(self) -> None:
@@ -274,13 +282,17 @@ class StepPeaks:
         _MEASURING.discard(self)
         if self.recorder is not None:
             self.recorder.discard()
-        self.recorder = self._record = self._val_record = self._window = None
+        if self.timer is not None:
+            self.timer.stop()
+        self.recorder = self.timer = self._record = self._val_record = self._window = None
 
     def step_start(self) -> None:
         """A training step starts, in ``forward``; a step left open (it never ended) is dropped."""
         if self.recorder is not None:
-            self._record = self.recorder.new_record(self.steps)
+            self._record = self.recorder.new_record(self.steps, timed=self.timer is not None)
             self.recorder.start(self._record, PHASES[0])
+            if self.timer is not None:
+                self.timer.step_start()
 
     @property
     def in_step(self) -> bool:
@@ -310,6 +322,9 @@ class StepPeaks:
             return False
         self.recorder.stop()
         record, self._record = self._record, None
+        if self.timer is not None:
+            for key, seconds in zip(TIMES, self.timer.step_end()):
+                record[key] = round(seconds * 1e6)
         self.train.append(record)
         self._window = record if self._window is None else merge_records([self._window, record])
         self.steps += 1
@@ -319,6 +334,8 @@ class StepPeaks:
         """Forget an open training step (one skipped before its end)."""
         if self.recorder is not None:
             self.recorder.discard()
+        if self.timer is not None:
+            self.timer.drop()
         self._record = None
 
     def take_window(self) -> dict[str, int]:
@@ -371,7 +388,8 @@ def record_metrics(record: dict[str, int]) -> dict[str, float]:
     peak of each phase, ``memory/peak_gib`` (the largest phase) and, with a breakdown, the bytes of each
     category at that peak, ``memory/peak_<category>_gib`` (they sum to ``memory/peak_gib``), and where
     the record has them, the output head's bytes at that peak, ``memory/peak_head_gib`` (a part of
-    ``activations`` and ``other``).
+    ``activations`` and ``other``); a timed record, the seconds of a step and of the output heads in it,
+    ``memory/step_seconds`` and ``memory/head_seconds`` (means over the steps it covers).
     """
     if "validation" in record:
         return {"memory/val_peak_gib": record["validation"] / _GIB}
@@ -383,6 +401,9 @@ def record_metrics(record: dict[str, int]) -> dict[str, float]:
             metrics[f"memory/peak_{category}_gib"] = record[f"{top}_{category}"] / _GIB
     if f"{top}_{HEAD}" in record:
         metrics[f"memory/peak_{HEAD}_gib"] = record[f"{top}_{HEAD}"] / _GIB
+    if TIMES[0] in record:
+        metrics["memory/step_seconds"] = record["step_us"] / record["steps"] / 1e6
+        metrics["memory/head_seconds"] = record["head_us"] / record["steps"] / 1e6
     return metrics
 
 

@@ -14,6 +14,9 @@ covers, ``<phase>`` the peak bytes in that phase and ``<phase>_<category>`` the 
 ``<phase>_head``, present only when an output head was tracked, is the part of that peak's
 ``activations`` and ``other`` that the model's output head created
 (:attr:`~lightning_memopt.memory.MemoryTracker.peak_head`): not a category, it is not in the sum.
+``step_us`` and ``head_us``, present only when an output head was timed, are the microseconds of the
+steps and of the output heads in them (:class:`~lightning_memopt.memory.head_time.HeadTimer`), summed
+over the ``steps`` the record covers.
 A phase that did not run in a step (no optimizer step while accumulating gradients) has a peak of 0.
 
 :class:`MemoryHistory` keeps such records with bounded memory; :func:`merge_records` combines records
@@ -35,6 +38,7 @@ from lightning_memopt.memory.tracker import CATEGORIES, HEAD
 __all__ = [
     "HEAD",
     "PHASES",
+    "TIMES",
     "MemoryHistory",
     "check_dirpath",
     "empty_record",
@@ -47,14 +51,21 @@ __all__ = [
 
 PHASES = ("forward", "backward", "optimizer")
 _FIGURES = (*CATEGORIES, HEAD)  # what a breakdown may carry at a peak, in the records' key order
+TIMES = ("step_us", "head_us")
+"""The keys of a timed record: microseconds of its steps, and of the output heads in them."""
 _MIB = 2**20
 
 
 def empty_record(
-    step: int, phases: Sequence[str] = PHASES, *, breakdown: bool = True, head: bool = False
+    step: int,
+    phases: Sequence[str] = PHASES,
+    *,
+    breakdown: bool = True,
+    head: bool = False,
+    timed: bool = False,
 ) -> dict[str, int]:
     """A record for ``step`` with every peak (and, with ``breakdown``, every category, and with ``head``
-    too, the output head's bytes) at 0 bytes.
+    too, the output head's bytes) at 0 bytes, and with ``timed`` its :data:`TIMES` at 0 microseconds.
 
     Raises:
         ValueError: If a phase name contains ``_`` (it separates phase and category in the keys).
@@ -67,6 +78,8 @@ def empty_record(
         record[phase] = 0
         if breakdown:
             record.update({f"{phase}_{c}": 0 for c in (_FIGURES if head else CATEGORIES)})
+    if timed:
+        record.update(dict.fromkeys(TIMES, 0))
     return record
 
 
@@ -101,7 +114,8 @@ def fold_peak(record: dict[str, int], phase: str, peak: int, breakdown: dict[str
 
 
 def merge_records(records: Iterable[dict[str, int]], *, same_step: bool = False) -> dict[str, int]:
-    """One record holding, per phase, the largest peak of ``records`` and the breakdown at that peak.
+    """One record holding, per phase, the largest peak of ``records`` and the breakdown at that peak, and
+    their :data:`TIMES`: the sum of consecutive steps', the longest of one step's on several ranks.
 
     Args:
         records: Records with the same keys.
@@ -123,6 +137,9 @@ def merge_records(records: Iterable[dict[str, int]], *, same_step: bool = False)
                     key = f"{phase}_{figure}"
                     if key in out:
                         out[key] = other[key]
+        for key in TIMES:
+            if key in out:
+                out[key] = max(out[key], other[key]) if same_step else out[key] + other[key]
         out["step"] = min(out["step"], other["step"])
         if not same_step:
             out["steps"] += other["steps"]
@@ -222,10 +239,42 @@ def summary(history: Sequence[dict[str, int]], val_history: Sequence[dict[str, i
         parts = ", ".join(f"{c} {_mib(top[f'{phase}_{c}'])}" for c in CATEGORIES)
         head = f"; of which the output head {_mib(top[f'{phase}_{HEAD}'])}" if has_head(top) else ""
         lines.append(f"  at the peak (MiB): {parts}{head}")
+    timed = step_times(history)
+    if timed is not None:
+        step, head, steps = timed
+        share = head / step if step else 0.0
+        lines.append(
+            f"  time a step {_ms(step)} ms, of which the output head {_ms(head)} ms ({share:.1%}; median of "
+            f"{steps} step{'s' * (steps != 1)}{', the first left out' if len(history) > 1 else ''})"
+        )
     if val_history:
         val = merge_records(val_history)
         lines.append(f"  validation peak {_mib(val['validation'])} MiB over {len(val_history)} runs")
     return "\n".join(lines)
+
+
+def step_times(history: Sequence[dict[str, int]]) -> tuple[float, float, int] | None:
+    """Seconds of a step and of the output heads in it, and how many steps they are of; None where the
+    records are not timed (:data:`TIMES`).
+
+    Each is the median over the records of its mean per step; the first record (the first step, or the
+    first steps merged, which pay one-time costs) is left out where there are others.
+
+    Example::
+
+        >>> records = [{"step": i, "steps": 1, "step_us": us, "head_us": us // 4} for i, us in enumerate([9000, 2000, 4000, 2400])]
+        >>> step_times(records)
+        (0.0024, 0.0006, 3)
+    """
+    if not history or TIMES[0] not in history[0]:
+        return None
+    records = history[1:] if len(history) > 1 else history
+    step, head = (statistics.median(r[key] / r["steps"] / 1e6 for r in records) for key in TIMES)
+    return step, head, sum(r["steps"] for r in records)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}" if seconds < 0.1 else f"{seconds * 1e3:,.0f}"
 
 
 def _markdown(history: Sequence[dict[str, int]], val_history: Sequence[dict[str, int]], note: str) -> str:

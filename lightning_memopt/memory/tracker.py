@@ -88,6 +88,9 @@ class _Entry:
 # innermost saved-tensor hooks, and trackers are entered and exited in any order (a callback's tracker
 # spans a batch, another's only its forward), so no hook may belong to a single tracker.
 _ACTIVE: list[MemoryTracker] = []
+TIMING: list = []
+"""Every :class:`~lightning_memopt.memory.head_time.HeadTimer` timing a step now (:func:`open_head` serves
+them with the trackers)."""
 _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 
 
@@ -127,13 +130,32 @@ def _resize(storage: torch.UntypedStorage, size: int):
 
 def open_head(inputs: torch.Tensor) -> None:
     """An output head starts on ``inputs`` (its features): every entered tracker counts what is created from
-    now on in its head figure, until the gradient w.r.t. ``inputs`` is computed (module docstring).
+    now on in its head figure, until the gradient w.r.t. ``inputs`` is computed (module docstring), and
+    every :class:`~lightning_memopt.memory.head_time.HeadTimer` timing a step times the head until then.
 
     Called by :func:`~lightning_memopt.head.linear_cross_entropy`, and by a tracker's ``heads`` modules'
     forward; a loss of your own that replaces the logits can call it too.
     """
-    for tracker in dict.fromkeys(_ACTIVE):
-        tracker._open_head(inputs)
+    for watcher in dict.fromkeys([*_ACTIVE, *TIMING]):
+        watcher._open_head(inputs)
+
+
+class HeadHooks:
+    """What opens an output head for a tracker or a timer: the forward of one of its ``heads`` modules (on
+    the forward's first tensor argument) or :func:`open_head`; each subclass says in ``_open_head`` what an
+    open head means to it, and closes it with a hook on the input's gradient."""
+
+    _handles: list
+
+    def _hook_heads(self, heads: Iterable[torch.nn.Module]) -> None:
+        for head in heads:
+            self._handles.append(head.register_forward_pre_hook(self._head_forward))
+
+    def _head_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        self._open_head(next((a for a in args if isinstance(a, torch.Tensor)), None))
+
+    def _open_head(self, inputs: torch.Tensor | None) -> None:
+        raise NotImplementedError
 
 
 def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]]:
@@ -189,7 +211,7 @@ class _DispatchHook(TorchDispatchMode):
         return out
 
 
-class MemoryTracker:
+class MemoryTracker(HeadHooks):
     """Count live tensor storage bytes by category while code runs.
 
     Args:
@@ -373,14 +395,6 @@ class MemoryTracker:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
             for b in module.buffers():
                 self._register(b, "parameters")
-
-    def _hook_heads(self, heads: Iterable[torch.nn.Module]) -> None:
-        for head in heads:
-            self._handles.append(head.register_forward_pre_hook(self._head_forward))
-
-    def _head_forward(self, module: torch.nn.Module, args: tuple) -> None:
-        inputs = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        self._open_head(inputs)
 
     def _open_head(self, inputs: torch.Tensor | None) -> None:
         self._head_open = True

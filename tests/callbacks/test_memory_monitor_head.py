@@ -1,5 +1,7 @@
 """MemoryMonitor's output-head line on a tiny Hugging Face GPT-2, own head and chunked, bytes by hand."""
 
+import csv
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -84,7 +86,7 @@ def test_chunked_head_line_is_its_chunk_and_held_gradients(tmp_path):
 
 def test_no_head_line_without_a_head_and_a_bad_name_fails(tmp_path):
     monitor = _fit(tmp_path / "none", GPT2(), head=None)
-    assert "forward_head" not in monitor.history[-1]
+    assert "forward_head" not in monitor.history[-1] and "head_us" not in monitor.history[-1]
     with pytest.raises(MisconfigurationException, match=r"head='decoder' names no submodule of GPT2"):
         _fit(tmp_path / "bad", GPT2(), head="decoder")
     with pytest.raises(
@@ -93,3 +95,18 @@ def test_no_head_line_without_a_head_and_a_bad_name_fails(tmp_path):
         MemoryMonitor(head=1)
     named = _fit(tmp_path / "named", GPT2(), head="model.lm_head")
     assert named.history[-1]["backward_head"] == 3 * LOGITS + 3 * F32
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["own", "chunked"])
+def test_the_head_is_timed_in_each_step_and_logged(tmp_path, chunked):
+    monitor = _fit(tmp_path, GPT2(chunked=chunked))
+    for record in monitor.history:
+        assert 0 < record["head_us"] < record["step_us"]
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r["memory/head_seconds"]]
+    assert len(rows) == 2
+    for row, record in zip(rows, monitor.history):
+        assert float(row["memory/head_seconds"]) == pytest.approx(record["head_us"] / 1e6)
+        assert float(row["memory/step_seconds"]) == pytest.approx(record["step_us"] / 1e6)
+    last = monitor.history[-1]
+    share = f"{last['head_us'] / last['step_us']:.1%}"
+    assert f"({share}; median of 1 step, the first left out)" in monitor.report_paths[0].read_text()

@@ -168,3 +168,23 @@ def test_head_keys_fold_merge_and_show_in_the_report(tmp_path):
     assert "| of which the output head | 0.0001 | 12.9% | 0.0001 |" in md  # 90 of 700 bytes
     with pytest.raises(KeyError):  # a record with head keys needs the head's bytes with the breakdown
         fold_peak(empty_record(0, head=True), "forward", 1, dict.fromkeys(CATEGORIES, 0))
+
+
+def test_time_keys_add_over_steps_take_the_longest_rank_and_show_in_the_summary():
+    assert "step_us" not in empty_record(0) and "head_us" not in empty_record(0, head=True)
+    records = []
+    for step, (step_us, head_us) in enumerate([(900_000, 10_000), (200_000, 50_000), (400_000, 40_000)]):
+        record = _record(step, MIB, 2 * MIB, MIB, breakdown=False) | {"step_us": step_us, "head_us": head_us}
+        records.append(record)
+    assert set(empty_record(0, breakdown=False, timed=True)) == set(records[0])
+    merged = merge_records(records[1:])
+    assert (merged["steps"], merged["step_us"], merged["head_us"]) == (2, 600_000, 90_000)
+    ranks = merge_records([records[1], records[2] | {"step": 1}], same_step=True)
+    assert (ranks["steps"], ranks["step_us"], ranks["head_us"]) == (1, 400_000, 50_000)
+    # The median of the steps after the first: (200 + 400) / 2 ms, of which (50 + 40) / 2 ms
+    assert summary(records).endswith(
+        "\n  time a step 300 ms, of which the output head 45 ms (15.0%; median of 2 steps, the first left out)"
+    )
+    assert summary(records[:1]).endswith(
+        "\n  time a step 900 ms, of which the output head 10 ms (1.1%; median of 1 step)"
+    )

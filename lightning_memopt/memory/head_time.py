@@ -1,0 +1,114 @@
+"""HeadTimer: the seconds of a training step, and the output head's part of them.
+
+The output head opens and closes as :class:`~lightning_memopt.memory.MemoryTracker` counts its bytes:
+from the start of its forward (a ``heads`` module's, such as a Hugging Face causal LM's ``lm_head``, or a
+call of :func:`~lightning_memopt.head.linear_cross_entropy`) until autograd has computed the gradient
+w.r.t. its input. So a model's own head is timed with the loss after its logits and the backward of both,
+and the chunked head with the gradients it computes in its forward. A head's seconds are the clock's
+between those two points: what runs between the end of the forward and the start of the backward
+(Lightning's hooks around ``backward``) is inside them, the rest of the model is not. The heads of one
+step (one per micro-batch) add up; a head that never closes in its step (no backward through it) counts
+nothing.
+
+The clock is the device's (:func:`~lightning_memopt.data.clock.step_clock`): CUDA events on CUDA, read at
+the step's end (one wait for the device a step, where Lightning's progress bar already waits for the
+loss), the host's ``perf_counter`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_memopt.data.clock import Clock, step_clock
+from lightning_memopt.memory.tracker import TIMING, HeadHooks
+
+__all__ = ["HeadTimer"]
+
+
+class HeadTimer(HeadHooks):
+    """Time training steps and the output heads in them (module docstring).
+
+    Args:
+        device: Where the steps run (its clock: CUDA events on CUDA, host time elsewhere).
+        heads: The output head modules (a Hugging Face causal LM's ``lm_head``); calls of
+            :func:`~lightning_memopt.head.linear_cross_entropy` are timed without them.
+        clock: The clock (default: ``device``'s); tests pass a fake one.
+
+    Example::
+
+        >>> model, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 10)
+        >>> timer = HeadTimer("cpu", [head])
+        >>> timer.step_start()
+        >>> torch.nn.functional.cross_entropy(head(model(torch.ones(2, 4))), torch.tensor([1, 2])).backward()
+        >>> step, in_head = timer.step_end()
+        >>> 0 < in_head < step
+        True
+        >>> timer.stop()
+    """
+
+    def __init__(
+        self, device: torch.device | str, heads: Sequence[torch.nn.Module] = (), clock: Clock | None = None
+    ):
+        self.clock = clock if clock is not None else step_clock(device)
+        self._heads = list(heads)
+        self._handles: list = []  # the heads' forward pre-hooks, from the first step until stop()
+        self._grad_hooks: list = []  # the open heads' input-gradient hooks, removed at each step's end
+        self._step: Any = None  # the step's start mark; None outside a step
+        self._open: Any = None  # the open head's start mark
+        self._spans: list[tuple[Any, Any]] = []  # the step's closed heads: (start, end) marks
+
+    def step_start(self) -> None:
+        """A training step starts now; one still open (it never ended) is dropped."""
+        self.drop()
+        if not self._handles:
+            self._hook_heads(self._heads)
+        TIMING.append(self)
+        self._step = self.clock.mark()
+
+    def step_end(self) -> tuple[float, float]:
+        """The step ends now: its seconds and its heads' seconds (after waiting for the device's clock).
+
+        Raises:
+            RuntimeError: If no step was started.
+        """
+        if self._step is None:
+            raise RuntimeError("step_end needs a step started; call step_start first")
+        end = self.clock.mark()
+        self.clock.settle(end)
+        step = self.clock.seconds(self._step, end)
+        heads = sum(self.clock.seconds(start, stop) for start, stop in self._spans)
+        self.drop()
+        return step, heads
+
+    def stop(self) -> None:
+        """Stop timing: drop an open step and remove every hook (the end of a run; safe twice)."""
+        self.drop()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def drop(self) -> None:
+        """Forget an open step, if any (one skipped before its end); nothing is timed until the next."""
+        if self in TIMING:
+            TIMING.remove(self)
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
+        self._step = self._open = None
+        self._spans = []
+
+    def _open_head(self, inputs: torch.Tensor | None) -> None:
+        if self._step is None or self._open is not None:  # outside a step, or a head already open
+            return
+        if inputs is None or not inputs.requires_grad or not torch.is_grad_enabled():
+            return  # no backward will close it
+        self._open = self.clock.mark()
+        self._grad_hooks.append(inputs.register_hook(self._input_grad))
+
+    def _input_grad(self, grad: torch.Tensor) -> None:
+        if self._open is not None:
+            self._spans.append((self._open, self.clock.mark()))
+            self._open = None

@@ -1,0 +1,110 @@
+"""HeadTimer: a step's seconds and its output heads', on a fake clock that the model's ops advance."""
+
+import pytest
+import torch
+
+from lightning_memopt.head import linear_cross_entropy
+from lightning_memopt.memory import tracker
+from lightning_memopt.memory.head_time import HeadTimer
+from tests.data.helpers import FakeClock
+
+
+class Takes(torch.autograd.Function):
+    """The identity, whose forward takes ``forward`` seconds of ``clock`` and backward ``backward``."""
+
+    @staticmethod
+    def forward(ctx, x, clock, forward, backward):
+        clock.advance(forward)
+        ctx.clock, ctx.backward = clock, backward
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.advance(ctx.backward)
+        return grad, None, None, None
+
+
+class Body(torch.nn.Module):
+    def __init__(self, clock):
+        super().__init__()
+        self.clock, self.linear = clock, torch.nn.Linear(4, 4)
+
+    def forward(self, x):  # 5 s forward, 4 s backward
+        return Takes.apply(self.linear(x), self.clock, 5.0, 4.0)
+
+
+class Head(torch.nn.Module):
+    def __init__(self, clock, chunked=False):
+        super().__init__()
+        self.clock, self.linear, self.chunked = clock, torch.nn.Linear(4, 6), chunked
+
+    def forward(self, x, labels):  # 3 s forward, 2 s backward, with the loss
+        x = Takes.apply(x, self.clock, 3.0, 2.0)
+        if self.chunked:  # opens the head a second time: counted once
+            return linear_cross_entropy(x, self.linear.weight, labels, bias=self.linear.bias)
+        return torch.nn.functional.cross_entropy(self.linear(x), labels)
+
+
+def _timer(chunked=False):
+    clock = FakeClock()
+    body, head = Body(clock), Head(clock, chunked)
+    timer = HeadTimer("cpu", [head], clock=clock)
+
+    def micro_batch(grad=True):
+        with torch.set_grad_enabled(grad):
+            loss = head(body(torch.ones(2, 4)), torch.tensor([1, 5]))
+        if grad:
+            loss.backward()
+
+    return clock, timer, head, micro_batch
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["own", "chunked"])
+def test_a_step_and_its_heads_are_timed_head_by_head(chunked):
+    clock, timer, head, micro_batch = _timer(chunked)
+    timer.step_start()
+    micro_batch()
+    # The head: its forward (3 s), the loss, its backward (2 s) up to its input's gradient; the body's 5 + 4
+    # are outside it.
+    assert timer.step_end() == (14.0, 5.0)
+    timer.step_start()
+    micro_batch()
+    micro_batch()  # two micro-batches, two heads
+    clock.advance(1.0)  # the optimizer
+    assert timer.step_end() == (29.0, 10.0)
+    timer.stop()
+
+
+def test_nothing_is_timed_outside_a_step_nor_without_a_backward():
+    clock, timer, head, micro_batch = _timer()
+    micro_batch()  # before any step: no hook yet
+    assert head._forward_pre_hooks == {}
+    timer.step_start()
+    micro_batch(grad=False)  # validation-like: no backward closes the head
+    assert timer.step_end() == (8.0, 0.0)
+    micro_batch()  # between steps: the hook is on, but no step is timed
+    timer.step_start()
+    micro_batch()
+    timer.drop()  # a step skipped before its end
+    with pytest.raises(RuntimeError, match="call step_start first"):
+        timer.step_end()
+    assert tracker.TIMING == []
+    timer.stop()
+    assert head._forward_pre_hooks == {} and tracker.TIMING == []
+    timer.stop()  # safe twice
+
+
+def test_a_loss_that_opens_the_head_itself_is_timed_without_head_modules():
+    clock = FakeClock()
+    body, linear = Body(clock), torch.nn.Linear(4, 6)
+    timer = HeadTimer("cpu", clock=clock)  # no head modules
+
+    def own_loss(x, labels):  # a loss of one's own that replaces the logits calls open_head
+        tracker.open_head(x)
+        x = Takes.apply(x, clock, 3.0, 2.0)
+        return torch.nn.functional.cross_entropy(linear(x), labels)
+
+    timer.step_start()
+    own_loss(body(torch.ones(2, 4)), torch.tensor([1, 5])).backward()
+    assert timer.step_end() == (14.0, 5.0)
+    timer.stop()
