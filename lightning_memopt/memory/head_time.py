@@ -8,7 +8,9 @@ and the chunked head with the gradients it computes in its forward. A head's sec
 between those two points: what runs between the end of the forward and the start of the backward
 (Lightning's hooks around ``backward``) is inside them, the rest of the model is not. The heads of one
 step (one per micro-batch) add up; a head that never closes in its step (no backward through it) counts
-nothing.
+nothing. A head opened while one is open is a part of it while the open one's input is still held (a
+chunked loss called inside a head module's forward), else a new head (the open one's forward ended and its
+backward never came: it ran out of memory, say). Heads on fake or meta tensors (predictions) are not timed.
 
 The clock is the device's (:func:`~lightning_memopt.data.clock.step_clock`): CUDA events on CUDA, read at
 the step's end (one wait for the device a step, where Lightning's progress bar already waits for the
@@ -17,10 +19,12 @@ loss), the host's ``perf_counter`` elsewhere.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memopt.data.clock import Clock, step_clock
 from lightning_memopt.memory.tracker import TIMING, HeadHooks
@@ -57,7 +61,7 @@ class HeadTimer(HeadHooks):
         self._handles: list = []  # the heads' forward pre-hooks, from the first step until stop()
         self._grad_hooks: list = []  # the open heads' input-gradient hooks, removed at each step's end
         self._step: Any = None  # the step's start mark; None outside a step
-        self._open: Any = None  # the open head's start mark
+        self._open: tuple[Any, weakref.ref] | None = None  # the open head's start mark and input
         self._spans: list[tuple[Any, Any]] = []  # the step's closed heads: (start, end) marks
 
     def step_start(self) -> None:
@@ -101,14 +105,16 @@ class HeadTimer(HeadHooks):
         self._spans = []
 
     def _open_head(self, inputs: torch.Tensor | None) -> None:
-        if self._step is None or self._open is not None:  # outside a step, or a head already open
-            return
+        if self._step is None or (self._open is not None and self._open[1]() is not None):
+            return  # outside a step, or inside the open head
         if inputs is None or not inputs.requires_grad or not torch.is_grad_enabled():
             return  # no backward will close it
-        self._open = self.clock.mark()
+        if isinstance(inputs, FakeTensor) or inputs.device.type == "meta":
+            return
+        self._open = (self.clock.mark(), weakref.ref(inputs))
         self._grad_hooks.append(inputs.register_hook(self._input_grad))
 
     def _input_grad(self, grad: torch.Tensor) -> None:
         if self._open is not None:
-            self._spans.append((self._open, self.clock.mark()))
+            self._spans.append((self._open[0], self.clock.mark()))
             self._open = None

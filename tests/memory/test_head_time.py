@@ -108,3 +108,24 @@ def test_a_loss_that_opens_the_head_itself_is_timed_without_head_modules():
     own_loss(body(torch.ones(2, 4)), torch.tensor([1, 5])).backward()
     assert timer.step_end() == (14.0, 5.0)
     timer.stop()
+
+
+def test_a_head_whose_forward_failed_before_its_backward_gives_way_to_the_next():
+    clock, timer, head, micro_batch = _timer()
+    timer.step_start()
+    loss = head(torch.nn.Linear(4, 4)(torch.ones(2, 4)), torch.tensor([1, 5]))  # its backward never runs
+    assert timer.step_end() == (3.0, 0.0)
+    timer.step_start()
+    loss = head(torch.nn.Linear(4, 4)(torch.ones(2, 4)), torch.tensor([1, 5]))  # open, never closed
+    micro_batch()  # its forward is over: this head is a new one
+    assert timer.step_end() == (3.0 + 14.0, 5.0)
+    assert loss.requires_grad
+    timer.step_start()
+    with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):  # predictions: not timed
+        head(torch.ones(2, 4, requires_grad=True), torch.tensor([1, 5]))
+    assert timer._open is None
+    tracker.open_head(torch.ones(2, 4, requires_grad=True, device="meta"))
+    assert timer._open is None
+    head(torch.ones(2, 4, requires_grad=True), torch.tensor([1, 5]))
+    assert timer._open is not None  # the same call on real tensors opens it
+    timer.stop()
