@@ -493,27 +493,26 @@ class MicroBatchSizes:
         """Why a way fitted no micro-batch, for the decision's line: what its smallest probe measured against
         the usable bytes, the headroom named (the step may fit ``max_memory`` itself)."""
         least = min(size for size, _ in probes)
-        peaks = [peak for size, peak in probes if size == least and peak is not None]
-        samples = f"{least} sample{'s' if least > 1 else ''}"
-        if not peaks:
-            return f" ({samples} ran out of memory)"
+        peak = _least_peak(probes, least)
+        if peak is None:
+            return f" ({_samples(least)} ran out of memory)"
         usable = format_bytes(usable_bytes(limit, self.headroom, None))
         if self.headroom:
             usable = f"the {usable} that max_memory less its {self.headroom:.0%} headroom leaves"
-        return f" ({samples} peaked at {format_bytes(min(peaks))}, over {usable})"
+        return f" ({_samples(least)} peaked at {format_bytes(peak)}, over {usable})"
 
     def _smallest_fit(self, probes: list[tuple[int, int | None]], floor: int) -> str:
         """The smallest limit that fits, named from the least peak the probes measured at ``floor``
         samples (nothing where each of those ran out of memory: no peak was measured)."""
-        peaks = [peak for size, peak in probes if size == floor and peak is not None]
-        if not peaks:
+        peak = _least_peak(probes, floor)
+        if peak is None:
             return ""
-        needed = math.ceil(min(peaks) / (1 - self.headroom))
-        while usable_bytes(needed, self.headroom, None) < min(peaks):  # the float product's rounding
+        needed = math.ceil(peak / (1 - self.headroom))
+        while usable_bytes(needed, self.headroom, None) < peak:  # the float product's rounding
             needed += 1
         return (
-            f" The least it measured, {floor} sample{'s' if floor > 1 else ''} a micro-batch, peaked at "
-            f"{format_bytes(min(peaks))}: max_memory={needed} ({format_bytes(needed)}) or more fits it."
+            f" The least it measured, {_samples(floor)} a micro-batch, peaked at "
+            f"{format_bytes(peak)}: max_memory={needed} ({format_bytes(needed)}) or more fits it."
         )
 
     def peek(self, *, total: int, width: int, held: int) -> int:
@@ -759,7 +758,7 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
         return None
     why = (
         f"fewer, larger micro-batches would save at most {saved:.1%} of the step (a micro-step: "
-        f"{seconds[low]:.3g} s at {low} sample{'s' if low > 1 else ''}, {seconds[high]:.3g} s at {high})"
+        f"{seconds[low]:.3g} s at {_samples(low)}, {seconds[high]:.3g} s at {high})"
     )
     return why, step
 
@@ -787,3 +786,13 @@ def _peak_at(probes: list[tuple[int, int | None]]) -> Callable[[int], float] | N
         return MemoryModel.through((a, measured[a]), (b, measured[b])).predict(samples)
 
     return peak
+
+
+def _least_peak(probes: list[tuple[int, int | None]], size: int) -> int | None:
+    """The least peak the probes of ``size`` samples measured (None: each ran out of memory)."""
+    peaks = [peak for samples, peak in probes if samples == size and peak is not None]
+    return min(peaks) if peaks else None
+
+
+def _samples(n: int) -> str:
+    return f"{n} sample{'s' if n > 1 else ''}"

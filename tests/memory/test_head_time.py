@@ -1,5 +1,7 @@
 """HeadTimer: a step's seconds and its output heads', on a fake clock that the model's ops advance."""
 
+import time
+
 import pytest
 import torch
 
@@ -129,3 +131,36 @@ def test_a_head_whose_forward_failed_before_its_backward_gives_way_to_the_next()
     head(torch.ones(2, 4, requires_grad=True), torch.tensor([1, 5]))
     assert timer._open is not None  # the same call on real tensors opens it
     timer.stop()
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_head_is_timed_on_the_device_clock():
+    """The head's forward keeps the device busy for a while the host does not wait: CUDA events see it."""
+    cycles = 200_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    busy = start.elapsed_time(end) / 1000.0
+
+    class SleepyHead(torch.nn.Linear):
+        def forward(self, x):
+            torch.cuda._sleep(cycles)
+            return super().forward(x)
+
+    body, head = torch.nn.Linear(4, 4).cuda(), SleepyHead(4, 6).cuda()
+    head(body(torch.ones(2, 4, device="cuda"))).sum().backward()  # the libraries' first-call set-up
+    torch.cuda.synchronize()
+    timer = HeadTimer("cuda", [head])
+    timer.step_start()
+    host = time.perf_counter()
+    loss = torch.nn.functional.cross_entropy(
+        head(body(torch.ones(2, 4, device="cuda"))), torch.tensor([1, 5]).cuda()
+    )
+    loss.backward()
+    host = time.perf_counter() - host
+    step, in_head = timer.step_end()
+    timer.stop()
+    assert 0.8 * busy <= in_head <= step
+    assert host < 0.5 * busy  # the host did not wait: a host clock would have missed the head

@@ -166,11 +166,13 @@ def test_memory_monitor_logs_its_keys_and_changes_no_parameter(tmp_path, name):
     with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [1, 2]
-    heads = output_heads(measured)  # a causal LM's output embeddings: its own line
-    assert set(rows[0]) == MONITOR_KEYS | {"step"} | ({"memory/peak_head_gib"} if heads else set())
+    heads = output_heads(measured)  # a causal LM's output embeddings: its own line, and its time
+    head_keys = {"memory/peak_head_gib", "memory/step_seconds", "memory/head_seconds"}
+    assert set(rows[0]) == MONITOR_KEYS | {"step"} | (head_keys if heads else set())
     assert all(float(r["memory/peak_gib"]) > 0 for r in rows)
     if heads:
         assert all(float(r["memory/peak_head_gib"]) > 0 for r in rows)
+        assert all(0 < float(r["memory/head_seconds"]) < float(r["memory/step_seconds"]) for r in rows)
     assert len(monitor.history) == 2
     report = monitor.report_paths[0]
     assert report == tmp_path / "True" / "logs" / "version_0" / "memory_report.md"
