@@ -5,6 +5,11 @@ Run: python benchmarks/memory_monitor.py
 Prints the exact peak bytes of each phase of the last training step (and the breakdown at the step's
 peak), the summary MemoryMonitor prints at the end of fit, and the time of a fit with the monitor
 divided by the time of the same fit without it (same process, same data; a ratio, not seconds).
+
+Then the output head's line and time: a Hugging Face GPT-2 of 2 layers, width 128 and GPT-2's vocabulary
+(50,257), float32, 4 x 256 tokens, SGD, 6 steps (2 threads), once with its own head and once with the
+chunked head (``take_over_heads(model, "chunked")``): MemoryMonitor's summary lines, the head's bytes at
+the step's peak and its time against the step's (``time a step ...``; on a CPU the whole step runs tracked).
 """
 
 import tempfile
@@ -15,8 +20,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import MemoryMonitor
+from lightning_memopt.head.causal_lm import take_over_heads
 from lightning_memopt.memory import CATEGORIES
-from lightning_memopt.memory.report import PHASES, peak_phase
+from lightning_memopt.memory.report import PHASES, peak_phase, summary
 
 STEPS, BATCH, SEQ, WIDTH = 8, 16, 64, 128
 
@@ -75,6 +81,47 @@ def main() -> None:
         f"(min {ratios[0]:.2f}x, max {ratios[2]:.2f}x; 3 pairs of {STEPS}-step fits, 1 thread)"
     )
     print(f"report: {', '.join(map(str, monitor.report_paths))}")
+    head_time()
+
+
+class GPT2(pl.LightningModule):
+    def __init__(self, chunked: bool):
+        import transformers
+
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, n_positions=256)
+        self.model = transformers.GPT2LMHeadModel(config)
+        if chunked:
+            take_over_heads(self.model, "chunked", note=lambda line: None)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def head_time() -> None:
+    torch.set_num_threads(2)
+    print("\nGPT-2, 2 layers, width 128, vocabulary 50,257, 4 x 256 tokens, float32, 6 steps:")
+    for chunked in (False, True):
+        monitor = MemoryMonitor(log=False, report=False)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=6,
+            callbacks=[monitor],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        torch.manual_seed(0)
+        data = DataLoader(list(torch.randint(0, 50257, (24, 256))), batch_size=4)
+        trainer.fit(GPT2(chunked), data)
+        lines = summary(list(monitor.history)).splitlines()
+        print(f"  {'chunked head' if chunked else 'its own head'}:")
+        print("\n".join(f"    {line.strip()}" for line in lines[1:]))
 
 
 if __name__ == "__main__":
