@@ -41,12 +41,13 @@ class MemoryMonitor(ReleasingCallback):
     keeps the peak bytes and, with a breakdown, the bytes of each category of
     :class:`~lightning_memopt.memory.MemoryTracker` at that peak; validation runs are measured apart.
     Off CUDA the peaks are exact live tensor bytes from a tracker entered for each batch (it slows a small
-    CPU model's fit about 1.9x); on CUDA they come from the caching allocator, for free. The plain-torch
+    CPU model's fit about 1.9x); on CUDA they come from the caching allocator, for free (the head's time,
+    where there is a head, waits for each step's end). The plain-torch
     core is :class:`~lightning_memopt.memory.phases.StepPeaks`; details: ``docs/callbacks/memory_monitor.md``.
 
     **Logged keys** (with ``log=True``, through every logger, at ``step=trainer.global_step``; each value
-    is the largest of the steps since the last log, and under a distributed strategy of all ranks, with
-    one ``all_gather`` per log):
+    is the largest of the steps since the last log (the seconds: their mean), and under a distributed
+    strategy the largest of all ranks, with one ``all_gather`` per log):
 
     ===================================  ===  =================================================================
     key                                  unit meaning
