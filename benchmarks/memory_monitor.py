@@ -40,12 +40,14 @@ class Encoder(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def fit(callbacks, root):
+def fit(callbacks, root, module=None, data=None, steps=STEPS):
+    """Seconds of a fit of ``module`` (default: the encoder on random features) on ``data``."""
     torch.manual_seed(0)
-    data = DataLoader(TensorDataset(torch.randn(STEPS * BATCH, SEQ, WIDTH)), batch_size=BATCH)
+    if data is None:
+        data = DataLoader(TensorDataset(torch.randn(STEPS * BATCH, SEQ, WIDTH)), batch_size=BATCH)
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=STEPS,
+        max_steps=steps,
         callbacks=callbacks,
         logger=pl.loggers.CSVLogger(root, name="bench"),
         enable_progress_bar=False,
@@ -53,7 +55,7 @@ def fit(callbacks, root):
         enable_checkpointing=False,
     )
     start = time.perf_counter()
-    trainer.fit(Encoder(), data)
+    trainer.fit(module if module is not None else Encoder(), data)
     return time.perf_counter() - start
 
 
@@ -81,7 +83,7 @@ def main() -> None:
         f"(min {ratios[0]:.2f}x, max {ratios[2]:.2f}x; 3 pairs of {STEPS}-step fits, 1 thread)"
     )
     print(f"report: {', '.join(map(str, monitor.report_paths))}")
-    head_time()
+    head_time(root)
 
 
 class GPT2(pl.LightningModule):
@@ -102,23 +104,14 @@ class GPT2(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def head_time() -> None:
+def head_time(root) -> None:
     torch.set_num_threads(2)
     print("\nGPT-2, 2 layers, width 128, vocabulary 50,257, 4 x 256 tokens, float32, 6 steps:")
     for chunked in (False, True):
         monitor = MemoryMonitor(log=False, report=False)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_steps=6,
-            callbacks=[monitor],
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-        )
         torch.manual_seed(0)
         data = DataLoader(list(torch.randint(0, 50257, (24, 256))), batch_size=4)
-        trainer.fit(GPT2(chunked), data)
+        fit([monitor], root, GPT2(chunked), data, steps=6)
         lines = summary(list(monitor.history)).splitlines()
         print(f"  {'chunked head' if chunked else 'its own head'}:")
         print("\n".join(f"    {line.strip()}" for line in lines[1:]))
