@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_memopt import MemoryMonitor
 from lightning_memopt.head.causal_lm import take_over_heads
 from lightning_memopt.head.loss import default_chunk_size
+from lightning_memopt.memory import tracker
 from lightning_memopt.memory.phases import record_metrics
 from lightning_memopt.memory.report import PHASES
 from tests.batching.helpers import quiet_trainer
@@ -99,7 +100,9 @@ def test_no_head_line_without_a_head_and_a_bad_name_fails(tmp_path):
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["own", "chunked"])
 def test_the_head_is_timed_in_each_step_and_logged(tmp_path, chunked):
-    monitor = _fit(tmp_path, GPT2(chunked=chunked))
+    module = GPT2(chunked=chunked)
+    monitor = _fit(tmp_path, module)
+    assert not module.model.lm_head._forward_pre_hooks and not tracker.TIMING  # nothing left attached
     for record in monitor.history:
         assert 0 < record["head_us"] < record["step_us"]
     rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r["memory/head_seconds"]]
