@@ -41,8 +41,7 @@ class MemoryMonitor(ReleasingCallback):
     keeps the peak bytes and, with a breakdown, the bytes of each category of
     :class:`~lightning_memopt.memory.MemoryTracker` at that peak; validation runs are measured apart.
     Off CUDA the peaks are exact live tensor bytes from a tracker entered for each batch (it slows a small
-    CPU model's fit about 1.9x); on CUDA they come from the caching allocator, for free (the head's time,
-    where there is a head, waits for each step's end). The plain-torch
+    CPU model's fit about 1.9x); on CUDA they come from the caching allocator, for free. The plain-torch
     core is :class:`~lightning_memopt.memory.phases.StepPeaks`; details: ``docs/callbacks/memory_monitor.md``.
 
     **Logged keys** (with ``log=True``, through every logger, at ``step=trainer.global_step``; each value
@@ -88,8 +87,9 @@ class MemoryMonitor(ReleasingCallback):
             ``"auto"`` (default): each Hugging Face causal LM's output embeddings (``lm_head``), also
             when ``AutoCheckpoint`` computes its loss chunk by chunk; a submodule's name; None: none.
             With a head, each step and the head in it are also timed on the device's clock
-            (:class:`~lightning_memopt.memory.head_time.HeadTimer`; on CUDA it waits for the step's
-            end; on a CPU the step runs tracked, which slows every op), logged and in the summary.
+            (:class:`~lightning_memopt.memory.head_time.HeadTimer`; read at each log, every 64 steps
+            and at the end of fit, so on CUDA the loop never waits at a step's end; on a CPU the step
+            runs tracked, which slows every op), logged and in the summary.
 
     Raises:
         ValueError: If ``log_every_n_steps`` or ``max_history`` is not a positive int, ``breakdown``
@@ -153,7 +153,8 @@ class MemoryMonitor(ReleasingCallback):
         self.max_history = max_history
 
         self.history: MemoryHistory = self._peaks.train
-        """Per-step training records of this rank (see :mod:`lightning_memopt.memory.report`)."""
+        """Per-step training records of this rank (see :mod:`lightning_memopt.memory.report`); their times
+        (with a head) are filled in at each log, every 64 steps and at the end of fit."""
         self.val_history: MemoryHistory = self._peaks.validation
         """One record per validation run, with a ``validation`` phase, of this rank."""
         self.report_paths: list[Path] = []
@@ -270,6 +271,7 @@ class MemoryMonitor(ReleasingCallback):
     # ------------------------------------------------------------------ report
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._peaks.read_times()  # the last steps' times, into their records
         if not self.report or not len(self.history):
             return
         history = self._over_ranks(trainer, pl_module, list(self.history))

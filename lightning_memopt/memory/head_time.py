@@ -12,9 +12,9 @@ nothing. A head opened while one is open is a part of it while the open one's in
 chunked loss called inside a head module's forward), else a new head (the open one's forward ended and its
 backward never came: it ran out of memory, say). Heads on fake or meta tensors (predictions) are not timed.
 
-The clock is the device's (:func:`~lightning_memopt.data.clock.step_clock`): CUDA events on CUDA, read at
-the step's end (one wait for the device a step, where Lightning's progress bar already waits for the
-loss), the host's ``perf_counter`` elsewhere.
+The clock is the device's (:func:`~lightning_memopt.data.clock.step_clock`): CUDA events on CUDA, the
+host's ``perf_counter`` elsewhere. Ended steps are read together, when asked (:meth:`HeadTimer.read`: on
+CUDA one wait for the device, for the last of them), so timing never makes the loop wait at a step's end.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class HeadTimer(HeadHooks):
         >>> timer = HeadTimer("cpu", [head])
         >>> timer.step_start()
         >>> torch.nn.functional.cross_entropy(head(model(torch.ones(2, 4))), torch.tensor([1, 2])).backward()
-        >>> step, in_head = timer.step_end()
+        >>> timer.step_end()
+        >>> [(step, in_head)] = timer.read()
         >>> 0 < in_head < step
         True
         >>> timer.stop()
@@ -63,6 +64,7 @@ class HeadTimer(HeadHooks):
         self._step: Any = None  # the step's start mark; None outside a step
         self._open: tuple[Any, weakref.ref] | None = None  # the open head's start mark and input
         self._spans: list[tuple[Any, Any]] = []  # the step's closed heads: (start, end) marks
+        self._ended: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []  # ended steps' marks, not read yet
 
     def step_start(self) -> None:
         """A training step starts now; one still open (it never ended) is dropped."""
@@ -72,24 +74,36 @@ class HeadTimer(HeadHooks):
         TIMING.append(self)
         self._step = self.clock.mark()
 
-    def step_end(self) -> tuple[float, float]:
-        """The step ends now: its seconds and its heads' seconds (after waiting for the device's clock).
+    def step_end(self) -> None:
+        """The step ends now; :meth:`read` gives its seconds.
 
         Raises:
             RuntimeError: If no step was started.
         """
         if self._step is None:
             raise RuntimeError("step_end needs a step started; call step_start first")
-        end = self.clock.mark()
-        self.clock.settle(end)
-        step = self.clock.seconds(self._step, end)
-        heads = sum(self.clock.seconds(start, stop) for start, stop in self._spans)
+        self._ended.append((self._step, self.clock.mark(), self._spans))
+        self._spans = []
         self.drop()
-        return step, heads
+
+    def read(self) -> list[tuple[float, float]]:
+        """The seconds of each step ended since the last call, and of the output heads in it, in order
+        (on CUDA after waiting for the last step's end on the device)."""
+        if not self._ended:
+            return []
+        self.clock.settle(self._ended[-1][1])
+        seconds = self.clock.seconds
+        times = [
+            (seconds(start, end), sum(seconds(a, b) for a, b in spans)) for start, end, spans in self._ended
+        ]
+        self._ended = []
+        return times
 
     def stop(self) -> None:
-        """Stop timing: drop an open step and remove every hook (the end of a run; safe twice)."""
+        """Stop timing: drop an open step and the ended steps not read, and remove every hook (the end of a
+        run; safe twice)."""
         self.drop()
+        self._ended = []
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

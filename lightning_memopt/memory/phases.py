@@ -16,7 +16,8 @@ Where the numbers come from is decided once, from the device and the ``breakdown
 
 :class:`StepPeaks` keeps a run's records, as training and validation steps open and close them, and
 times each training step and the output heads in it where it is given heads
-(:class:`~lightning_memopt.memory.head_time.HeadTimer`);
+(:class:`~lightning_memopt.memory.head_time.HeadTimer`: the times are read into the records at each
+:meth:`~StepPeaks.take_window`, every :data:`UNREAD` steps, and at :meth:`~StepPeaks.read_times`);
 :func:`record_metrics` and :func:`merge_across_ranks` turn records into the
 logged values. Nothing here imports Lightning.
 
@@ -59,6 +60,9 @@ __all__ = [
     "record_metrics",
     "running",
 ]
+
+UNREAD = 64
+"""Steps whose times may wait in :class:`StepPeaks` to be read (on CUDA each read waits for the device)."""
 
 Breakdown = Literal["auto", "always", "never"]
 """``"auto"``: bytes by category wherever the tracker runs anyway (not on CUDA); ``"always"``: on CUDA
@@ -262,6 +266,8 @@ class StepPeaks:
         self._record: dict[str, int] | None = None  # the training step being measured
         self._val_record: dict[str, int] | None = None  # the validation run being measured
         self._window: dict[str, int] | None = None  # the steps since the last take_window, merged
+        self._untimed: list[dict[str, int]] = []  # records whose times the timer has not given yet
+        self._window_us = [0] * len(TIMES)  # the times read since the last take_window, summed
 
     def begin(
         self,
@@ -283,6 +289,7 @@ class StepPeaks:
         if self.recorder is not None:
             self.recorder.discard()
         if self.timer is not None:
+            self.read_times()
             self.timer.stop()
         self.recorder = self.timer = self._record = self._val_record = self._window = None
 
@@ -323,12 +330,25 @@ class StepPeaks:
         self.recorder.stop()
         record, self._record = self._record, None
         if self.timer is not None:
-            for key, seconds in zip(TIMES, self.timer.step_end()):
-                record[key] = round(seconds * 1e6)
+            self.timer.step_end()
+            self._untimed.append(record)
+            if len(self._untimed) >= UNREAD or len(self.train) >= self.train.max_records:
+                self.read_times()  # before the history merges records: a merged one is another dict
         self.train.append(record)
-        self._window = record if self._window is None else merge_records([self._window, record])
+        self._window = dict(record) if self._window is None else merge_records([self._window, record])
         self.steps += 1
         return True
+
+    def read_times(self) -> None:
+        """Read the times of the steps ended since the last read into their records (:data:`TIMES`; on CUDA
+        one wait for the device). Nothing where steps are not timed."""
+        if self.timer is None or not self._untimed:
+            return
+        for record, times in zip(self._untimed, self.timer.read(), strict=True):
+            for i, (key, seconds) in enumerate(zip(TIMES, times)):
+                record[key] = round(seconds * 1e6)
+                self._window_us[i] += record[key]
+        self._untimed = []
 
     def drop_step(self) -> None:
         """Forget an open training step (one skipped before its end)."""
@@ -346,7 +366,11 @@ class StepPeaks:
         """
         if self._window is None:
             raise RuntimeError("take_window needs a step ended since the last call; call step_end first")
+        self.read_times()
         window, self._window = self._window, None
+        if TIMES[0] in window:  # each step's time was read after it joined the window
+            window.update(zip(TIMES, self._window_us))
+        self._window_us = [0] * len(TIMES)
         return window
 
     def validation_start(self) -> None:
@@ -373,6 +397,7 @@ class StepPeaks:
 
     def state_dict(self) -> dict:
         """Plain ints and lists: a resumed run continues the step count and the records."""
+        self.read_times()
         return {"batches": self.steps, "history": list(self.train), "val_history": list(self.validation)}
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -66,14 +66,17 @@ def test_a_step_and_its_heads_are_timed_head_by_head(chunked):
     clock, timer, head, micro_batch = _timer(chunked)
     timer.step_start()
     micro_batch()
-    # The head: its forward (3 s), the loss, its backward (2 s) up to its input's gradient; the body's 5 + 4
-    # are outside it.
-    assert timer.step_end() == (14.0, 5.0)
+    timer.step_end()
     timer.step_start()
     micro_batch()
     micro_batch()  # two micro-batches, two heads
     clock.advance(1.0)  # the optimizer
-    assert timer.step_end() == (29.0, 10.0)
+    timer.step_end()
+    assert clock.settles == 0  # nothing waits for the device at a step's end
+    # The head: its forward (3 s), the loss, its backward (2 s) up to its input's gradient; the body's 5 + 4
+    # are outside it.
+    assert timer.read() == [(14.0, 5.0), (29.0, 10.0)]
+    assert clock.settles == 1 and timer.read() == []  # read once, together
     timer.stop()
 
 
@@ -83,7 +86,8 @@ def test_nothing_is_timed_outside_a_step_nor_without_a_backward():
     assert head._forward_pre_hooks == {}
     timer.step_start()
     micro_batch(grad=False)  # validation-like: no backward closes the head
-    assert timer.step_end() == (8.0, 0.0)
+    timer.step_end()
+    assert timer.read() == [(8.0, 0.0)]
     micro_batch()  # between steps: the hook is on, but no step is timed
     timer.step_start()
     micro_batch()
@@ -108,7 +112,8 @@ def test_a_loss_that_opens_the_head_itself_is_timed_without_head_modules():
 
     timer.step_start()
     own_loss(body(torch.ones(2, 4)), torch.tensor([1, 5])).backward()
-    assert timer.step_end() == (14.0, 5.0)
+    timer.step_end()
+    assert timer.read() == [(14.0, 5.0)]
     timer.stop()
 
 
@@ -116,11 +121,12 @@ def test_a_head_whose_forward_failed_before_its_backward_gives_way_to_the_next()
     clock, timer, head, micro_batch = _timer()
     timer.step_start()
     loss = head(torch.nn.Linear(4, 4)(torch.ones(2, 4)), torch.tensor([1, 5]))  # its backward never runs
-    assert timer.step_end() == (3.0, 0.0)
+    timer.step_end()
     timer.step_start()
     loss = head(torch.nn.Linear(4, 4)(torch.ones(2, 4)), torch.tensor([1, 5]))  # open, never closed
     micro_batch()  # its forward is over: this head is a new one
-    assert timer.step_end() == (3.0 + 14.0, 5.0)
+    timer.step_end()
+    assert timer.read() == [(3.0, 0.0), (3.0 + 14.0, 5.0)]
     assert loss.requires_grad
     timer.step_start()
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):  # predictions: not timed
@@ -160,7 +166,8 @@ def test_on_cuda_the_head_is_timed_on_the_device_clock():
     )
     loss.backward()
     host = time.perf_counter() - host
-    step, in_head = timer.step_end()
+    timer.step_end()
+    [(step, in_head)] = timer.read()
     timer.stop()
     assert 0.8 * busy <= in_head <= step
     assert host < 0.5 * busy  # the host did not wait: a host clock would have missed the head

@@ -255,3 +255,56 @@ def test_merge_across_ranks_takes_each_phase_from_the_rank_with_its_peak():
 
 def test_docstring_examples_run():
     assert doctest.testmod(phases, raise_on_error=True).attempted == 23
+
+
+def test_step_times_are_read_at_each_window_every_unread_steps_and_before_the_history_merges(monkeypatch):
+    from tests.data.helpers import FakeClock
+
+    monkeypatch.setattr(phases, "UNREAD", 3)
+    model, head, clock = torch.nn.Linear(4, 4), torch.nn.Linear(4, 6), FakeClock()
+    head.register_forward_hook(lambda *_: clock.advance(1.0))  # the head takes 1 s a step
+    peaks = StepPeaks(max_history=6)
+    peaks.begin("cpu", model, [], heads=[head])
+    peaks.timer.clock = clock
+
+    def step(seconds):  # a step of 1 + seconds
+        peaks.step_start()
+        head(model(torch.ones(2, 4))).sum().backward()
+        clock.advance(seconds)
+        peaks.step_end()
+
+    step(1.0)
+    step(2.0)
+    assert [r["step_us"] for r in peaks.train] == [0, 0] and clock.settles == 0  # not read yet
+    window = peaks.take_window()
+    assert (window["steps"], window["step_us"], window["head_us"]) == (2, 5_000_000, 2_000_000)
+    assert [(r["step_us"], r["head_us"]) for r in peaks.train] == [
+        (2_000_000, 1_000_000),
+        (3_000_000, 1_000_000),
+    ]
+    assert clock.settles == 1
+    step(3.0)
+    step(4.0)
+    step(5.0)  # 3 steps unread: read at this step's end, without a window
+    assert clock.settles == 2 and [r["step_us"] for r in peaks.train][-3:] == [
+        4_000_000,
+        5_000_000,
+        6_000_000,
+    ]
+    step(6.0)
+    assert clock.settles == 2 and len(peaks.train) == 6 and peaks.train[-1]["step_us"] == 0
+    step(7.0)  # the history is full (6 records): read before this step's record merges pairs of them
+    assert clock.settles == 3
+    assert [(r["steps"], r["step_us"]) for r in peaks.train] == [
+        (2, 5_000_000),
+        (2, 9_000_000),
+        (2, 13_000_000),
+        (1, 8_000_000),
+    ]
+    window = peaks.take_window()  # the five steps since the last window, read at two moments
+    assert (window["steps"], window["step_us"], window["head_us"]) == (5, 30_000_000, 5_000_000)
+    step(8.0)
+    assert peaks.state_dict()["history"][-1]["step_us"] == 9_000_000  # read for a checkpoint
+    step(9.0)
+    peaks.end()  # and at the end of the run
+    assert peaks.train[-1]["step_us"] == 10_000_000 and not head._forward_pre_hooks
