@@ -294,6 +294,7 @@ class StepPeaks:
             with contextlib.suppress(RuntimeError):
                 self.read_times()
             self.timer.stop()
+        self._untimed = []
         self.recorder = self.timer = self._record = self._val_record = self._window = None
 
     def step_start(self) -> None:
