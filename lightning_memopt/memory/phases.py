@@ -294,7 +294,7 @@ class StepPeaks:
             with contextlib.suppress(RuntimeError):
                 self.read_times()
             self.timer.stop()
-        self._untimed = []
+        self._untimed, self._window_us = [], [0] * len(TIMES)
         self.recorder = self.timer = self._record = self._val_record = self._window = None
 
     def step_start(self) -> None:
