@@ -428,7 +428,7 @@ def _distributed_worker(root, kind):
     else:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         model = ShardedModel()
-    monitor = MemoryMonitor(log_every_n_steps=1)
+    monitor = MemoryMonitor(log_every_n_steps=1, head="net.2")  # the last Linear as a head: timed
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -462,6 +462,8 @@ def test_distributed_logs_max_over_ranks(tmp_path, kind):
         assert float(row["memory/forward_peak_gib"]) == r1["forward"] / GIB
         assert float(row["memory/backward_peak_gib"]) == max(r0["backward"], r1["backward"]) / GIB
         assert float(row["memory/peak_activations_gib"]) == r1[f"{top}_activations"] / GIB
+        for key in ("step", "head"):  # the slower rank's
+            assert float(row[f"memory/{key}_seconds"]) == max(r0[f"{key}_us"], r1[f"{key}_us"]) / 1e6 > 0
     # Each rank holds all parameters under DDP, half of them under FSDP2.
     shard = 1 if kind == "ddp" else 2
     assert all(r["forward_parameters"] == PARAM_BYTES // shard for h in histories for r in h)
