@@ -38,4 +38,5 @@ cat "$out/stack.txt"
 part fastest_step 330 python3 benchmarks/fastest_step.py --device cuda $micro --rounds 3
 part head 100 python3 benchmarks/head.py --shapes --device cuda --reps 5
 part cuda_tests 150 python3 -m pytest -q -m cuda tests/head/test_loss.py tests/checkpointing/test_offload.py \
-    tests/memory/test_device_cuda_fakes.py tests/test_gpu_benchmark.py tests/callbacks/test_auto_accumulation.py
+    tests/memory/test_device_cuda_fakes.py tests/memory/test_head_time.py tests/test_gpu_benchmark.py \
+    tests/callbacks/test_auto_accumulation.py
