@@ -12,8 +12,9 @@ CUDA events on CUDA, ``perf_counter`` elsewhere); tests pass a fake one.
 Cost, paid once per profile (the first batch, and a batch of a new shape under a limit): 3 to 5 passes
 (forward and backward) of the block per treatment, for each *distinct* block (blocks with the same class,
 configuration and input shapes are profiled and timed once). Rounds stop after 3 where every treatment's
-extra varied by at most a tenth of keep's pass over them (a quiet machine, CUDA events: more rounds
-would move its median by less than that), else go on to 5. With the four treatments ``AutoCheckpoint`` weighs
+median extra is confirmed: another round's extra lies within a tenth of keep's pass of it (for an even
+count of rounds, the two middle ones within that of each other), so one round that a busy moment of a
+shared machine slowed does not call for more; else they go on to 5. With the four treatments ``AutoCheckpoint`` weighs
 on CPU (keep, selective, full, pointwise; five with offload on CUDA): 12 to 20 (15 to 25) block passes,
 one to two training steps of a 12-block model whose blocks are all alike.
 """
@@ -32,7 +33,7 @@ TIMING_REPEATS = 5
 """Timed passes per treatment and distinct block at most (each after the profile's untimed pass, its
 warm-up)."""
 _LEAST = 3  # rounds at least
-_STEADY = 0.1  # of keep's median pass: the most a treatment's extra may vary over rounds to stop early
+_STEADY = 0.1  # of keep's median pass: how close another round must be to a treatment's median to stop
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ def time_treatments(
     repeats: int = TIMING_REPEATS,
 ) -> dict[str, Timing]:
     """Each treatment's :class:`Timing` over up to ``repeats`` rounds, every round timing one pass of each;
-    from the third on, the rounds stop where every treatment's extra over keep varied by at most a tenth
-    of keep's median pass (the module docstring).
+    from the third on, the rounds stop where every treatment's median extra over keep is confirmed by
+    another round within a tenth of keep's median pass (the module docstring).
 
     Args:
         prepare: ``prepare(choice)`` sets the block to ``choice`` and returns the pass to time (what it
@@ -105,10 +106,17 @@ def _extras(samples: dict[str, list[float]]) -> dict[str, list[float]]:
 
 
 def _steady(samples: dict[str, list[float]]) -> bool:
-    """Whether every treatment's extra varied by at most :data:`_STEADY` of keep's median pass over the
-    rounds so far (without keep, of its own median pass)."""
+    """Whether every treatment's median extra is confirmed: over the rounds so far, the extras next to it
+    in order (for an odd count, the nearer of the middle one's two neighbours; for an even count, the two
+    middle ones) lie within :data:`_STEADY` of keep's median pass (without keep, of its own median pass).
+    """
     for choice, extra in _extras(samples).items():
         scale = statistics.median(samples.get("keep", samples[choice]))
-        if max(extra) - min(extra) > _STEADY * scale:
+        ordered, mid = sorted(extra), len(extra) // 2
+        if len(extra) % 2:
+            gap = min(ordered[mid] - ordered[mid - 1], ordered[mid + 1] - ordered[mid])
+        else:
+            gap = ordered[mid] - ordered[mid - 1]
+        if gap > _STEADY * scale:
             return False
     return True
