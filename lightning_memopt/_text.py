@@ -1,10 +1,10 @@
-"""How a message lists names: the one format every note and error of the package uses."""
+"""How a message lists names and counts things: the one format every note and error of the package uses."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["listed"]
+__all__ = ["counted", "listed"]
 
 _MOST = 6  # names a message shows before it counts the rest
 
@@ -21,3 +21,14 @@ def listed(names: Sequence[str]) -> str:
     """
     shown = ", ".join(names[:_MOST])
     return shown + (f" and {len(names) - _MOST} more" if len(names) > _MOST else "")
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural where ``n`` is not 1.
+
+    Example::
+
+        >>> counted(1, "sample"), counted(3, "step")
+        ('1 sample', '3 steps')
+    """
+    return f"{n} {noun}{'' if n == 1 else 's'}"

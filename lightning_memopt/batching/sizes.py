@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_memopt._text import counted
 from lightning_memopt.batching.distributed import (
     any_rank,
     is_distributed,
@@ -495,11 +496,11 @@ class MicroBatchSizes:
         least = min(size for size, _ in probes)
         peak = _least_peak(probes, least)
         if peak is None:
-            return f" ({_samples(least)} ran out of memory)"
+            return f" ({counted(least, 'sample')} ran out of memory)"
         usable = format_bytes(usable_bytes(limit, self.headroom, None))
         if self.headroom:
             usable = f"the {usable} that max_memory less its {self.headroom:.0%} headroom leaves"
-        return f" ({_samples(least)} peaked at {format_bytes(peak)}, over {usable})"
+        return f" ({counted(least, 'sample')} peaked at {format_bytes(peak)}, over {usable})"
 
     def _smallest_fit(self, probes: list[tuple[int, int | None]], floor: int) -> str:
         """The smallest limit that fits, named from the least peak the probes measured at ``floor``
@@ -511,7 +512,7 @@ class MicroBatchSizes:
         while usable_bytes(needed, self.headroom, None) < peak:  # the float product's rounding
             needed += 1
         return (
-            f" The least it measured, {_samples(floor)} a micro-batch, peaked at "
+            f" The least it measured, {counted(floor, 'sample')} a micro-batch, peaked at "
             f"{format_bytes(peak)}: max_memory={needed} ({format_bytes(needed)}) or more fits it."
         )
 
@@ -758,7 +759,7 @@ def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> 
         return None
     why = (
         f"fewer, larger micro-batches would save at most {saved:.1%} of the step (a micro-step: "
-        f"{seconds[low]:.3g} s at {_samples(low)}, {seconds[high]:.3g} s at {high})"
+        f"{seconds[low]:.3g} s at {counted(low, 'sample')}, {seconds[high]:.3g} s at {high})"
     )
     return why, step
 
@@ -792,7 +793,3 @@ def _least_peak(probes: list[tuple[int, int | None]], size: int) -> int | None:
     """The least peak the probes of ``size`` samples measured (None: each ran out of memory)."""
     peaks = [peak for samples, peak in probes if samples == size and peak is not None]
     return min(peaks) if peaks else None
-
-
-def _samples(n: int) -> str:
-    return f"{n} sample{'s' if n > 1 else ''}"

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from lightning_memopt._checks import check_positive_int
+from lightning_memopt._text import counted
 from lightning_memopt.memory.tracker import CATEGORIES, HEAD
 
 __all__ = [
@@ -245,7 +246,7 @@ def summary(history: Sequence[dict[str, int]], val_history: Sequence[dict[str, i
         share = head / step if step else 0.0
         lines.append(
             f"  time a step {_ms(step)} ms, of which the output head {_ms(head)} ms ({share:.1%}; median of "
-            f"{steps} step{'s' * (steps != 1)}{', the first left out' if len(history) > 1 else ''})"
+            f"{counted(steps, 'step')}{', the first left out' if len(history) > 1 else ''})"
         )
     if val_history:
         val = merge_records(val_history)

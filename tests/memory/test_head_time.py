@@ -171,3 +171,11 @@ def test_on_cuda_the_head_is_timed_on_the_device_clock():
     timer.stop()
     assert 0.8 * busy <= in_head <= step
     assert host < 0.5 * busy  # the host did not wait: a host clock would have missed the head
+
+
+def test_the_module_examples_run():
+    import doctest
+
+    from lightning_memopt.memory import head_time
+
+    assert doctest.testmod(head_time, raise_on_error=True).attempted == 8

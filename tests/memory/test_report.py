@@ -188,3 +188,13 @@ def test_time_keys_add_over_steps_take_the_longest_rank_and_show_in_the_summary(
     assert summary(records[:1]).endswith(
         "\n  time a step 900 ms, of which the output head 10 ms (1.1%; median of 1 step)"
     )
+
+
+def test_the_module_examples_run():
+    import doctest
+
+    from lightning_memopt import _text
+    from lightning_memopt.memory import report
+
+    assert doctest.testmod(report, raise_on_error=True).attempted == 10
+    assert doctest.testmod(_text, raise_on_error=True).attempted == 3
