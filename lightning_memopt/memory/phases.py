@@ -267,7 +267,6 @@ class StepPeaks:
         self._val_record: dict[str, int] | None = None  # the validation run being measured
         self._window: dict[str, int] | None = None  # the steps since the last take_window, merged
         self._untimed: list[dict[str, int]] = []  # records whose times the timer has not given yet
-        self._window_us = [0] * len(TIMES)  # the times read since the last take_window, summed
 
     def begin(
         self,
@@ -294,7 +293,7 @@ class StepPeaks:
             with contextlib.suppress(RuntimeError):
                 self.read_times()
             self.timer.stop()
-        self._untimed, self._window_us = [], [0] * len(TIMES)
+        self._untimed = []
         self.recorder = self.timer = self._record = self._val_record = self._window = None
 
     def step_start(self) -> None:
@@ -333,13 +332,13 @@ class StepPeaks:
             return False
         self.recorder.stop()
         record, self._record = self._record, None
+        self._window = dict(record) if self._window is None else merge_records([self._window, record])
         if self.timer is not None:
             self.timer.step_end()
             self._untimed.append(record)
             if len(self._untimed) >= UNREAD or len(self.train) >= self.train.max_records:
                 self.read_times()  # before the history merges records: a merged one is another dict
         self.train.append(record)
-        self._window = dict(record) if self._window is None else merge_records([self._window, record])
         self.steps += 1
         return True
 
@@ -349,9 +348,9 @@ class StepPeaks:
         if self.timer is None or not self._untimed:
             return
         for record, times in zip(self._untimed, self.timer.read(), strict=True):
-            for i, (key, seconds) in enumerate(zip(TIMES, times)):
+            for key, seconds in zip(TIMES, times):
                 record[key] = round(seconds * 1e6)
-                self._window_us[i] += record[key]
+                self._window[key] += record[key]  # every unread step has joined the open window
         self._untimed = []
 
     def drop_step(self) -> None:
@@ -372,9 +371,6 @@ class StepPeaks:
             raise RuntimeError("take_window needs a step ended since the last call; call step_end first")
         self.read_times()
         window, self._window = self._window, None
-        if TIMES[0] in window:  # each step's time was read after it joined the window
-            window.update(zip(TIMES, self._window_us))
-        self._window_us = [0] * len(TIMES)
         return window
 
     def validation_start(self) -> None:
