@@ -5,7 +5,8 @@ Run: python benchmarks/head.py            # GPT2Config() (12 layers, h=768, voca
      python benchmarks/head.py --shapes   # the head alone at GPT-2, Llama 3 and Gemma 2 shapes (below)
      python benchmarks/head.py --shapes --device cuda   # the same on a GPU, bf16, 16,384 tokens
      python benchmarks/head.py --shapes --compile   # and the chunks compiled (backend="compiled")
-     python benchmarks/head.py --bound    # Llama 3's head at 16,384 tokens, bf16: peak bytes, 24-bit sum
+     python benchmarks/head.py --shapes --dtype bf16-mixed   # float32 weights under bf16 autocast
+     python benchmarks/head.py --bound    # Llama 3's head at 16,384 tokens, bf16: peak bytes, accuracy
 
 ``--shapes`` prints, for the heads of GPT-2 (50,257 x 768), Llama 3 (128,256 x 2,048 and x 4,096) and
 Gemma 2 (256,000 x 2,304): the plain head (``F.cross_entropy(F.linear(hidden, weight).float(), labels)``,
@@ -14,16 +15,15 @@ of ``--reps`` rounds, the two alternated in one process), their ratio (median of
 the peak above the inputs (MemoryTracker's live bytes on a CPU; ``torch.cuda.max_memory_allocated`` on
 CUDA) and each loss's relative difference from a float64 cross-entropy of the same inputs. On a CPU the
 token counts are small (a few seconds a round) and the inputs float32; on CUDA 16,384 tokens (8,192 for
-Gemma 2) in bf16 (``--dtype`` to change).
+Gemma 2) in bf16 (``--dtype`` to change; ``--dtype bf16-mixed``: float32 inputs, every head under bf16
+autocast, as ``precision="bf16-mixed"`` runs it).
 
 ``--bound`` prints the peak above the inputs of the Llama-3 head (128,256 x 2,048, 16,384 tokens, bf16
-weight and features, the CUDA chunk: 523 tokens) for the plain head and ``linear_cross_entropy`` (its
-weight's gradient by columns, as on CUDA; in a 24-bit sum, as on a CPU; in a float32 sum), as
+weight and features, the CUDA chunk: 523 tokens) for the plain head and ``linear_cross_entropy``, as
 MemoryTracker's live bytes on ``meta`` tensors (every storage counted, nothing computed: the plain head's
-8 GiB logits would take a 2-core CPU minutes), with the bound of 1,024 MiB; then what summing a bfloat16
-weight's gradient in 24 bits (``_WeightGradient``) costs in accuracy, on real bf16 tensors at 16,384 tokens
-in 32 chunks of a narrower head (4,096 x 128): each head's gradients against a float64 computation of the
-same inputs, and the 24-bit sum against a float32 sum of the same chunks.
+8 GiB logits would take a 2-core CPU minutes), with the bound of 1,024 MiB; then both heads' loss and
+gradients against a float64 computation of the same inputs, on real bf16 tensors at 16,384 tokens in 32
+chunks of a narrower head (4,096 x 128).
 
 Prints, for a random-init fp32 GPT-2 on CPU (train mode, forward + backward of ``model(input_ids,
 labels=labels).loss``, no optimizer):
@@ -233,8 +233,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bound() -> None:
     """``--bound`` (module docstring)."""
-    from lightning_memopt.head import loss as head_loss
-
     tokens, vocab, width = 16_384, 128_256, 2_048
     chunk = default_chunk_size(tokens, vocab, width, "cuda")
     print(
@@ -250,23 +248,7 @@ def bound() -> None:
         return _peak_above_inputs(fn, hidden, weight, labels)
 
     print(f"| plain | {meta_peak(_plain) / MiB:,.1f} MiB | |")
-    by_columns = head_loss.WEIGHT_GRADIENT_BY_COLUMNS
-    head_loss.WEIGHT_GRADIENT_BY_COLUMNS = ("meta",)  # what CUDA runs
-    try:
-        peak = meta_peak(_chunked)
-    finally:
-        head_loss.WEIGHT_GRADIENT_BY_COLUMNS = by_columns
-    print(f"| chunked, the weight's gradient by columns (CUDA's) | {peak / MiB:,.1f} MiB | 1,024 MiB |")
-    print(
-        f"| chunked, the weight's gradient in a 24-bit sum (a CPU's) | {meta_peak(_chunked) / MiB:,.1f} MiB | |"
-    )
-    split, head_loss._WeightGradient.SPLIT = head_loss._WeightGradient.SPLIT, ()
-    try:
-        print(
-            f"| chunked, the weight's gradient summed in float32 | {meta_peak(_chunked) / MiB:,.1f} MiB | |"
-        )
-    finally:
-        head_loss._WeightGradient.SPLIT = split
+    print(f"| chunked | {meta_peak(_chunked) / MiB:,.1f} MiB | 1,024 MiB |")
 
     vocab, width, chunk = 4_096, 128, 512
     g = torch.Generator().manual_seed(0)
@@ -274,50 +256,47 @@ def bound() -> None:
     weight = (torch.randn(vocab, width, generator=g) * width**-0.5).bfloat16().requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=g)
     print(
-        f"\nthe 24-bit sum: {vocab:,} x {width:,}, {tokens:,} tokens in {tokens // chunk} chunks of {chunk}, "
-        "bf16, real tensors; relative to the largest float64 value (max |a - b| / max |b|)\n"
+        f"\n{vocab:,} x {width:,}, {tokens:,} tokens in {tokens // chunk} chunks of {chunk}, bf16, real "
+        "tensors; relative to the largest float64 value (max |a - b| / max |b|)\n"
     )
     h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
     ref_loss = linear_cross_entropy(h64, w64, labels)
     ref_dh, ref_dw = torch.autograd.grad(ref_loss, (h64, w64))
-    results = {}
-    for name, fn, split_dtypes in (
-        ("plain (autograd, bf16 logits)", _plain, split),
-        ("chunked, 24-bit sum (default)", lambda *a: linear_cross_entropy(*a, chunk_size=chunk), split),
-        ("chunked, float32 sum", lambda *a: linear_cross_entropy(*a, chunk_size=chunk), ()),
-    ):
-        head_loss._WeightGradient.SPLIT = split_dtypes
-        try:
-            loss = fn(hidden, weight, labels)
-            results[name] = (float(loss.detach()), *torch.autograd.grad(loss, (hidden, weight)))
-        finally:
-            head_loss._WeightGradient.SPLIT = split
     print("| head | loss vs float64 | d hidden vs float64 | d weight vs float64 |\n|---|---:|---:|---:|")
-    for name, (loss, dh, dw) in results.items():
+    for name, fn in (
+        ("plain (autograd, bf16 logits)", _plain),
+        ("chunked", lambda *a: linear_cross_entropy(*a, chunk_size=chunk)),
+    ):
+        loss = fn(hidden, weight, labels)
+        dh, dw = torch.autograd.grad(loss, (hidden, weight))
         print(
-            f"| {name} | {abs(loss - float(ref_loss.detach())) / abs(float(ref_loss.detach())):.1e} "
+            f"| {name} | {_rel(loss.detach(), ref_loss.detach()):.1e} "
             f"| {_rel(dh, ref_dh):.2e} | {_rel(dw, ref_dw):.2e} |"
         )
-    a = results["chunked, 24-bit sum (default)"][2]
-    b = results["chunked, float32 sum"][2]
-    _, exponent = torch.frexp(b.float())  # b = m * 2**e, m in [0.5, 1): bf16's last place is 2**(e - 8)
-    ulps = (a.float() - b.float()).abs() / torch.pow(2.0, (exponent - 8).float())
-    print(
-        f"\nd weight, 24-bit sum vs float32 sum of the same chunks: {float((a != b).float().mean()):.2e} of the "
-        f"elements differ, {float((ulps > 1).float().mean()):.2e} by more than one bf16 unit in the last place "
-        f"(cancelling sums, whose result is small beside the chunks' products); largest difference "
-        f"{_rel(a, b):.1e} of the largest element"
-    )
 
 
 def _compiled(hidden, weight, labels):
     return linear_cross_entropy(hidden, weight, labels, backend="compiled")
 
 
-def head_shapes(device: torch.device, dtype: torch.dtype, reps: int, compile: bool = False) -> None:
+def _under_bf16_autocast(fn, device: torch.device):
+    """``fn`` called under bf16 autocast on ``device`` (``bf16-mixed``: float32 weights, bf16 matmuls)."""
+
+    def run(*args):
+        with torch.autocast(device.type, torch.bfloat16):
+            return fn(*args)
+
+    return run
+
+
+def head_shapes(
+    device: torch.device, dtype: torch.dtype, reps: int, compile: bool = False, mixed: bool = False
+) -> None:
     """The table of ``--shapes`` (module docstring); with ``compile``, the chunks compiled
-    (``backend="compiled"``) timed too, their ratio to the plain head in the last column."""
-    print(f"the head alone, forward + backward, {dtype} inputs on {device}, median of {reps} rounds\n")
+    (``backend="compiled"``) timed too, their ratio to the plain head in the last column; with ``mixed``,
+    every head under bf16 autocast (``dtype`` float32: ``bf16-mixed``)."""
+    inputs = f"{dtype} inputs under bf16 autocast" if mixed else f"{dtype} inputs"
+    print(f"the head alone, forward + backward, {inputs} on {device}, median of {reps} rounds\n")
     print(
         "| head | tokens | chunk | plain ms | chunked ms | chunked / plain | plain peak | chunked peak "
         "| plain loss vs float64 | chunked loss vs float64 |" + (" compiled / plain |" if compile else "")
@@ -332,6 +311,8 @@ def head_shapes(device: torch.device, dtype: torch.dtype, reps: int, compile: bo
         with torch.no_grad():  # the same (rounded) inputs in float64 (chunked: exact to 1e-12 there, tested)
             reference = float(linear_cross_entropy(hidden.double(), weight.double(), labels))
         ways = {"plain": _plain, "chunked": _chunked} | ({"compiled": _compiled} if compile else {})
+        if mixed:
+            ways = {k: _under_bf16_autocast(fn, device) for k, fn in ways.items()}
         losses = {k: float(_head_step(fn, hidden, weight, labels)) for k, fn in ways.items()}  # warm-up
         times: dict[str, list[float]] = {k: [] for k in ways}
         for _ in range(reps):  # alternated: a burst of load on the machine hits both
@@ -369,14 +350,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed rounds (each: one step of each head)")
     parser.add_argument("--shapes", action="store_true", help="the head alone at four models' shapes")
     parser.add_argument(
-        "--bound", action="store_true", help="Llama 3's head at 16,384 tokens: bytes, 24-bit sum"
+        "--bound", action="store_true", help="Llama 3's head at 16,384 tokens: bytes, accuracy"
     )
     parser.add_argument("--device", default="cpu", help="for --shapes: cpu (default) or cuda")
     parser.add_argument(
         "--compile", action="store_true", help="for --shapes: time backend='compiled' too (compiled on a CPU)"
     )
     parser.add_argument(
-        "--dtype", default=None, help="for --shapes: float32 (CPU default) or bfloat16 (CUDA)"
+        "--dtype",
+        default=None,
+        help="for --shapes: float32 (CPU default), bfloat16 (CUDA default) or bf16-mixed (float32, autocast)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -386,9 +369,11 @@ def main() -> None:
         return
     if args.shapes:
         device = torch.device(args.device)
-        dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        mixed = args.dtype == "bf16-mixed"
+        default = "bfloat16" if device.type == "cuda" else "float32"
+        dtype = getattr(torch, "float32" if mixed else args.dtype or default)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-        head_shapes(device, dtype, args.reps, args.compile)
+        head_shapes(device, dtype, args.reps, args.compile, mixed)
         return
     if args.small:
         config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=512)

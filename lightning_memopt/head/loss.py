@@ -27,17 +27,17 @@ inputs the matmuls run in half precision, as an ``nn.Linear`` head's would; each
 to float32 before the softmax (a Hugging Face model's ``logits.float()``; computed a slice of the vocabulary
 at a time, so no float32 copy of a chunk's logits exists), and the loss is float32. The weight's gradient:
 
-* on CUDA (:data:`WEIGHT_GRADIENT_BY_COLUMNS`), a second pass over slices of the vocabulary computes each
-  slice's logits for every token again and its gradient rows in one matmul (float32 inside, rounded once, as
-  autograd's): one matmul more, and nothing weight-sized read and written by every chunk;
-* elsewhere, summed over the chunks from float32 products: in float32, or for a bfloat16 weight in 24 bits
-  (its bfloat16 result and one byte more, :class:`_WeightGradient`), so the CPU runs autograd's three
-  matmuls.
+* with one chunk, its one product, as autograd's;
+* with more, for a half-precision weight (``bf16-true``), and on CUDA (:data:`WEIGHT_GRADIENT_BY_COLUMNS`)
+  for any weight, a second pass over slices of the vocabulary, each as large as a chunk, computes each
+  slice's logits for every token again and its gradient rows in one matmul (float32 inside, rounded once,
+  as autograd's): one matmul more, and nothing weight-sized read and written by every chunk;
+* with more, for a float32 weight under autocast on a CPU (``bf16-mixed``), summed over the chunks in
+  float32, the weight's own dtype, so the CPU runs autograd's three matmuls.
 
-At the Llama-3 shape (16,384 tokens, 128,256 x 2,048, bf16) the head holds 821.5 MiB above its inputs with
-the second pass and 991.5 MiB with the 24-bit sum, where a float32 sum held 1,567 MiB and the plain head
-holds 24,048 MiB (``benchmarks/head.py --bound``; on an H100 the second pass's peak read 821.5 MiB too).
-float32 and float64 inputs compute in their own dtype, their weight's gradient summed over the chunks.
+At the Llama-3 shape (16,384 tokens, 128,256 x 2,048, bf16) the head holds 725.5 MiB above its inputs,
+where the plain head holds 24,048 MiB (``benchmarks/head.py --bound``). float32 and float64 inputs compute
+in their own dtype, their weight's gradient summed over the chunks.
 """
 
 from __future__ import annotations
@@ -78,10 +78,13 @@ MAX_CHUNK_BYTES = 256 * 2**20
 # Bytes of one float32 slice of a chunk's half-precision logits (its softmax) or of the weight's gradient
 SLICE_BYTES = 16 * 2**20
 WEIGHT_GRADIENT_BY_COLUMNS = ("cuda",)
-"""Device types where a half-precision head's weight gradient is computed in a second pass over slices of
-the vocabulary (:func:`_weight_gradient_by_columns`: one matmul more, no weight-sized sum read and written
-by every chunk), not summed over the chunks (:class:`_WeightGradient`). On a GPU the sum's memory traffic
-cost more than the matmul; on a CPU the matmul costs more."""
+"""Device types where a head whose matmuls run in half precision computes its weight's gradient in a second
+pass over slices of the vocabulary (:func:`_weight_gradient_by_columns`: one matmul more, no weight-sized sum
+read and written by every chunk) whatever the weight's dtype. Elsewhere only a half-precision weight's is:
+a float32 weight's (under autocast) is summed over the chunks in float32 (:class:`_WeightGradient`). On a
+GPU the sum's memory traffic costs more than the matmul. On a CPU, measured (``benchmarks/head.py --shapes
+--dtype``): summing a bfloat16 weight's gradient in float32 products costs more than the matmul, while a
+float32 weight's sum is its own dtype's and costs less."""
 
 
 def default_chunk_size(
@@ -166,8 +169,8 @@ def linear_cross_entropy(
             (``pip install liger-kernel``), the features are on a CUDA device and it computes this call
             (``reduction`` "mean" or "sum", no ``logit_scale``; ``chunk_size`` is then Liger's own), else
             the chunks above; ``"package"``: the chunks above always; ``"liger"``: Liger or an error. The
-            chunks' softmax and gradient (and a bfloat16 weight's 24-bit sum) are compiled with
-            ``torch.compile`` on CUDA (:data:`COMPILES_BY_DEFAULT`), not on a CPU; ``"compiled"``: the
+            chunks' softmax and gradient are compiled with ``torch.compile`` on CUDA
+            (:data:`COMPILES_BY_DEFAULT`), not on a CPU; ``"compiled"``: the
             chunks, compiled on any device; ``"eager"``: the chunks, never compiled. Not compiled under a
             dispatch mode (MemoryTracker, fake tensors) nor inside a region being compiled. Where compiling
             or a compiled call fails, one warning names the cause and the chunks run eagerly from then on.
@@ -515,48 +518,35 @@ def _slice(length: int) -> int:
 
 
 class _WeightGradient:
-    """The weight's gradient summed over chunks, a slice of rows at a time (no weight-sized product exists).
+    """The weight's gradient: one chunk's product as autograd makes it (in the matmuls' dtype), or several
+    chunks' products summed in ``acc`` (float32, or float64 for float64 matmuls; each product made in float32
+    from half-precision matmuls); where the dtypes differ, a slice of ``rows`` rows at a time into a buffer of
+    the weight's size (no product of the weight's size beside it), cast to the weight's dtype at the end."""
 
-    In float32 (float64 for float64 inputs) for a float32 or float16 weight, cast to the weight's dtype at
-    the end. For a bfloat16 weight in 24 bits, in two buffers: the bfloat16 result itself (a float32's top
-    two bytes) and a byte for the next 8 bits of the float32's significand (16 bits of precision, float32's
-    range, three quarters of a float32's bytes), each sum rounded to the nearest 24-bit number; the end rounds
-    each 24-bit sum to bfloat16 in place. A float32 sum held alongside its bfloat16 result would be 1.5 times
-    this. What the 8 dropped bits cost: at most ``2**-17`` relative of a running sum per chunk, against
-    ``2**-9`` of the bfloat16 result's own rounding (measured: ``benchmarks/head.py --bound``).
-    """
-
-    SPLIT = (torch.bfloat16,)
-    """The weight dtypes whose gradient is summed in 24 bits (``()``: every one in float32, to compare)."""
-
-    def __init__(self, weight: torch.Tensor, acc: torch.dtype, rows: int, run=_eager):
-        self.dtype, self.rows, self.run = weight.dtype, rows, run
-        self.split = weight.dtype in self.SPLIT
-        shape, device = weight.shape, weight.device
-        self.sum = torch.zeros(shape, dtype=torch.bfloat16 if self.split else acc, device=device)
-        self.low = torch.zeros(shape, dtype=torch.uint8, device=device) if self.split else None
+    def __init__(self, weight: torch.Tensor, acc: torch.dtype, rows: int, chunks: int):
+        self.shape, self.dtype, self.rows, self.single = weight.shape, weight.dtype, rows, chunks == 1
+        self.acc, self.device = weight.dtype if self.single else acc, weight.device
+        self.sum: torch.Tensor | None = None
 
     def addmm(self, dz: torch.Tensor, hc: torch.Tensor) -> None:
-        """Adds ``dz.T @ hc`` (``dz (c, V)``, ``hc (c, H)``), a slice of :attr:`rows` rows at a time."""
-        if not self.split and dz.dtype == self.sum.dtype == hc.dtype:
+        """Adds ``dz.T @ hc`` (``dz (c, V)``, ``hc (c, H)``)."""
+        if self.single and dz.dtype == self.dtype:
+            self.sum = torch.mm(dz.t(), hc)
+            return
+        if self.sum is None:
+            self.sum = self._zeros()
+        if dz.dtype == self.sum.dtype == hc.dtype:
             self.sum.addmm_(dz.t(), hc)  # in place: no product of the weight's size
             return
-        for start in range(0, self.sum.shape[0], self.rows):
-            rows = slice(start, start + self.rows)
-            product = _float_mm(dz[:, rows].t(), hc)  # (rows, H), float32 (float64 for float64 inputs)
-            if self.split:
-                self.run(_add_split, self.sum[rows], self.low[rows], product)
-            else:
-                self.sum[rows] += product
+        product = torch.mm if self.single else _float_mm
+        for start in range(0, self.shape[0], self.rows):
+            self.sum[start : start + self.rows] += product(dz[:, start : start + self.rows].t(), hc)
 
     def result(self) -> torch.Tensor:
-        if not self.split:
-            return self.sum.to(self.dtype)
-        for start in range(0, self.sum.shape[0], self.rows):
-            rows = slice(start, start + self.rows)
-            self.sum[rows] = _join(self.sum[rows], self.low[rows])  # float32 to bfloat16, to nearest
-        self.low = None
-        return self.sum
+        return (self._zeros() if self.sum is None else self.sum).to(self.dtype)  # no chunk: no tokens
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.acc, device=self.device)
 
 
 _NO_FLOAT_OUT: set[str] = set()  # device types whose half-precision matmul cannot write float32
@@ -575,21 +565,6 @@ def _float_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (RuntimeError, NotImplementedError):  # an older GPU or build: upcast from now on
             _NO_FLOAT_OUT.add(kind)
     return torch.mm(a.float(), b.float())
-
-
-def _join(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The float32 numbers whose top two bytes are ``high`` (bfloat16) and third byte ``low`` (uint8)."""
-    out = high.float()  # bfloat16 to float32: the same bits, shifted up by two bytes
-    out.view(torch.int32).bitwise_or_(low.to(torch.int32).bitwise_left_shift_(8))
-    return out
-
-
-def _add_split(high: torch.Tensor, low: torch.Tensor, product: torch.Tensor) -> None:
-    """``(high, low) += product`` in float32, rounded to the nearest 24-bit number (to 16 significant bits)."""
-    bits = _join(high, low).add_(product).view(torch.int32)
-    bits.add_(128)  # to nearest: a half unit of the dropped byte carries into the kept ones
-    high.view(torch.int16).copy_(bits >> 16)
-    low.copy_(bits.bitwise_right_shift_(8).bitwise_and_(255))
 
 
 def _logits(hc, w, b):
@@ -611,19 +586,28 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None, run
     are autocast's: the logits in half precision, upcast to float32 for the softmax and the loss (as a
     Hugging Face model's ``logits.float()``; :func:`_chunk_grad_half`, a slice of columns at a time), the
     logits' gradient rounded back to half precision for the two gradient products (as autograd's backward
-    through that upcast); the weight's and the bias's gradients are summed over chunks in float32 (a
-    bfloat16 weight's in 24 bits: :class:`_WeightGradient`). ``run(fn, *args)`` calls the per-chunk
+    through that upcast); the bias's gradient is summed over chunks in float32, and the weight's too for a
+    float32 weight on a CPU or a single chunk (:class:`_WeightGradient`), else computed by columns in a
+    second pass (:func:`_weight_gradient_by_columns`). ``run(fn, *args)`` calls the per-chunk
     functions: eagerly, or compiled (:class:`_Compiled`: each chunk's softmax is then one slice, the whole
     vocabulary, which the compiled kernels go through without a float32 copy).
     """
     chunk, dtype = opts[3], dtype or h.dtype
     low = dtype in _HALF
-    acc = torch.float32 if low or h.dtype in _HALF else h.dtype
     w = weight.to(dtype)  # once, not per chunk (autocast caches the same copy of a leaf weight)
     b = None if bias is None else bias.to(dtype)
     dh = torch.empty_like(h) if needs[0] else None
-    by_columns = needs[1] and low and h.device.type in WEIGHT_GRADIENT_BY_COLUMNS
-    dw = _WeightGradient(weight, acc, _slice(weight.shape[1]), run) if needs[1] and not by_columns else None
+    chunks = -(-h.shape[0] // chunk)
+    by_columns = (
+        needs[1]
+        and low
+        and chunks > 1
+        and (weight.dtype in _HALF or h.device.type in WEIGHT_GRADIENT_BY_COLUMNS)
+    )
+    acc = torch.promote_types(dtype, torch.float32)  # the sums over tokens: float32, or float64's
+    dw = (
+        _WeightGradient(weight, acc, _slice(weight.shape[1]), chunks) if needs[1] and not by_columns else None
+    )
     db = torch.zeros(weight.shape[:1], dtype=acc, device=h.device) if needs[2] else None
     if by_columns:  # each token's log-sum-exp and target column's gradient, for the second pass
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
@@ -653,7 +637,7 @@ def _chunks(h, weight, bias, y, opts, scale, needs, losses=None, dtype=None, run
             else:
                 torch.matmul(z.to(h.dtype), weight, out=dh[part])
         if dw is not None:
-            dw.addmm(z, hc if low else hc.to(acc))
+            dw.addmm(z, hc)
         if db is not None:
             db.add_(sums)
         del z, sums, args  # before the next chunk's logits: one chunk at a time
@@ -677,7 +661,7 @@ def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dty
     once, as autograd's does. It costs one matmul more (the slice's logits again).
     """
     n, vocab = h.shape[0], w.shape[0]
-    columns = max(1, min(vocab, MAX_CHUNK_BYTES // (4 * n)))  # a slice's float32 numbers: a chunk's
+    columns = min(vocab, -(-opts[3] * vocab // n))  # a slice holds as many logits as a chunk of tokens
     width = columns if run is not _eager else _slice(n)
     _, target, weights = _token_weights(y, scale, opts[0])
     dw = torch.empty(w.shape, dtype=out_dtype, device=h.device)
@@ -699,7 +683,7 @@ def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dty
             torch.mm(z.t(), h, out=dw[cols])
         else:  # a float32 weight under autocast: the product in float32, not rounded to half precision
             dw[cols] = _float_mm(z.t(), h)
-        del z
+        del z, args, again  # before the next slice's logits: one slice at a time
     return dw
 
 

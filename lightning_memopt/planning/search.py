@@ -60,13 +60,13 @@ class Prices:
     sharding: float = 0.10
     """FSDP instead of DDP: parameters gathered twice and gradients reduce-scattered per step."""
     chunked_head: float = 0.0
-    """A causal LM's loss computed chunk by chunk instead of from its whole logits: on a CPU the same three
-    matmuls (logits, and the two gradient products), nothing recomputed (a Hugging Face model's loss is a
-    mean or a sum: every gradient is made in forward; ``docs/head.md``), measured step time 0.977x the own
-    head's (GPT-2 small, 2 x 1,024) and 0.69x on a small model; on CUDA in half precision one matmul more
-    (the weight's gradient by columns), the head alone 0.80x (GPT-2) to 1.35x (Llama 3 8B) the own head's
-    on an H100: about 2-6% of those models' steps (the head's share of a step's matmuls times its excess).
-    Priced free, hence tried first."""
+    """A causal LM's loss computed chunk by chunk instead of from its whole logits: on a CPU with a float32
+    weight the same three matmuls (logits, and the two gradient products), nothing recomputed (a Hugging
+    Face model's loss is a mean or a sum: every gradient is made in forward; ``docs/head.md``), measured
+    step time 0.977x the own head's (GPT-2 small, 2 x 1,024) and 0.69x on a small model; on CUDA in half
+    precision, and with a half-precision weight, one matmul more (the weight's gradient by columns), the
+    head alone 0.80x (GPT-2) to 1.35x (Llama 3 8B) the own head's on an H100: about 2-6% of those models'
+    steps (the head's share of a step's matmuls times its excess). Priced free, hence tried first."""
 
     def precision(self, current: str, precision: str) -> float:
         if precision == current:

@@ -107,6 +107,22 @@ def test_every_label_ignored_is_nan_with_zero_gradients_as_cross_entropy():
     assert torch.equal(dh, torch.zeros_like(dh)) and torch.equal(dw, torch.zeros_like(dw))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_tokens_give_cross_entropy_loss_and_zero_gradients(dtype, reduction):
+    """An empty batch of tokens (no chunk runs): the loss is ``F.cross_entropy``'s (NaN for a mean, 0 for a
+    sum, empty per token) and every gradient zero, of its input's shape and dtype."""
+    hidden = torch.randn(0, H, dtype=dtype, requires_grad=True)
+    weight = torch.randn(V, H, dtype=dtype, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long)
+    out = linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+    ref = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction=reduction)
+    assert out.shape == ref.shape and torch.equal(out.isnan(), ref.isnan())
+    dh, dw = torch.autograd.grad(out.sum(), (hidden, weight), allow_unused=True)
+    assert dh.shape == hidden.shape
+    assert dw.dtype == dtype and torch.equal(dw, torch.zeros_like(weight))
+
+
 def test_tied_weight_gets_both_gradients():
     g = torch.Generator().manual_seed(0)
     embed = torch.nn.Embedding(V, H, dtype=torch.float64)
@@ -302,21 +318,25 @@ def test_under_autocast_the_loss_is_the_float32_cross_entropy_of_half_precision_
     assert _rel(got[0], exact[0]) > 1e-4  # the gradients are half precision's, as the model's own
 
 
-@pytest.mark.parametrize("chunk_size", [7, 1])
-def test_half_precision_inputs_give_a_float32_loss(chunk_size):
-    """bf16 weights and features (``bf16-true``): the loss is float32, not rounded to bf16 (12.1875 where
-    the float32 loss is 12.1696 on the Llama-3 shape); gradients come back in bf16, the weight's summed in
-    24 bits over 6 or 40 chunks and within the plain head's rounding."""
-    hidden, weight, b, labels = _half_inputs(torch.bfloat16)
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk_size", [7, 1, 40])
+def test_half_precision_inputs_give_a_float32_loss(half, chunk_size, monkeypatch):
+    """bf16 or fp16 weights and features (``bf16-true``): the loss is float32, not rounded to the half
+    precision (12.1875 where the float32 loss is 12.1696 on the Llama-3 shape in bf16); gradients come back
+    in the half precision, within the plain head's rounding, over 6 or 40 chunks the weight's by columns in a
+    second pass (on a CPU too: the weight is half precision), in one chunk as the chunk's one product."""
+    hidden, weight, b, labels = _half_inputs(half)
+    calls = _second_passes(monkeypatch)
     out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk_size)
+    assert calls == ([hidden.shape] if chunk_size < len(labels) else [])
     ref = F.cross_entropy(F.linear(hidden, weight, b).float(), labels)
     assert out.dtype == torch.float32
     assert _rel(out, ref) <= 1e-6
-    assert float(out.detach()) != float(out.detach().to(torch.bfloat16))  # not a bf16 number
+    assert float(out.detach()) != float(out.detach().to(half))  # not a half-precision number
     dh, dw, db = _grads(out, (hidden, weight, b))
-    assert dh.dtype == dw.dtype == db.dtype == torch.bfloat16
+    assert dh.dtype == dw.dtype == db.dtype == half
     for a, w in zip((dh, dw, db), _grads(ref, (hidden, weight, b)), strict=True):
-        assert _rel(a, w) <= 4 * torch.finfo(torch.bfloat16).eps
+        assert _rel(a, w) <= 4 * torch.finfo(half).eps
 
 
 def test_compute_dtype_follows_autocast():
@@ -406,50 +426,6 @@ def test_liger_backend_errors_without_cuda_or_liger(monkeypatch):
         linear_cross_entropy(hidden, weight, labels, backend="fast")
 
 
-def test_the_24_bit_sum_rounds_to_16_significant_bits():
-    """A bfloat16 weight's gradient is summed as bfloat16 (the top two bytes of a float32) and one more byte,
-    each sum rounded to the nearest number of 16 significant bits."""
-    from lightning_memopt.head.loss import _add_split, _join
-
-    high, low = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.uint8)
-    exact = torch.tensor([1 + 2**-15, -(2**-20) * (1 + 2**-15), 3.0, 0.0])  # 16 significant bits or fewer
-    _add_split(high, low, exact)
-    assert torch.equal(_join(high, low), exact)
-    assert torch.equal(high, exact.bfloat16().where(exact.abs() != 1 + 2**-15, 1.0))  # the top bytes, cut
-    _add_split(high, low, torch.tensor([2**-16 + 2**-22, 0.0, 2**-16, -(2**-30)]))
-    # 1 + 2**-15 + 2**-16 + 2**-22: above the half unit, up; 3 + 2**-16: below half of 3's unit (2**-14)
-    want = torch.tensor([1 + 2**-14, -(2**-20) * (1 + 2**-15), 3.0, -(2**-30)])
-    assert torch.equal(_join(high, low), want)
-
-
-def test_the_24_bit_sum_of_many_chunks_is_within_its_rounding():
-    from lightning_memopt.head.loss import _add_split, _join
-
-    g = torch.Generator().manual_seed(0)
-    parts = torch.randn(64, 10_000, generator=g) * torch.rand(64, 1, generator=g) * 100
-    high, low = torch.zeros(10_000, dtype=torch.bfloat16), torch.zeros(10_000, dtype=torch.uint8)
-    running, bound = torch.zeros(10_000, dtype=torch.float64), torch.zeros(10_000, dtype=torch.float64)
-    for part in parts:
-        _add_split(high, low, part)
-        running += part.double()
-        bound += running.abs() * 2**-16  # each sum rounded by at most half a unit of 16 bits
-    error = (_join(high, low).double() - running).abs()
-    assert bool((error <= bound).all())
-    assert float(error.max()) > 0  # not a float32 sum: the dropped byte shows
-
-
-def test_a_bfloat16_head_holds_its_gradients_and_a_byte_per_weight_element(monkeypatch):
-    """bf16-true: the gradients held from forward to backward are bf16 (hidden's and the weight's), and while
-    the chunks run, one more byte per weight element (the 24-bit sum), one chunk of bf16 logits and a few
-    slices of float32 numbers (SLICE_BYTES), never a float32 chunk or a float32 weight."""
-    n, h, v, c = 256, 16, 512, 32
-    held, peak = _bf16_head_bytes(monkeypatch, n, h, v, c)
-    assert held == n * h * 2 + v * h * 2 + 4  # the bf16 gradients and the loss
-    floor = n * h * 2 + v * h * 3 + c * v * 2
-    assert floor <= peak <= floor + 6 * 4096
-    assert 6 * 4096 < c * v * 4  # a float32 chunk would not fit
-
-
 def _bf16_head_bytes(monkeypatch, n: int, h: int, v: int, c: int) -> tuple[int, int]:
     """A bf16 head of ``n`` tokens, ``h`` features, ``v`` classes in chunks of ``c`` (float32 slices of
     4,096 bytes): the bytes held above its inputs after the forward, and its peak above them."""
@@ -471,8 +447,8 @@ def _bf16_head_bytes(monkeypatch, n: int, h: int, v: int, c: int) -> tuple[int, 
 
 
 def test_compiled_chunks_equal_the_eager_ones():
-    """backend="compiled" on a CPU: torch.compile of the bf16 softmax and the 24-bit sum (one chunk: one
-    shape to compile) gives the eager chunks' loss and gradients."""
+    """backend="compiled" on a CPU: torch.compile of the bf16 softmax and the second pass's slices (one
+    chunk, one slice: one shape each to compile) gives the eager chunks' loss and gradients."""
     hidden, weight, _, labels = _half_inputs(torch.bfloat16, bias=False, n=12, h=8, v=20)
     kw = dict(chunk_size=12, label_smoothing=0.1, softcap=3.0)
     results = []
@@ -568,68 +544,97 @@ def test_on_cuda_the_compiled_chunks_match_a_float64_cross_entropy(dtype, recwar
         assert _rel(a.double(), w) <= tolerance
 
 
-def _weight_gradient_by_columns(monkeypatch, on: bool, tokens: int, columns: int) -> list:
-    """The second pass over the vocabulary on the CPU (``on``) or not, ``columns`` a slice; returns the list
-    its calls are appended to."""
+def _second_passes(monkeypatch, on: tuple[str, ...] = ()) -> list:
+    """The list the second pass over the vocabulary appends each call's features' shape to; ``on``: the device
+    types where a float32 weight's gradient is computed by columns too (the CPU: what CUDA runs)."""
     from lightning_memopt.head import loss as head_loss
 
     calls, second_pass = [], head_loss._weight_gradient_by_columns
-    monkeypatch.setattr(head_loss, "WEIGHT_GRADIENT_BY_COLUMNS", ("cpu",) if on else ())
-    monkeypatch.setattr(head_loss, "MAX_CHUNK_BYTES", 4 * tokens * columns)
+    monkeypatch.setattr(head_loss, "WEIGHT_GRADIENT_BY_COLUMNS", on)
     monkeypatch.setattr(
         head_loss, "_weight_gradient_by_columns", lambda *a: calls.append(a[0].shape) or second_pass(*a)
     )
     return calls
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, softcap=3.0, logit_scale=0.5)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_the_weight_gradient_by_columns_equals_the_chunks_sum(
-    monkeypatch, weight_dtype, options, bias, reduction
-):
-    """The weight's gradient from a second pass over slices of the vocabulary (what a GPU runs), with 7
-    columns a slice (143 slices of 1,000 classes, targets in most): the loss and the other gradients are the
-    first pass's, bit for bit; the weight's gradient is the chunks' sum to within its dtype's rounding (a
-    float32 weight under bf16 autocast: within float32's, both summing in float32)."""
-    n, v = 300, 1000
+def test_the_weight_gradient_by_columns_equals_the_chunks_sum(monkeypatch, options, bias, reduction):
+    """A float32 weight under bf16 autocast (``bf16-mixed``), its gradient from a second pass over slices of
+    the vocabulary (what a GPU runs; 300 tokens in chunks of 7: slices of 24 columns, 42 slices of 1,000
+    classes, targets in most) and summed over the chunks (a CPU's): the loss and the other gradients are
+    bit for bit the same, the weight's within float32's rounding (both sum in float32)."""
+    n, v, chunk = 300, 1000, 7
     g = torch.Generator().manual_seed(0)
-    half = torch.bfloat16 if weight_dtype == torch.float32 else weight_dtype
-    hidden = torch.randn(n, 16, generator=g).to(half).requires_grad_()
-    weight = (torch.randn(v, 16, generator=g) / 4).to(weight_dtype).requires_grad_()
-    b = torch.randn(v, generator=g).to(weight_dtype).requires_grad_() if bias else None
+    hidden = torch.randn(n, 16, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(v, 16, generator=g) / 4).requires_grad_()
+    b = torch.randn(v, generator=g).requires_grad_() if bias else None
     labels = torch.randint(0, v, (n,), generator=g)
     labels[::7] = -100
     results = {}
-    for on in (False, True):
-        calls = _weight_gradient_by_columns(monkeypatch, on, n, 7)
-        with torch.autocast("cpu", torch.bfloat16, enabled=weight_dtype == torch.float32):
+    for on in ((), ("cpu",)):
+        calls = _second_passes(monkeypatch, on)
+        with torch.autocast("cpu", torch.bfloat16):
             loss = linear_cross_entropy(
-                hidden, weight, labels, bias=b, chunk_size=64, reduction=reduction, **options
+                hidden, weight, labels, bias=b, chunk_size=chunk, reduction=reduction, **options
             )
         results[on] = (loss, *_grads(loss, (hidden, weight, b)))
-        assert len(calls) == on
-    chunks, columns = results[False], results[True]
+        assert calls == ([hidden.shape] if on else [])
+    chunks, columns = results[()], results[("cpu",)]
     for i, (a, w) in enumerate(zip(columns, chunks, strict=True)):
         assert a.dtype == w.dtype
         if i != 2:  # all but the weight's
             assert torch.equal(a, w)
-    # (a half-precision weight's: both are as far from a float64 cross-entropy's, 2e-3 with the options)
-    tolerance = 1e-5 if weight_dtype == torch.float32 else 2**-7
-    assert _rel(columns[2].float(), chunks[2].float()) <= tolerance
+    assert _rel(columns[2], chunks[2]) <= 1e-5
 
 
-def test_the_weight_gradient_by_columns_holds_no_weight_sized_sum(monkeypatch):
-    """bf16-true with the second pass: held from forward to backward, the bf16 gradients alone; while the
-    head runs, one chunk's (or one slice's) bf16 logits, a few float32 slices and a few numbers a token
-    above them: less than the 24-bit sum's extra byte per weight element."""
-    n, h, v, c = 256, 256, 512, 32
-    calls = _weight_gradient_by_columns(monkeypatch, True, n, 64)
+def test_a_bfloat16_head_holds_its_gradients_and_one_chunk_of_logits(monkeypatch):
+    """bf16-true: held from forward to backward, the bf16 gradients alone (hidden's and the weight's); while
+    the head runs, one chunk's bf16 logits (or one slice of the vocabulary's, as many numbers), a few slices
+    of float32 numbers (SLICE_BYTES) and a few numbers a token above them: never a float32 chunk, nor a
+    weight-sized sum."""
+    n, h, v, c = 256, 256, 1024, 32
+    calls = _second_passes(monkeypatch)
     held, peak = _bf16_head_bytes(monkeypatch, n, h, v, c)
     grads = n * h * 2 + v * h * 2
     assert held == grads + 4  # the bf16 gradients and the loss
-    logits = max(c * v * 2, n * 64 * 2)  # a chunk's, a slice's
+    logits = c * v * 2  # a chunk's, and a slice's: 128 columns of 256 tokens
     assert grads + logits <= peak <= grads + logits + 96 * n + 6 * 4096
-    assert grads + logits + 96 * n + 6 * 4096 < grads + v * h + c * v * 2  # the 24-bit sum's floor
+    assert 96 * n + 6 * 4096 < min(c * v * 2, v * h)  # less than a float32 chunk's extra, or a sum's
     assert calls == [(n, h)]
+
+
+def test_one_chunk_under_bf16_autocast_writes_the_weight_gradient_as_autograd_rounds_it(monkeypatch):
+    """``bf16-mixed`` with one chunk (a float32 weight, bf16 matmuls): no second pass; the weight's gradient
+    is the chunk's bf16 product, as autograd's (within a bf16 rounding of the plain head's), written into the
+    float32 gradient a slice of rows at a time: the peak holds the float32 gradients, the bf16 weight and one
+    chunk of bf16 logits, never a bf16 product of the weight's size beside its float32 gradient."""
+    from lightning_memopt.head import loss as head_loss
+
+    monkeypatch.setattr(head_loss, "SLICE_BYTES", 4096)  # rows of the weight a slice: 4,096 / (4 * 64) = 16
+    n, h, v = 64, 64, 2048
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / 8).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    calls = _second_passes(monkeypatch)
+    with MemoryTracker() as tracker:
+        (hidden.sum(), weight.sum(), labels.sum())
+        before = tracker.current
+        tracker.reset_peak()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = linear_cross_entropy(hidden, weight, labels, chunk_size=n)
+        peak = tracker.peak - before
+    assert calls == []
+    # the float32 gradients, the bf16 weight, the logits
+    floor = n * h * 4 + v * h * 4 + v * h * 2 + n * v * 2
+    assert floor <= peak <= floor + 96 * n + 6 * 4096
+    assert 96 * n + 6 * 4096 < v * h * 2
+    dh, dw = _grads(loss, (hidden, weight))
+    with torch.autocast("cpu", torch.bfloat16):
+        ref = F.cross_entropy(F.linear(hidden, weight).float(), labels)
+    want = _grads(ref, (hidden, weight))
+    assert dw.dtype == torch.float32
+    assert _rel(dh, want[0]) <= 4 * torch.finfo(torch.bfloat16).eps
+    assert _rel(dw, want[1]) <= 4 * torch.finfo(torch.bfloat16).eps
