@@ -201,6 +201,35 @@ def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name, weight_gra
         assert len(second_passes) >= STEPS  # every step's head (and the first batch's check)
 
 
+@pytest.mark.parametrize("name", ["gemma2_softcap", "llama", "qwen2_tied"])
+def test_taken_under_bf16_true_with_the_weight_gradient_by_columns(name, monkeypatch):
+    """``bf16-true`` (bf16 parameters) on a CPU: the chunked head is taken (no note), computes the weight's
+    gradient by columns every step (a half-precision weight; a tied one gets the embedding's gradient added),
+    and its first loss is the model's own bf16 logits' float32 cross-entropy to 1e-5; the later steps' losses
+    follow the own head's run to bf16's rounding."""
+    from lightning_memopt.head import loss as head_loss
+
+    second_passes, second_pass = [], head_loss._weight_gradient_by_columns
+    monkeypatch.setattr(
+        head_loss, "_weight_gradient_by_columns", lambda *a: second_passes.append(1) or second_pass(*a)
+    )
+    build = BF16_TAKEN[name]
+    reference = LM(build, dtype=torch.bfloat16)
+    _fit(reference, [AutoCheckpoint(head="keep")], dtype=torch.bfloat16, precision="bf16-true")
+    assert second_passes == []
+    module = LM(build, dtype=torch.bfloat16)
+    notes = _fit(module, [AutoCheckpoint()], dtype=torch.bfloat16, precision="bf16-true")
+    assert notes == []
+    assert reference.logits_seen == [True] * STEPS and module.logits_seen == [False] * STEPS
+    assert len(second_passes) >= STEPS  # every step's head (and the first batch's check)
+    assert all(loss.dtype == torch.float32 for loss in module.losses)
+    got, want = float(module.losses[0]), float(reference.losses[0])
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    for got, want in zip(module.losses[1:], reference.losses[1:], strict=True):
+        assert abs(float(got) - float(want)) <= 1e-2 * abs(float(want))
+    _assert_nothing_left(module)
+
+
 @pytest.mark.parametrize(
     ("name", "flat", "fit"),
     [(name, True, 5) for name in sorted(BF16_TAKEN)] + [("llama", False, 5), ("llama", True, 2)],
