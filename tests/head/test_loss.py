@@ -447,10 +447,11 @@ def _bf16_head_bytes(monkeypatch, n: int, h: int, v: int, c: int) -> tuple[int, 
 
 
 def test_compiled_chunks_equal_the_eager_ones():
-    """backend="compiled" on a CPU: torch.compile of the bf16 softmax and the second pass's slices (one
-    chunk, one slice: one shape each to compile) gives the eager chunks' loss and gradients."""
+    """backend="compiled" on a CPU: torch.compile of the bf16 softmax of two chunks of 6 tokens and of the
+    second pass's two slices of 10 columns (one shape each to compile) gives the eager chunks' loss and
+    gradients."""
     hidden, weight, _, labels = _half_inputs(torch.bfloat16, bias=False, n=12, h=8, v=20)
-    kw = dict(chunk_size=12, label_smoothing=0.1, softcap=3.0)
+    kw = dict(chunk_size=6, label_smoothing=0.1, softcap=3.0)
     results = []
     for backend in ("eager", "compiled"):
         loss = linear_cross_entropy(hidden, weight, labels, backend=backend, **kw)
