@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_memopt.head import default_chunk_size, linear_cross_entropy
 from lightning_memopt.head.loss import compute_dtype
 from lightning_memopt.memory import MemoryTracker
+from tests.head.helpers import second_passes
 
 V, H = 11, 8
 
@@ -326,7 +327,7 @@ def test_half_precision_inputs_give_a_float32_loss(half, chunk_size, monkeypatch
     in the half precision, within the plain head's rounding, over 6 or 40 chunks the weight's by columns in a
     second pass (on a CPU too: the weight is half precision), in one chunk as the chunk's one product."""
     hidden, weight, b, labels = _half_inputs(half)
-    calls = _second_passes(monkeypatch)
+    calls = second_passes(monkeypatch)
     out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk_size)
     assert calls == ([hidden.shape] if chunk_size < len(labels) else [])
     ref = F.cross_entropy(F.linear(hidden, weight, b).float(), labels)
@@ -545,19 +546,6 @@ def test_on_cuda_the_compiled_chunks_match_a_float64_cross_entropy(dtype, recwar
         assert _rel(a.double(), w) <= tolerance
 
 
-def _second_passes(monkeypatch, on: tuple[str, ...] = ()) -> list:
-    """The list the second pass over the vocabulary appends each call's features' shape to; ``on``: the device
-    types where a float32 weight's gradient is computed by columns too (the CPU: what CUDA runs)."""
-    from lightning_memopt.head import loss as head_loss
-
-    calls, second_pass = [], head_loss._weight_gradient_by_columns
-    monkeypatch.setattr(head_loss, "WEIGHT_GRADIENT_BY_COLUMNS", on)
-    monkeypatch.setattr(
-        head_loss, "_weight_gradient_by_columns", lambda *a: calls.append(a[0].shape) or second_pass(*a)
-    )
-    return calls
-
-
 @pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, softcap=3.0, logit_scale=0.5)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -575,7 +563,7 @@ def test_the_weight_gradient_by_columns_equals_the_chunks_sum(monkeypatch, optio
     labels[::7] = -100
     results = {}
     for on in ((), ("cpu",)):
-        calls = _second_passes(monkeypatch, on)
+        calls = second_passes(monkeypatch, on)
         with torch.autocast("cpu", torch.bfloat16):
             loss = linear_cross_entropy(
                 hidden, weight, labels, bias=b, chunk_size=chunk, reduction=reduction, **options
@@ -596,7 +584,7 @@ def test_a_bfloat16_head_holds_its_gradients_and_one_chunk_of_logits(monkeypatch
     of float32 numbers (SLICE_BYTES) and a few numbers a token above them: never a float32 chunk, nor a
     weight-sized sum."""
     n, h, v, c = 256, 256, 1024, 32
-    calls = _second_passes(monkeypatch)
+    calls = second_passes(monkeypatch)
     held, peak = _bf16_head_bytes(monkeypatch, n, h, v, c)
     grads = n * h * 2 + v * h * 2
     assert held == grads + 4  # the bf16 gradients and the loss
@@ -619,7 +607,7 @@ def test_one_chunk_under_bf16_autocast_writes_the_weight_gradient_as_autograd_ro
     hidden = torch.randn(n, h, generator=g).requires_grad_()
     weight = (torch.randn(v, h, generator=g) / 8).requires_grad_()
     labels = torch.randint(0, v, (n,), generator=g)
-    calls = _second_passes(monkeypatch)
+    calls = second_passes(monkeypatch)
     with MemoryTracker() as tracker:
         (hidden.sum(), weight.sum(), labels.sum())
         before = tracker.current

@@ -15,6 +15,7 @@ from lightning_memopt import AutoAccumulation, AutoCheckpoint, SplitNotExactWarn
 from lightning_memopt.head.causal_lm import take_over_heads
 from lightning_memopt.memory import MemoryTracker
 from tests.batching.helpers import quiet_trainer
+from tests.head.helpers import second_passes
 from tests.zoo import models as zoo
 from tests.zoo.models import SEQ, VOCAB, ZooModule, transformers
 
@@ -173,14 +174,7 @@ def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name, weight_gra
     float32 cross-entropy) to 1e-5, and later steps follow it (bf16 gradients, rounded apart). With the
     weight's gradient summed over chunks (a CPU's way) and by columns (CUDA's, switched on here: the
     first-batch check and every step go through it)."""
-    from lightning_memopt.head import loss as head_loss
-
-    second_passes, second_pass = [], head_loss._weight_gradient_by_columns
-    if weight_gradient == "by_columns":
-        monkeypatch.setattr(head_loss, "WEIGHT_GRADIENT_BY_COLUMNS", ("cpu",))
-        monkeypatch.setattr(
-            head_loss, "_weight_gradient_by_columns", lambda *a: second_passes.append(1) or second_pass(*a)
-        )
+    calls = second_passes(monkeypatch, ("cpu",) if weight_gradient == "by_columns" else ())
     build = BF16_TAKEN[name]
     reference = LM(build, dtype=torch.float32)
     start = {k: v.detach().clone() for k, v in reference.named_parameters()}
@@ -198,7 +192,9 @@ def test_taken_under_bf16_mixed_with_the_model_own_float32_loss(name, weight_gra
     assert float((diff / update).sqrt().detach()) <= 2e-2  # bf16's rounding of the gradients, 3 steps
     _assert_nothing_left(module)
     if weight_gradient == "by_columns":
-        assert len(second_passes) >= STEPS  # every step's head (and the first batch's check)
+        assert len(calls) >= STEPS  # every step's head (and the first batch's check)
+    else:
+        assert calls == []  # a float32 weight on a CPU: summed over the chunks
 
 
 @pytest.mark.parametrize("name", ["gemma2_softcap", "llama", "qwen2_tied"])
@@ -207,21 +203,16 @@ def test_taken_under_bf16_true_with_the_weight_gradient_by_columns(name, monkeyp
     gradient by columns every step (a half-precision weight; a tied one gets the embedding's gradient added),
     and its first loss is the model's own bf16 logits' float32 cross-entropy to 1e-5; the later steps' losses
     follow the own head's run to bf16's rounding."""
-    from lightning_memopt.head import loss as head_loss
-
-    second_passes, second_pass = [], head_loss._weight_gradient_by_columns
-    monkeypatch.setattr(
-        head_loss, "_weight_gradient_by_columns", lambda *a: second_passes.append(1) or second_pass(*a)
-    )
+    calls = second_passes(monkeypatch)
     build = BF16_TAKEN[name]
     reference = LM(build, dtype=torch.bfloat16)
     _fit(reference, [AutoCheckpoint(head="keep")], dtype=torch.bfloat16, precision="bf16-true")
-    assert second_passes == []
+    assert calls == []
     module = LM(build, dtype=torch.bfloat16)
     notes = _fit(module, [AutoCheckpoint()], dtype=torch.bfloat16, precision="bf16-true")
     assert notes == []
     assert reference.logits_seen == [True] * STEPS and module.logits_seen == [False] * STEPS
-    assert len(second_passes) >= STEPS  # every step's head (and the first batch's check)
+    assert len(calls) >= STEPS  # every step's head (and the first batch's check)
     assert all(loss.dtype == torch.float32 for loss in module.losses)
     got, want = float(module.losses[0]), float(reference.losses[0])
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
