@@ -9,14 +9,15 @@ treatment's price is the median, over rounds, of its pass's seconds minus ``keep
 (paired: what slows a whole round down cancels). The clock is the device's (:func:`~lightning_memopt.data.clock.step_clock`:
 CUDA events on CUDA, ``perf_counter`` elsewhere); tests pass a fake one.
 
-Cost, paid once per profile (the first batch, and a batch of a new shape under a limit): 3 to 5 passes
+Cost, paid once per profile (the first batch, and a batch of a new shape under a limit): 2 to 5 passes
 (forward and backward) of the block per treatment, for each *distinct* block (blocks with the same class,
-configuration and input shapes are profiled and timed once). Rounds stop after 3 where every treatment's
-median extra is confirmed: another round's extra lies within a tenth of keep's pass of it (for an even
-count of rounds, the two middle ones within that of each other), so one round that a busy moment of a
-shared machine slowed does not call for more; else they go on to 5. With the four treatments ``AutoCheckpoint`` weighs
-on CPU (keep, selective, full, pointwise; five with offload on CUDA): 12 to 20 (15 to 25) block passes,
-one to two training steps of a 12-block model whose blocks are all alike.
+configuration and input shapes are profiled and timed once). Rounds stop from the second on where every
+treatment's median extra is confirmed: another round's extra lies within a tenth of keep's pass of it (for
+an even count of rounds, the two middle ones within that of each other: two rounds that agree), so one
+round that a busy moment of a shared machine slowed does not call for more than the third; else they go
+on to 5. With the four treatments ``AutoCheckpoint`` weighs on CPU (keep, selective, full, pointwise;
+five with offload on CUDA): 8 to 20 (10 to 25) block passes, one to two training steps of a 12-block
+model whose blocks are all alike.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = ["TIMING_REPEATS", "Timing", "time_treatments"]
 TIMING_REPEATS = 5
 """Timed passes per treatment and distinct block at most (each after the profile's untimed pass, its
 warm-up)."""
-_LEAST = 3  # rounds at least
+_LEAST = 2  # rounds at least
 _STEADY = 0.1  # of keep's median pass: how close another round must be to a treatment's median to stop
 
 
@@ -58,7 +59,7 @@ def time_treatments(
     repeats: int = TIMING_REPEATS,
 ) -> dict[str, Timing]:
     """Each treatment's :class:`Timing` over up to ``repeats`` rounds, every round timing one pass of each;
-    from the third on, the rounds stop where every treatment's median extra over keep is confirmed by
+    from the second on, the rounds stop where every treatment's median extra over keep is confirmed by
     another round within a tenth of keep's median pass (the module docstring).
 
     Args:

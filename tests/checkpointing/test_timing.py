@@ -35,15 +35,16 @@ def test_time_treatments_alternates_and_pairs_each_round_with_keep():
         return lambda: clock.advance(durations[choice] + busy)
 
     timings = time_treatments(prepare, ["keep", "full"], clock, repeats=3)
-    assert order == ["keep", "full"] * 3  # round-robin, never one treatment's repeats in a row
-    assert timings["full"] == Timing(median=2.0, extra=1.0, low=1.0, high=1.0)  # the busy round cancels
-    assert timings["keep"] == Timing(median=1.0, extra=0.0, low=0.0, high=0.0)
-    assert clock.settles == 6
+    # round-robin, never one treatment's repeats in a row; two rounds whose extras agree end it
+    assert order == ["keep", "full"] * 2
+    assert timings["full"] == Timing(median=7.0, extra=1.0, low=1.0, high=1.0)  # the busy round cancels
+    assert timings["keep"] == Timing(median=6.0, extra=0.0, low=0.0, high=0.0)
+    assert clock.settles == 4
     with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
         time_treatments(prepare, ["keep"], clock, repeats=0)
 
 
-def test_rounds_stop_at_three_where_each_median_is_confirmed_and_go_on_to_five_where_not():
+def test_rounds_stop_where_each_median_is_confirmed_from_the_second_on_and_go_on_to_five_where_not():
     clock = FakeClock()
 
     def timed(extras):  # full's extra over keep's 10 s pass, round by round
@@ -56,13 +57,18 @@ def test_rounds_stop_at_three_where_each_median_is_confirmed_and_go_on_to_five_w
 
         return time_treatments(prepare, ["keep", "full"], clock), len(order) // 2
 
-    # A tenth of keep's pass is 1 s. One round slowed by a busy moment (5 s) does not call for more: two of
-    # three agree, and the median is one of them.
+    # A tenth of keep's pass is 1 s. Two rounds within it of each other confirm the median: two rounds.
+    assert timed([1.0, 1.5]) == (
+        {"keep": Timing(10.0, 0.0, 0.0, 0.0), "full": Timing(11.25, 1.25, 1.0, 1.5)},
+        2,
+    )
+    # One round slowed by a busy moment (5 s) calls for a third, no more: two of three agree, and the
+    # median is one of them.
     assert timed([1.0, 5.0, 1.0]) == (
         {"keep": Timing(10.0, 0.0, 0.0, 0.0), "full": Timing(11.0, 1.0, 1.0, 5.0)},
         3,
     )
-    assert timed([1.0, 2.0, 3.5])[1] == 3  # the median, 2 s, has a round 1 s from it
+    assert timed([1.0, 2.5, 2.0])[1] == 3  # the median, 2 s, has a round 0.5 s from it
     # No two rounds within 1 s of the median (of three; of four, the two middle ones): on to five
     timings, rounds = timed([1.0, 2.01, 3.02, 4.03, 5.04])
     assert rounds == TIMING_REPEATS == 5 and timings["full"].extra == pytest.approx(3.02)
@@ -74,8 +80,8 @@ def test_profile_times_each_treatment_with_a_bounded_number_of_passes():
     choices = ["keep", "selective", "full", "pointwise"]
     clock = WorkClock()
     profiles = profile_blocks(model, find_blocks(model), idx, choices=choices, clock=clock)
-    # Three alike blocks are profiled, and timed, once: 3 passes per treatment, work being steady.
-    assert clock.passes == 3 * len(choices) == 12
+    # Three alike blocks are profiled, and timed, once: 2 passes per treatment, work being steady.
+    assert clock.passes == 2 * len(choices) == 8
     again = profile_blocks(model, find_blocks(model), idx, choices=choices, clock=WorkClock())
     assert [p.options for p in again] == [p.options for p in profiles]  # work, not time: deterministic
     options = profiles[0].options
