@@ -174,7 +174,7 @@ class ShapeModel:
         model = cls(usable=usable, limit=limits["limit"], workspace=intercept - held, held=held)
         room = usable - held - model.workspace
         cost = max(p2 - held - model.workspace, 1.0) / s2  # what the largest fitting probe measured
-        if not whole:  # the search ruled out size + 1: predict size, not more
+        if not whole:  # size + 1 is unverified (ruled out, or of no use to an even split): predict size
             cost = max(cost, room / (size + 1) * (1 + 1e-9))
         model.add(width, cost)
         return model

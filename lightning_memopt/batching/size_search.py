@@ -136,12 +136,14 @@ def find_micro_batch_size(
     max_probes: int = 6,
     start: int | None = None,
     fixed: float | None = None,
+    split: bool = False,
 ) -> SizingResult:
     """Find the largest micro-batch size whose peak memory fits ``capacity * (1 - headroom)``.
 
     Probe, fit, predict, verify (the module docstring says why): each probe's size is the one the
-    probes so far predict to be the largest that fits. Sizes are any integers in ``[min_size, max_size]``;
-    no size is probed twice, and the returned size is the largest one that was probed and fitted.
+    probes so far predict to be the largest that fits. Sizes are any integers in ``[min_size, max_size]``
+    (``split``: only the sizes of an even split of ``max_size``); no size is probed twice, and the
+    returned size is the largest one that was probed and fitted.
 
     Args:
         probe: ``probe(size)`` runs one training micro-step on ``size`` samples and returns its peak
@@ -160,6 +162,11 @@ def find_micro_batch_size(
             has fitted, the next probe is where the line through ``(0, fixed)`` and that size's peak
             crosses the usable bytes; without it, peaks are taken as proportional to the size (and the
             next probe at least doubles it). Default None.
+        split: Probe only the sizes at which a batch of ``max_size`` samples split evenly runs in fewer
+            micro-batches than at any smaller size: ``ceil(max_size / n)`` for ``n`` micro-batches (48: 48,
+            24, 16, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1). Where 38 samples fit a batch of 48, it runs as 2 of
+            24 all the same: the search probes 24 and stops, where it would go on to 38 and 39. Default
+            False.
 
     Returns:
         A :class:`SizingResult`; ``result.size`` was probed and its peak fitted the usable bytes.
@@ -182,11 +189,11 @@ def find_micro_batch_size(
     capacity, headroom, start = _check_search(max_size, min_size, max_probes, capacity, headroom, start)
     usable = usable_bytes(capacity, headroom, None, name="capacity")  # the package's one rule
     peaks: dict[int, int | None] = {}  # by size, in probe order
-    size: int | None = start
+    size: int | None = max(_even(start, max_size), min_size) if split else start
     while size is not None and len(peaks) < max_probes:
         peaks[size] = _run(probe, size)
         if any(p is not None and p <= usable for p in peaks.values()):
-            size = _next_size(peaks, usable, max_size, fixed)
+            size = _next_size(peaks, usable, max_size, fixed, split)
         elif min_size not in peaks:
             size = min_size  # the first probe was too large: start again from the bottom
         else:
@@ -238,9 +245,29 @@ def _run(probe: Callable[[int], int | None], size: int) -> int | None:
     return peak
 
 
-def _next_size(peaks: dict[int, int | None], usable: int, max_size: int, fixed: float | None) -> int | None:
+def _even(size: int, whole: int) -> int:
+    """The micro-batch an even split of ``whole`` samples runs at ``size`` samples at most: 12 for 15 of 48
+    (4 micro-batches)."""
+    count = -(-whole // size)
+    return -(-whole // count)
+
+
+def _below(line: MemoryModel | None, points: list[int], size: int, usable: int) -> bool:
+    """Whether the line through the two largest sizes that fitted (``points``, in order; None: no line)
+    leaves ``size`` within the usable bytes, allowing for each peak's rounding as the line carries it past
+    its two points: an even split's size may lie a sample past the crossing that :data:`_ROUNDING` alone
+    allows (2,545 of 2,545 where the line's points are 849 and 1,273)."""
+    if line is None:
+        return True
+    s1, s2 = points[-2:]
+    return line.predict(size) <= usable + _ROUNDING * (1 + 2 * max(size - s2, 0) / (s2 - s1))
+
+
+def _next_size(
+    peaks: dict[int, int | None], usable: int, max_size: int, fixed: float | None, split: bool = False
+) -> int | None:
     """The size the probes so far predict to be the largest that fits; None when none is left to try
-    (``fixed``: :func:`find_micro_batch_size`'s)."""
+    (``fixed`` and ``split``: :func:`find_micro_batch_size`'s)."""
     fits = sorted(s for s, p in peaks.items() if p is not None and p <= usable)
     lo = fits[-1]  # the largest size known to fit
     hi = min((s for s in peaks if s not in fits), default=max_size + 1)  # the smallest known not to
@@ -249,8 +276,14 @@ def _next_size(peaks: dict[int, int | None], usable: int, max_size: int, fixed: 
     line = MemoryModel.through_largest(peaks.items(), usable)
     if line is not None:  # nothing past the line's crossing fits (with slack for the rounding of peaks)
         upper = min(upper, line.largest_fitting(usable + _ROUNDING))
+    reach: list[int] = []
+    if split:
+        reach = [n for n in range(lo + 1, hi) if _even(n, max_size) == n and _below(line, fits, n, usable)]
+        if not reach:
+            return None
     if upper <= lo:
-        return None
+        return reach[0] if reach else None
+    borrowed = False  # the guess rests on bytes another search measured (``fixed``)
     if hi <= max_size and peaks[hi] is not None:  # a peak over the usable: the chord's crossing fits
         guess = MemoryModel.through(points[lo], points[hi]).largest_fitting(usable)
     else:
@@ -262,14 +295,26 @@ def _next_size(peaks: dict[int, int | None], usable: int, max_size: int, fixed: 
             guess = upper
         elif fixed is not None and 0 <= fixed < peak:
             guess = MemoryModel.through((0, round(fixed)), (lo, peak)).largest_fitting(usable)
+            borrowed = True
         else:
             guess = max(lo * usable // peak, 2 * lo)
         if len(fits) >= 3:
             parabola = MemoryModel.through3(*(points[s] for s in fits[-3:]))
             if parabola.curvature > 0:
-                guess = parabola.largest_fitting(usable)
+                guess, borrowed = parabola.largest_fitting(usable), False
         if hi <= max_size and guess >= hi - 1:  # it ran out of memory where the model says it fits
-            guess = (lo + hi) // 2
+            guess, borrowed = (lo + hi) // 2, False
         elif hi > max_size and _JUMP * lo < guess < math.inf and (fixed is None or line is not None):
-            guess = max(math.isqrt(lo * guess), guess // _STONE)  # a stepping stone
-    return int(min(max(guess, lo + 1), upper))
+            stone = max(math.isqrt(lo * guess), guess // _STONE)  # a stepping stone
+            if split:  # the even split's next size at or past it (the stone is a step, not a bound)
+                return next((n for n in reach if n >= stone), reach[-1])
+            guess = stone
+    size = int(min(max(guess, lo + 1), upper))
+    if not split:
+        return size
+    # The largest of the even split's sizes that the guess reaches (a sample past it where the guess rests
+    # on another search's bytes: 47.9 from the fixed bytes of the model's own head, where 48 fits
+    # recomputed), else the smallest (a guess between two of them is no reason to stop short of one that
+    # the bounds allow).
+    below = [n for n in reach if n <= size + borrowed]
+    return below[-1] if below else reach[0]

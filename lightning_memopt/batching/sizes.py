@@ -325,8 +325,9 @@ class MicroBatchSizes:
         found: dict[str, tuple[int | None, list[tuple[int, int | None]]]] = {}
         counting: list[str] = []  # the ways that run the step in fewer micro-batches than those before
         # Each later way starts where the one before ended, its next probe predicted from the bytes that
-        # the one before measured not to grow with the size (parameters, gradients, optimizer state, the
-        # batch): they are the same whatever the blocks keep, which saves a probe a way.
+        # the ways before measured not to grow with the size (parameters, gradients, optimizer state, the
+        # batch; the last way's line that had two sizes fit): they are the same whatever the blocks keep,
+        # which saves a probe a way.
         start, fixed, flat = None, None, None
         for way in ways:
             size, way_probes = found[way] = largest(way, start, fixed)
@@ -336,7 +337,7 @@ class MicroBatchSizes:
                 counting.append(way)
             start = size
             line = MemoryModel.through_largest(way_probes, usable_bytes(limit, self.headroom, None))
-            fixed = line.fixed if line is not None else None
+            fixed = line.fixed if line is not None else fixed
             if size == whole:  # no way runs fewer than one micro-batch
                 break
             if counting == [way] and (flat := self._flat(probes, size, whole)) is not None:
@@ -480,6 +481,7 @@ class MicroBatchSizes:
                 # evaluation keeps no activations: the whole batch first; training from start (None: 1)
                 start=whole if evaluation else start,
                 fixed=fixed,
+                split=True,  # only the sizes that run the batch in fewer micro-batches
             )
         except NoSizeFits as error:
             advice = f"{BATCHNORM_ADVICE}\n" if floor > 1 else ""

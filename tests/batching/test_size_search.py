@@ -370,3 +370,73 @@ def test_fixed_bytes_from_an_earlier_search_predict_the_second_probe():
         find_micro_batch_size(peak, **search, fixed=1500).probes
         == find_micro_batch_size(peak, **search).probes
     )
+
+
+def _even(size: int, whole: int) -> int:
+    """The largest micro-batch of ``whole`` samples split evenly at ``size`` samples at most."""
+    count = -(-whole // size)
+    return -(-whole // count)
+
+
+def test_split_probes_only_the_sizes_that_run_the_batch_in_fewer_micro_batches():
+    """39 samples fit, but a batch of 48 runs as 2 micro-batches of 24 at any size from 24 to 47: the
+    search probes 24 (from 12 and the fixed bytes' line, which predicts 39) and stops, where it would go
+    on to 39; a start between two such sizes is taken down to the lower (13: 4 micro-batches of 12)."""
+    peak = lambda size: 1000 + 10 * size  # noqa: E731
+    search = dict(max_size=48, capacity=1390, headroom=0.0, fixed=1000)
+    assert find_micro_batch_size(peak, **search, start=12).probes == [(12, 1120), (39, 1390)]
+    for start in (12, 13):
+        result = find_micro_batch_size(peak, **search, start=start, split=True)
+        assert result.probes == [(12, 1120), (24, 1240)] and result.size == 24
+
+
+def test_split_takes_a_size_one_sample_past_a_guess_from_another_search_s_fixed_bytes():
+    """48 samples fit 1,480 bytes exactly. From 12 and fixed bytes a byte low (999, as another way's line
+    may measure them), the line crosses the usable bytes at 47.7: the search takes 48, a sample past it,
+    and not 24, the size below it; from fixed bytes 11 low (45.2), 24."""
+    peak = lambda size: 1000 + 10 * size  # noqa: E731
+    search = dict(max_size=48, capacity=1480, headroom=0.0, start=12, split=True)
+    assert find_micro_batch_size(peak, **search, fixed=999).probes == [(12, 1120), (48, 1480)]
+    assert find_micro_batch_size(peak, **search, fixed=989).probes[:2] == [(12, 1120), (24, 1240)]
+
+
+def test_split_reaches_a_size_one_sample_past_a_rounded_line():
+    """Peaks rounded to whole bytes: the line through 849 and 1,273 crosses the usable bytes at 2,544
+    (3 bytes over at 2,545, beyond the 2 bytes of :data:`_ROUNDING`); 2,545, the whole batch, fits. With
+    ``split`` the next lower size is half of it (1,273): the rounding carried along the line allows the one
+    size that runs the batch whole."""
+    peak = lambda size: int(931_042.91 + 2_684.92 * size)  # noqa: E731
+    search = dict(max_size=2545, capacity=peak(2545), headroom=0.0, start=849)
+    line = MemoryModel.through((849, peak(849)), (1273, peak(1273)))
+    assert line.largest_fitting(peak(2545) + 2) == 2544
+    result = find_micro_batch_size(peak, **search, split=True)
+    assert result.probes == [(849, 3_210_539), (1273, 4_348_946), (2545, 7_764_164)] and result.size == 2545
+
+
+def test_split_random_curve_family_reaches_the_even_split_of_the_true_maximum():
+    # The 1,500 curves of test_random_curve_family_within_3_percent_in_6_probes, searched with split: every
+    # probe a size ceil(max_size / n), none twice, at most 6; every affine, convex and strongly convex
+    # curve ends at the even split of its true maximum (the micro-batch that runs it), 12 kinked and 14
+    # kinked convex curves below it; 6,699 probes in all, where the search over every size takes 7,316.
+    misses: dict[str, int] = {}
+    total_probes = 0
+    for curve in random_curves(1500, seed=0):
+        calls = []
+
+        def probe(size, curve=curve, calls=calls):
+            calls.append(size)
+            return curve.probe(size)
+
+        result = find_micro_batch_size(
+            probe, max_size=curve.max_size, capacity=curve.capacity, headroom=curve.headroom, split=True
+        )
+        assert len(calls) <= 6 and len(set(calls)) == len(calls)
+        assert all(_even(s, curve.max_size) == s for s in calls)
+        assert (result.size, curve.peak(result.size)) in result.probes
+        assert curve.peak(result.size) <= result.usable
+        target = _even(curve.true, curve.max_size)
+        assert result.size <= target
+        misses[curve.kind] = misses.get(curve.kind, 0) + (result.size < target)
+        total_probes += len(calls)
+    assert misses == {"affine": 0, "convex": 0, "strongly convex": 0, "kinked": 12, "kinked convex": 14}
+    assert total_probes == 6699

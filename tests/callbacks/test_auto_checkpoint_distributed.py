@@ -57,9 +57,9 @@ def test_two_process_training_matches_plain(results, kind):
             decided = result["decided"]
             assert decided == torch.load(tmp_path / "ddp_params0.pt")["decided"]
             assert set(decided["choices"].values()) != {"keep"} and decided["seen"] == decided["choices"]
-            # 9 fit recomputed: a batch of 16 runs as 2 micro-batches of 8, timed in its trial step, priced at
-            # rank 1's 100 + 8 x 1.3 s (the longest over ranks)
-            assert decided["size"] == 9 and decided["seconds"] == pytest.approx(2 * (100 + 8 * 1.3))
+            # 9 fit recomputed: a batch of 16 runs as 2 micro-batches of 8, the size the search stops at,
+            # timed in its trial step, priced at rank 1's 100 + 8 x 1.3 s (the longest over ranks)
+            assert decided["size"] == 8 and decided["seconds"] == pytest.approx(2 * (100 + 8 * 1.3))
             # rank-dependent probe timings: rank 0's alone would rule recompute out; agreed, neither rank
             # does, and both search it (its probes, the same on both), try it and decide alike
             probed = result["probe_decided"]
