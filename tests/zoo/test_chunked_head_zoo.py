@@ -268,10 +268,11 @@ def test_bf16_lms_whose_micro_steps_cost_their_samples_keep_their_own_head_untri
         return
     assert set(used) == {"own head"} and not profiled  # searched, then decided
     count, low = -(-16 // fit), {5: "0.02 s at 2 samples", 2: "0.01 s at 1 sample"}[fit]
+    runs = 16 // count  # where 5 fit, the search stops at 4: 16 samples run as 4 of 4 at 4 or 5 alike
     assert said == [
         f"AutoCheckpoint checkpoints no block of LM and leaves its own output head: {count} micro-batches of "
-        f"{16 // count} with the model's own head: fewer, larger micro-batches would save at most 0.0% of the "
-        f"step (a micro-step: {low}, {0.01 * fit:g} s at {fit})"
+        f"{runs} with the model's own head: fewer, larger micro-batches would save at most 0.0% of the "
+        f"step (a micro-step: {low}, {0.01 * runs:g} s at {runs})"
     ]
     assert module.logits_seen[-count:] == [True] * count  # the own head: logits made
 
