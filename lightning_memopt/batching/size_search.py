@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_memopt._checks import check_positive_int
 from lightning_memopt._compat import BatchNormBase
+from lightning_memopt.batching.split import largest_micro_batch
 from lightning_memopt.memory.device import is_out_of_memory
 from lightning_memopt.memory.limit import check_headroom, usable_bytes
 from lightning_memopt.memory.units import parse_bytes
@@ -189,7 +190,7 @@ def find_micro_batch_size(
     capacity, headroom, start = _check_search(max_size, min_size, max_probes, capacity, headroom, start)
     usable = usable_bytes(capacity, headroom, None, name="capacity")  # the package's one rule
     peaks: dict[int, int | None] = {}  # by size, in probe order
-    size: int | None = max(_even(start, max_size), min_size) if split else start
+    size: int | None = max(largest_micro_batch(max_size, start), min_size) if split else start
     while size is not None and len(peaks) < max_probes:
         peaks[size] = _run(probe, size)
         if any(p is not None and p <= usable for p in peaks.values()):
@@ -245,13 +246,6 @@ def _run(probe: Callable[[int], int | None], size: int) -> int | None:
     return peak
 
 
-def _even(size: int, whole: int) -> int:
-    """The micro-batch an even split of ``whole`` samples runs at ``size`` samples at most: 12 for 15 of 48
-    (4 micro-batches)."""
-    count = -(-whole // size)
-    return -(-whole // count)
-
-
 def _below(line: MemoryModel | None, points: list[int], size: int, usable: int) -> bool:
     """Whether the line through the two largest sizes that fitted (``points``, in order; None: no line)
     leaves ``size`` within the usable bytes, allowing for each peak's rounding as the line carries it past
@@ -278,7 +272,11 @@ def _next_size(
         upper = min(upper, line.largest_fitting(usable + _ROUNDING))
     reach: list[int] = []
     if split:
-        reach = [n for n in range(lo + 1, hi) if _even(n, max_size) == n and _below(line, fits, n, usable)]
+        reach = [
+            n
+            for n in range(lo + 1, hi)
+            if largest_micro_batch(max_size, n) == n and _below(line, fits, n, usable)
+        ]
         if not reach:
             return None
     if upper <= lo:

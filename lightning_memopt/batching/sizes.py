@@ -31,6 +31,7 @@ from lightning_memopt.batching.distributed import (
 from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
 from lightning_memopt.batching.shape_model import ShapeModel
 from lightning_memopt.batching.size_search import MemoryModel, NoSizeFits, find_micro_batch_size
+from lightning_memopt.batching.split import largest_micro_batch
 from lightning_memopt.memory.limit import usable_bytes
 from lightning_memopt.memory.units import format_bytes
 
@@ -719,8 +720,7 @@ def _agreed_probe(probes: Probes, samples: int, evaluation: bool) -> tuple[int |
 def _split(size: int, whole: int) -> tuple[int, int]:
     """The micro-batches a step of ``whole`` samples runs as at ``size``, and the largest of them (an even
     split: 4 of 12 where 15 fit a batch of 48)."""
-    count = -(-whole // size)
-    return count, -(-whole // count)
+    return -(-whole // size), largest_micro_batch(whole, size)
 
 
 def _fewer_cannot_pay(timed: list[tuple[int, float]], size: int, whole: int) -> tuple[str, float] | None:

@@ -19,6 +19,8 @@ from lightning_memopt._tree import numbers
 __all__ = [
     "batch_size",
     "describe_split",
+    "distinct_micro_batches",
+    "largest_micro_batch",
     "micro_batch_sizes",
     "micro_batch_weights",
     "split_batch",
@@ -113,6 +115,30 @@ def micro_batch_sizes(total: int, micro: int, *, smallest: int = 1, count: int |
     count = min(-(-total // micro) if count is None else count, max(total // smallest, 1))
     base, extra = divmod(total, count)
     return [base] * (count - extra) + [base + 1] * extra
+
+
+def largest_micro_batch(total: int, micro: int) -> int:
+    """The largest of :func:`micro_batch_sizes` ``(total, micro)``: what a batch of ``total`` samples runs
+    at ``micro`` samples at most, split evenly (12 for 15 of 48: 4 micro-batches).
+
+    Example::
+
+        >>> largest_micro_batch(48, 15), largest_micro_batch(48, 38), largest_micro_batch(48, 48)
+        (12, 24, 48)
+    """
+    return -(-total // -(-total // micro))
+
+
+def distinct_micro_batches(total: int) -> list[int]:
+    """Every size at which a batch of ``total`` samples runs in fewer micro-batches than at any smaller
+    size, largest first: ``ceil(total / n)`` for ``n`` micro-batches.
+
+    Example::
+
+        >>> distinct_micro_batches(48)
+        [48, 24, 16, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1]
+    """
+    return sorted({largest_micro_batch(total, n) for n in range(1, total + 1)}, reverse=True)
 
 
 def _split(batch: Any, sizes: Sequence[int], total: int) -> list[Any]:

@@ -293,13 +293,16 @@ def _result(
 
 
 def _options(planner: Planner, base: Evaluated) -> list[tuple[str, Evaluated]]:
-    """The configuration as given, then each single change of one knob."""
+    """The configuration as given, then each single change of one knob (the micro-batch sizes down to the
+    first that fits: each smaller one runs more micro-batches of the same step)."""
     c0 = base.config
     out = [("as configured", base)]
     for p in planner.precisions()[1:]:
         out.append((f"precision {p}", planner.evaluate(Config(p, c0.micro_batch_size, c0.strategy))))
     for m in planner.micro_batch_grid()[1:]:
         out.append((f"micro-batch {m}", planner.evaluate(Config(c0.precision, m, c0.strategy))))
+        if out[-1][1].fits:
+            break
     if "recompute" in {c.checkpoint for c in planner.grid()}:
         out.append(
             (

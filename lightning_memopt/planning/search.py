@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.batching.split import batch_size, micro_batch_sizes, split_batch
+from lightning_memopt.batching.split import batch_size, distinct_micro_batches, micro_batch_sizes, split_batch
 from lightning_memopt.checkpointing import (
     CostModel,
     NoPlanFitsError,
@@ -142,13 +142,9 @@ class Planner:
         return order[order.index(self.precision) :] if self.precision in order else [self.precision]
 
     def micro_batch_grid(self) -> list[int]:
-        total = batch_size(self.batch)
-        sizes, m = [], total
-        while True:
-            sizes.append(m)
-            if m == 1:
-                return sizes
-            m = -(-m // 2)
+        """The micro-batch sizes that ``AutoAccumulation``'s search considers: each that runs the batch in
+        fewer micro-batches than any smaller one (48: 48, 24, 16, 12, 10, 8, ...), largest first."""
+        return distinct_micro_batches(batch_size(self.batch))
 
     def strategies(self) -> list[str]:
         return [self.strategy] if self.strategy == "fsdp" or self.world_size == 1 else [self.strategy, "fsdp"]

@@ -9,6 +9,7 @@ import torch
 from lightning_memopt import AutoAccumulation
 from lightning_memopt.batching import size_search as sizing_module
 from lightning_memopt.batching.size_search import MemoryModel, SizingResult, find_micro_batch_size
+from lightning_memopt.batching.split import largest_micro_batch
 from lightning_memopt.memory import MemoryTracker
 from tests.batching.curves import random_curves
 
@@ -372,12 +373,6 @@ def test_fixed_bytes_from_an_earlier_search_predict_the_second_probe():
     )
 
 
-def _even(size: int, whole: int) -> int:
-    """The largest micro-batch of ``whole`` samples split evenly at ``size`` samples at most."""
-    count = -(-whole // size)
-    return -(-whole // count)
-
-
 def test_split_probes_only_the_sizes_that_run_the_batch_in_fewer_micro_batches():
     """39 samples fit, but a batch of 48 runs as 2 micro-batches of 24 at any size from 24 to 47: the
     search probes 24 (from 12 and the fixed bytes' line, which predicts 39) and stops, where it would go
@@ -431,10 +426,10 @@ def test_split_random_curve_family_reaches_the_even_split_of_the_true_maximum():
             probe, max_size=curve.max_size, capacity=curve.capacity, headroom=curve.headroom, split=True
         )
         assert len(calls) <= 6 and len(set(calls)) == len(calls)
-        assert all(_even(s, curve.max_size) == s for s in calls)
+        assert all(largest_micro_batch(curve.max_size, s) == s for s in calls)
         assert (result.size, curve.peak(result.size)) in result.probes
         assert curve.peak(result.size) <= result.usable
-        target = _even(curve.true, curve.max_size)
+        target = largest_micro_batch(curve.max_size, curve.true)
         assert result.size <= target
         misses[curve.kind] = misses.get(curve.kind, 0) + (result.size < target)
         total_probes += len(calls)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memopt.planning.build import FakeBuildError, fake_mode, parse_batch_spec
+from lightning_memopt.planning.build import FakeBuildError, build_fake, fake_mode, parse_batch_spec
 from lightning_memopt.planning.cli import device_memory_bytes, main, plan
+from tests.planning.modules import TinyLM
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tests.planning.modules:TinyLM"
@@ -224,3 +225,23 @@ def test_the_report_says_when_plain_accumulation_is_the_way():
     ]
     assert _accumulation_line(plain, 8) == []  # the whole batch: nothing to accumulate
     assert _accumulation_line({**plain, "checkpoint": "recompute"}, 32) == []
+
+
+def test_the_micro_batch_sizes_are_those_the_callbacks_search():
+    """A batch of 48 where 16 samples fit and 24 do not: the plan runs 3 micro-batches of 16, as
+    ``AutoAccumulation``'s search does (it probes ``ceil(48 / n)``), not 4 of 12 (halving 48, 24, 12, ...);
+    the options list the sizes down to the first that fits."""
+    from lightning_memopt.planning.search import Config, Planner
+
+    mode = fake_mode()
+    module = build_fake(mode, lambda: TinyLM(), what="TinyLM")
+    planner = Planner(module, parse_batch_spec(["48x8"], mode), usable=10**9, precision="bf16-true")
+    assert planner.micro_batch_grid() == [48, 24, 16, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1]
+    with mode:
+        peaks = {m: planner.predict(Config("bf16-true", m, "ddp")).peak_bytes for m in (24, 16)}
+    between = (peaks[16] + peaks[24]) // 2
+    result = plan(model=MODEL, batch=["48x8"], device_memory=between, headroom=0.0, precision="bf16-true")
+    assert result["cheapest"]["config"]["micro_batch_size"] == 16
+    assert result["cheapest"]["config"]["checkpoint"] == "none"
+    rows = [(o["name"], o["fits"]) for o in result["options"] if o["name"].startswith("micro-batch")]
+    assert rows == [("micro-batch 24", False), ("micro-batch 16", True)]
