@@ -9,15 +9,15 @@ treatment's price is the median, over rounds, of its pass's seconds minus ``keep
 (paired: what slows a whole round down cancels). The clock is the device's (:func:`~lightning_memopt.data.clock.step_clock`:
 CUDA events on CUDA, ``perf_counter`` elsewhere); tests pass a fake one.
 
-Cost, paid once per profile (the first batch, and a batch of a new shape under a limit): 2 to 5 passes
+Cost, paid once per profile (the first batch, and a batch of a new shape under a limit): 2 or 3 passes
 (forward and backward) of the block per treatment, for each *distinct* block (blocks with the same class,
-configuration and input shapes are profiled and timed once). Rounds stop from the second on where every
-treatment's median extra is confirmed: another round's extra lies within a tenth of keep's pass of it (for
-an even count of rounds, the two middle ones within that of each other: two rounds that agree), so one
-round that a busy moment of a shared machine slowed does not call for more than the third; else they go
-on to 5. With the four treatments ``AutoCheckpoint`` weighs on CPU (keep, selective, full, pointwise;
-five with offload on CUDA): 8 to 20 (10 to 25) block passes, one to two training steps of a 12-block
-model whose blocks are all alike.
+configuration and input shapes are profiled and timed once). Two rounds end it where every treatment's
+extras in them lie within a tenth of keep's pass of each other; else a third round runs and each price is
+the median of three, which one round that a busy moment of a shared machine slowed does not move. (With
+more ``repeats``, rounds go on until another round's extra lies within that tenth of the median.) With
+the four treatments ``AutoCheckpoint`` weighs on CPU (keep, selective, full, pointwise; five with offload
+on CUDA): 8 to 12 (10 to 15) block passes, about one training step of a 12-block model whose blocks are
+all alike.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lightning_memopt.data.clock import Clock
 
 __all__ = ["TIMING_REPEATS", "Timing", "time_treatments"]
 
-TIMING_REPEATS = 5
+TIMING_REPEATS = 3
 """Timed passes per treatment and distinct block at most (each after the profile's untimed pass, its
 warm-up)."""
 _LEAST = 2  # rounds at least

@@ -44,10 +44,10 @@ def test_time_treatments_alternates_and_pairs_each_round_with_keep():
         time_treatments(prepare, ["keep"], clock, repeats=0)
 
 
-def test_rounds_stop_where_each_median_is_confirmed_from_the_second_on_and_go_on_to_five_where_not():
+def test_two_rounds_that_agree_end_the_timing_else_three_or_up_to_repeats():
     clock = FakeClock()
 
-    def timed(extras):  # full's extra over keep's 10 s pass, round by round
+    def timed(extras, repeats=TIMING_REPEATS):  # full's extra over keep's 10 s pass, round by round
         order = []
 
         def prepare(choice):
@@ -55,23 +55,27 @@ def test_rounds_stop_where_each_median_is_confirmed_from_the_second_on_and_go_on
             rounds = (len(order) - 1) // 2  # the round this pass is in (0, 1, ...), two treatments a round
             return lambda: clock.advance(10.0 + (extras[rounds] if choice == "full" else 0.0))
 
-        return time_treatments(prepare, ["keep", "full"], clock), len(order) // 2
+        return time_treatments(prepare, ["keep", "full"], clock, repeats), len(order) // 2
 
     # A tenth of keep's pass is 1 s. Two rounds within it of each other confirm the median: two rounds.
     assert timed([1.0, 1.5]) == (
         {"keep": Timing(10.0, 0.0, 0.0, 0.0), "full": Timing(11.25, 1.25, 1.0, 1.5)},
         2,
     )
-    # One round slowed by a busy moment (5 s) calls for a third, no more: two of three agree, and the
-    # median is one of them.
+    # One round slowed by a busy moment (5 s) calls for a third, the last: the median of three is one of
+    # the two that agree.
     assert timed([1.0, 5.0, 1.0]) == (
         {"keep": Timing(10.0, 0.0, 0.0, 0.0), "full": Timing(11.0, 1.0, 1.0, 5.0)},
         3,
     )
-    assert timed([1.0, 2.5, 2.0])[1] == 3  # the median, 2 s, has a round 0.5 s from it
-    # No two rounds within 1 s of the median (of three; of four, the two middle ones): on to five
+    # No two rounds within 1 s: three at most by default, the median taken
     timings, rounds = timed([1.0, 2.01, 3.02, 4.03, 5.04])
-    assert rounds == TIMING_REPEATS == 5 and timings["full"].extra == pytest.approx(3.02)
+    assert rounds == TIMING_REPEATS == 3 and timings["full"].extra == pytest.approx(2.01)
+    # With more repeats allowed, the rounds go on until another lies within 1 s of the median (of three; of
+    # four, the two middle ones): here to five
+    timings, rounds = timed([1.0, 2.01, 3.02, 4.03, 5.04], repeats=5)
+    assert rounds == 5 and timings["full"].extra == pytest.approx(3.02)
+    assert timed([1.0, 2.5, 2.0], repeats=5)[1] == 3  # the median, 2 s, has a round 0.5 s from it
 
 
 def test_profile_times_each_treatment_with_a_bounded_number_of_passes():
