@@ -101,6 +101,21 @@ def test_strongly_convex_curve_within_3_percent(true, max_size, bend, headroom):
     assert _check(result, peak, capacity, headroom, max_size, calls) >= 0.97
 
 
+def _searched(**search):
+    """Each of the 1,500 random curves (seed 0), the sizes the search probed, and its result."""
+    for curve in random_curves(1500, seed=0):
+        calls = []
+
+        def probe(size, curve=curve, calls=calls):
+            calls.append(size)
+            return curve.probe(size)
+
+        result = find_micro_batch_size(
+            probe, max_size=curve.max_size, capacity=curve.capacity, headroom=curve.headroom, **search
+        )
+        yield curve, calls, result
+
+
 def test_random_curve_family_within_3_percent_in_6_probes():
     # 1,500 curves (tests/batching/curves.py): affine, convex, strongly convex (quadratic part up to 5x the
     # per-sample part at the true maximum), kinked (a line that turns 1.5-6x steeper) and kinked convex;
@@ -110,16 +125,7 @@ def test_random_curve_family_within_3_percent_in_6_probes():
     # not. The counts are exact: a change to the search that misses one more curve fails here.
     ratios: dict[str, list[float]] = {}
     total_probes = 0
-    for curve in random_curves(1500, seed=0):
-        calls = []
-
-        def probe(size, curve=curve, calls=calls):
-            calls.append(size)
-            return curve.probe(size)
-
-        result = find_micro_batch_size(
-            probe, max_size=curve.max_size, capacity=curve.capacity, headroom=curve.headroom, max_probes=6
-        )
+    for curve, calls, result in _searched(max_probes=6):
         assert result.probes == [(s, curve.probe(s)) for s in calls]
         assert len(calls) <= 6 and len(set(calls)) == len(calls)
         assert (result.size, curve.peak(result.size)) in result.probes
@@ -415,16 +421,7 @@ def test_split_random_curve_family_reaches_the_even_split_of_the_true_maximum():
     # kinked convex curves below it; 6,699 probes in all, where the search over every size takes 7,316.
     misses: dict[str, int] = {}
     total_probes = 0
-    for curve in random_curves(1500, seed=0):
-        calls = []
-
-        def probe(size, curve=curve, calls=calls):
-            calls.append(size)
-            return curve.probe(size)
-
-        result = find_micro_batch_size(
-            probe, max_size=curve.max_size, capacity=curve.capacity, headroom=curve.headroom, split=True
-        )
+    for curve, calls, result in _searched(split=True):
         assert len(calls) <= 6 and len(set(calls)) == len(calls)
         assert all(largest_micro_batch(curve.max_size, s) == s for s in calls)
         assert (result.size, curve.peak(result.size)) in result.probes
