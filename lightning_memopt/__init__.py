@@ -10,6 +10,8 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+from lightning_memopt import _compat  # noqa: F401 - plain torch; installs torch's device guard (its docstring)
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it

@@ -7,6 +7,7 @@ that moves one breaks here, in one place, with a clear error, instead of in the 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "BatchNormBase",
     "fsdp_module_type",
     "in_backward",
+    "install_device_guard",
     "is_dtensor",
     "queue_backward_callback",
     "reset_fsdp_iteration",
@@ -38,6 +40,31 @@ def in_backward() -> bool:
     """True while autograd runs a backward (e.g. an activation checkpoint recomputing its forward)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)  # private; present on torch 2.x
     return task_id is not None and task_id() != -1
+
+
+def install_device_guard() -> bool:
+    """Install, from this thread, the no-op CUDA device guard that torch's ``FakeTensorMode`` installs the
+    first time it is entered on a CUDA build of torch without a visible GPU (PyPI's default wheel on a CPU
+    machine: ``torch._C._ensureCUDADeviceGuardSet``, private; present on torch 2.x). Whether it did.
+
+    On torch 2.11 that guard lives with the thread that installed it: once the thread has ended, the next
+    ``FakeTensorMode`` entered from any other thread crashes the process (a segmentation fault; two
+    threads, one after the other, each entering ``FakeTensorMode``, are enough). The package enters it in a
+    fit's first step (:func:`~lightning_memopt.memory.tracker.optimizer_state_to_come`, the dry runs of
+    selective and pointwise checkpointing), which may run in a thread of its own. Importing the package
+    installs the guard from the main thread, which ends last; elsewhere, or with a GPU visible, nothing.
+    """
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if (
+        ensure is None
+        or torch.version.cuda is None
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return False
+    if torch.cuda.is_available():  # the real guard is in place
+        return False
+    ensure()
+    return True
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -179,3 +206,6 @@ class _NotifyCachedOnExit:
                     if isinstance(getattr(leaf, "val", None), torch.Tensor):
                         self.on_cached(leaf.val)
         return suppressed
+
+
+install_device_guard()  # once, as the package is imported (lightning_memopt/__init__.py imports this module)

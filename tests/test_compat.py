@@ -81,3 +81,33 @@ def test_selective_checkpoint_contexts_report_what_the_forward_cached(monkeypatc
     assert cached[0].untyped_storage().data_ptr() == outputs[0].untyped_storage().data_ptr()
     expected = torch.relu(x.detach() @ w1.detach()).sum(0)
     assert torch.allclose(w2.grad, expected[:, None].expand(8, 6))
+
+
+def test_fake_tensor_mode_in_threads_one_after_another_after_the_package_is_imported():
+    """torch 2.11's CUDA build without a GPU crashed (a segmentation fault) where ``FakeTensorMode`` was
+    entered from a second thread after the first had ended, as a fit's first step does (the optimizer state
+    to come) in fits run one after another in threads. Importing the package installs the device guard
+    from the main thread first. In a subprocess: a crash there fails this test, not the suite. (On a CPU
+    build of torch there is no guard to install, and it passes either way.)"""
+    import subprocess
+    import sys
+
+    code = """
+import threading, torch
+import lightning_memopt
+from lightning_memopt.memory.tracker import optimizer_state_to_come
+
+def first_step():
+    model = torch.nn.Linear(4, 3)
+    assert optimizer_state_to_come([torch.optim.AdamW(model.parameters())]) == 128
+
+for _ in range(3):
+    thread = threading.Thread(target=first_step)
+    thread.start()
+    thread.join()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+    guard = _compat.install_device_guard()
+    assert guard is (torch.version.cuda is not None and not torch.cuda.is_available())
