@@ -533,14 +533,18 @@ class _WeightGradient:
         if self.single and dz.dtype == self.dtype:
             self.sum = torch.mm(dz.t(), hc)
             return
+        if self.single:  # each slice of rows written once: no zeros to add to
+            self.sum = torch.empty(self.shape, dtype=self.acc, device=self.device)
+            for start in range(0, self.shape[0], self.rows):
+                self.sum[start : start + self.rows] = torch.mm(dz[:, start : start + self.rows].t(), hc)
+            return
         if self.sum is None:
             self.sum = self._zeros()
         if dz.dtype == self.sum.dtype == hc.dtype:
             self.sum.addmm_(dz.t(), hc)  # in place: no product of the weight's size
             return
-        product = torch.mm if self.single else _float_mm
         for start in range(0, self.shape[0], self.rows):
-            self.sum[start : start + self.rows] += product(dz[:, start : start + self.rows].t(), hc)
+            self.sum[start : start + self.rows] += _float_mm(dz[:, start : start + self.rows].t(), hc)
 
     def result(self) -> torch.Tensor:
         return (self._zeros() if self.sum is None else self.sum).to(self.dtype)  # no chunk: no tokens
