@@ -16,9 +16,9 @@ ratio of their median step times:
 - ``k=4, observed``: four micro-batches whose loss calls are recorded and decomposed every step (what a
   loss whose parts follow different rules costs: ``ce`` over tokens plus a term over samples) / the same
   with ``count_fn``.
-- ``check``: the first split step (k=4), which runs the batch once more as another split to compare the
-  gradients, / the same step with ``exactness="off"`` (fits alternated, 5 each, medians), without
-  dropout and with dropout (p=0.1: the comparison then runs the step itself once more without dropout).
+- ``check``: the first split step (k=4), which runs its first micro-batch (64 samples) again whole and as
+  two halves to compare the gradients, / the same step with ``exactness="off"`` (fits alternated, 5 each,
+  medians), without dropout and with dropout (p=0.1: both runs without dropout).
 """
 
 from __future__ import annotations

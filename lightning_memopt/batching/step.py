@@ -164,16 +164,25 @@ class TrainingStep:
 
     # ------------------------------------------------------------------ one pass over the micro-batches
     def run_pass(
-        self, regime: Regime, sizes: list[int], pad: int, *, check: bool = False, redo: bool = False
+        self,
+        regime: Regime,
+        sizes: list[int],
+        pad: int,
+        *,
+        check: bool = False,
+        redo: bool = False,
+        batch: Any = None,
     ) -> Pass:
         """Run ``sizes`` as micro-batches, then ``pad`` repeats of the last, weighted 0 (their gradients are
         zeros; their outputs and logs are left out). ``check``: a pass of the one-time check, which the
         engine's counters do not see. ``redo``: where the weights are learned while the pass runs and a
         later micro-batch shows that an earlier one was weighed by a wrong rule, run it again from its
-        start with the rules every micro-batch confirmed."""
+        start with the rules every micro-batch confirmed. ``batch``: what ``sizes`` split, the step's
+        batch by default (the check may run its leading samples only)."""
         engine, module = self.engine, self.module
-        parts = split_batch(self.batch, sizes, split_fn=engine.split_fn(module))
-        weights = engine.weights.step(self.batch, parts, sizes)
+        batch = self.batch if batch is None else batch
+        parts = split_batch(batch, sizes, split_fn=engine.split_fn(module))
+        weights = engine.weights.step(batch, parts, sizes)
         start = engine.capture(module) if redo and weights.weights is None else None
         parts = parts + parts[-1:] * pad
         scaler = getattr(engine.trainer.strategy.precision_plugin, "scaler", None)
@@ -181,14 +190,14 @@ class TrainingStep:
             engine.num_micro_batches, engine.ran_size = len(parts), max(sizes)
         result = Pass(None, recorder=LogRecorder(module))
         cut = len(sizes) > 1 and engine.split_fn(module) is None  # by the built-in splitter
-        noted = _SplitNote(self.batch, sizes) if cut else contextlib.nullcontext()
+        noted = _SplitNote(batch, sizes) if cut else contextlib.nullcontext()
         metrics = StepMetrics(module).step() if len(parts) > 1 else contextlib.nullcontext()
         # A trial step's micro-steps are timed, forward and backward, on the device's clock (nothing else is)
         clock = step_clock(engine.trainer.strategy.root_device) if engine.sizes.timing and not check else None
         spans: list[tuple[Any, Any]] = []
         with result.recorder, regime.armed(), metrics:
             for i, part in enumerate(parts):
-                result.recorder.share = sizes[i] / self.total if i < len(sizes) else 0.0
+                result.recorder.share = sizes[i] / sum(sizes) if i < len(sizes) else 0.0
                 began = clock.mark() if clock is not None else None
                 with regime.around(i, last=i == len(parts) - 1), weights.observing() as observer:
                     with noted:
@@ -225,12 +234,13 @@ class TrainingStep:
         if start is not None and result.relearned:
             start.restore()
             drop_attempt(engine.trainer.strategy.model, None)
-            return self.run_pass(regime, sizes, pad, check=check)
+            return self.run_pass(regime, sizes, pad, check=check, batch=batch)
         return result
 
     # ------------------------------------------------------------------ the one-time check
     def _check(self, regime: Regime, start: Any, written: list[str]) -> None:
-        """Run the batch again as another split, compare the gradients, and say why they differ.
+        """Run the batch's leading micro-batches (:func:`checked_micro_batches`) again as another split,
+        compare the gradients, and say why they differ.
 
         The step's own results (gradients, buffers, RNGs, logs) are put back after; nothing of the
         comparison stays. A step that wrote parameters or buffers in place is not run again (the writes
@@ -262,23 +272,33 @@ class TrainingStep:
         if single:
             return
         kept = exactness.gradients(module)
-        # Another split of the same size: every boundary moved by half a micro-batch, so that a weight
+        # Another split of the same samples: every boundary moved by half a micro-batch, so that a weight
         # that does not follow what the loss divides by, or a loss that couples neighbouring samples,
-        # shows in the gradient (twice as many halves can miss a coupling inside each pair).
-        half = self.sizes[0] // 2
-        moved = [half, *self.sizes[:-1], self.sizes[-1] - half]
-        runs = [(self.sizes, self.pad)] if random else []  # the step itself again, without dropout
-        runs.append((moved, self.pad))
+        # shows in the gradient (twice as many halves can miss a coupling inside each pair). Of the whole
+        # batch under DDP/FSDP2 (every rank the same passes); else of its leading micro-batches, run as
+        # the step ran them too unless they are the whole batch and no random number was drawn (then the
+        # step's own gradients are the reference).
+        count = len(self.sizes) if is_distributed() else checked_micro_batches(self.sizes)
+        checked, pad = self.sizes[:count], self.pad if count == len(self.sizes) else 0
+        part = self.batch
+        if count < len(self.sizes):
+            part = split_batch(
+                self.batch, [sum(checked), self.total - sum(checked)], split_fn=engine.split_fn(module)
+            )[0]
+        half = checked[0] // 2
+        moved = [half, *checked[:-1], checked[-1] - half]
+        runs = [checked] if random or count < len(self.sizes) else []  # without dropout
+        runs.append(moved)
         grads, drawn = [], False
-        for sizes, pad in runs:
+        for sizes in runs:
             start.restore()
             drop_attempt(engine.trainer.strategy.model, None)
             # replaying(): what learns from forwards (AutoCheckpoint) skips these
             with exactness.no_dropout(), replaying():
-                self.run_pass(regime, sizes, pad, check=True)
+                self.run_pass(regime, sizes, pad, check=True, batch=part)
             drawn = drawn or start.drawn_since()  # random numbers drawn beside dropout's
             grads.append(exactness.gradients(module))
-        reference = grads[0] if random else kept
+        reference = grads[0] if len(grads) > 1 else kept
         gap = exactness.difference(reference, grads[-1])
         mixed = "mixed" in type(engine.trainer.strategy.precision_plugin).__name__.lower()
         loss_dtype = self.result.losses[0].dtype if self.result.losses else None
@@ -290,6 +310,29 @@ class TrainingStep:
                 batchnorm=[], written=[], unexplained=engine.weights.unexplained(self.batch), drawn=drawn
             )
             engine.report_inexact(f"{cause} (relative difference {gap:.2g} between two splits of one batch)")
+
+
+CHECKED_SAMPLES = 8
+"""The one-time check runs again at least this many samples of the batch (or all of it): the fewest leading
+micro-batches that hold them (:func:`checked_micro_batches`). Two samples routed to one expert hide a
+load-balancing term that eight show."""
+
+
+def checked_micro_batches(sizes: list[int]) -> int:
+    """How many of a step's leading micro-batches (of ``sizes`` samples) the one-time check runs again: the
+    fewest that hold :data:`CHECKED_SAMPLES` samples, or all of them.
+
+    Example::
+
+        >>> checked_micro_batches([12, 12, 12, 12]), checked_micro_batches([2, 2, 2, 2]), checked_micro_batches([3, 3])
+        (1, 4, 2)
+    """
+    held = 0
+    for count, size in enumerate(sizes, 1):
+        held += size
+        if held >= CHECKED_SAMPLES:
+            return count
+    return len(sizes)
 
 
 _NONE = (

@@ -27,7 +27,7 @@ class AutoAccumulation(MicroBatching):
     ``max_memory * (1 - headroom)`` (:func:`~lightning_memopt.batching.size_search.find_micro_batch_size`); later
     batches are sized for their own length. Each micro-batch's loss is weighted by its share of what the
     batch's loss divides by, learned from the loss functions ``training_step`` calls, and the first split
-    of each batch structure is checked against another split (``exactness``). How:
+    of each batch structure is checked: its leading micro-batches against another split (``exactness``). How:
     ``docs/micro_batching.md``. The size is saved in the checkpoint: a resumed run does not probe again.
 
     Args:

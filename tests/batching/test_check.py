@@ -1,0 +1,110 @@
+"""The one-time exactness check runs the batch's leading micro-batches again, not the whole batch, where
+they hold at least ``CHECKED_SAMPLES`` samples; and it still tells a split that changes the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memopt import AutoAccumulation, SplitNotExactError
+from lightning_memopt.batching.step import CHECKED_SAMPLES, checked_micro_batches
+from tests.batching.helpers import Net, dataset, quiet_trainer
+
+
+def first_step_sizes(net: Net, micro: int, batch: int) -> list[int]:
+    callback = AutoAccumulation(micro_batch_size=micro, log=False, exactness="raise")
+    loader = DataLoader(dataset(n=batch), batch_size=batch, shuffle=False)
+    quiet_trainer([callback], max_steps=1).fit(net, loader)
+    return net.seen_sizes
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_check_runs_the_first_micro_batch_whole_and_as_two_halves(dropout: float) -> None:
+    # the step's 4 micro-batches of 10, then the first 10 samples as 10 (without dropout) and as 5 + 5; the
+    # whole batch again as 5 + 10 + 10 + 10 + 5 cost 40 samples (80 with dropout: the step again as well)
+    assert first_step_sizes(Net(dropout=dropout), 10, 40) == [10, 10, 10, 10, 10, 5, 5]
+
+
+def test_the_check_runs_micro_batches_until_they_hold_enough_samples() -> None:
+    # 3 + 3 + 3 hold CHECKED_SAMPLES = 8: those 9 samples again as the step ran them, then moved by half
+    assert CHECKED_SAMPLES == 8
+    assert first_step_sizes(Net(), 3, 12) == [3, 3, 3, 3, 3, 3, 3, 1, 3, 3, 2]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_batch_of_few_samples_is_checked_whole_as_before(dropout: float) -> None:
+    # 2 + 2 + 2 + 2 hold 8: the whole batch; the step's own gradients are the reference without dropout
+    again = [2, 2, 2, 2] if dropout else []
+    assert first_step_sizes(Net(dropout=dropout), 2, 8) == [2, 2, 2, 2, *again, 1, 2, 2, 2, 1]
+
+
+def test_checked_micro_batches() -> None:
+    assert checked_micro_batches([12, 12, 12, 12]) == 1
+    assert checked_micro_batches([8]) == 1
+    assert checked_micro_batches([5, 5, 4]) == 2
+    assert checked_micro_batches([2, 2, 2]) == 3  # 6 in all: every one
+
+
+class Unlogged(Net):
+    """Net's layers, a ``training_step`` that logs nothing."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        pass
+
+
+class InBatchNegatives(Unlogged):
+    """InfoNCE over the batch's similarity matrix: every other sample is a negative."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.seen_sizes.append(len(x))
+        a = F.normalize(self.net[0](x), dim=1)
+        b = F.normalize(self.net[0](x + 0.1), dim=1)
+        return F.cross_entropy(a @ b.T / 0.2, torch.arange(len(a)))
+
+
+class TokenMean(Unlogged):
+    """Cross-entropy over the labels that are not ``-100``, how many varying from sample to sample."""
+
+    def training_step(self, batch, batch_idx):
+        x, labels = batch
+        self.seen_sizes.append(len(x))
+        return F.cross_entropy(self.net[0](x).view(len(x) * 4, 4), labels.view(-1))
+
+
+def labelled(n: int = 48) -> TensorDataset:
+    """Features and 4 labels a sample, each ``-100`` (not counted) with probability 0.4."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    labels = torch.randint(0, 4, (n, 4), generator=g)
+    return TensorDataset(x, labels.masked_fill(torch.rand(n, 4, generator=g) < 0.4, -100))
+
+
+def samples(micro_batch) -> int:
+    return len(micro_batch[0])
+
+
+@pytest.mark.parametrize(
+    ("module", "options", "cause"),
+    [
+        (InBatchNegatives, {}, "depends on how the batch is split"),
+        (TokenMean, {"count_fn": samples}, "relative difference"),  # weighed by samples: wrong
+    ],
+)
+def test_the_first_micro_batch_alone_still_tells_a_split_that_changes_the_step(
+    module, options, cause
+) -> None:
+    data = labelled() if module is TokenMean else dataset(n=48)
+    callback = AutoAccumulation(micro_batch_size=12, log=False, exactness="raise", **options)
+    with pytest.raises(SplitNotExactError, match=cause):
+        quiet_trainer([callback], max_steps=1).fit(module(), DataLoader(data, batch_size=48))
+
+
+def test_a_mean_over_counted_labels_learned_from_the_loss_passes_the_check() -> None:
+    # the engine learns the count from the loss: the check passes (exactness="raise" would raise)
+    module = TokenMean()
+    callback = AutoAccumulation(micro_batch_size=12, log=False, exactness="raise")
+    quiet_trainer([callback], max_steps=1).fit(module, DataLoader(labelled(), batch_size=48))
+    assert module.seen_sizes == [12, 12, 12, 12, 12, 6, 6]
