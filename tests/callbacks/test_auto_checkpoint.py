@@ -233,6 +233,36 @@ def test_with_autoaccumulation_recompute_only_where_the_step_is_faster(tmp_path,
 
 
 @pytest.mark.parametrize("launch", [0.0, 100.0])
+def test_the_exactness_check_waits_for_the_way_the_trial_decides(tmp_path, monkeypatch, launch):
+    """The trial's steps run unchecked; the first step of the way decided checks its own micro-batches
+    (a recompute turn would have checked micro-batches twice as large, recomputed)."""
+    import lightning_memopt.batching.step as step_module
+    from lightning_memopt import AutoAccumulation
+    from lightning_memopt.batching.split import micro_batch_sizes
+    from lightning_memopt.checkpointing import CostModel
+
+    _timed(monkeypatch, launch)
+    checks, original = [], step_module.TrainingStep._check
+
+    def check(self, regime, start, written):
+        recomputed = set(checkpointed_blocks(self.module).values()) != {"keep"}
+        checks.append((self.engine.trainer.global_step, self.sizes, recomputed))
+        return original(self, regime, start, written)
+
+    monkeypatch.setattr(step_module.TrainingStep, "_check", check)
+    torch.manual_seed(0)
+    module = _Wide(n_layer=4)
+    accumulation = AutoAccumulation(max_memory=1_500_000, headroom=0.0)
+    cb = AutoCheckpoint(max_memory=1_500_000, headroom=0.0, cost_model=CostModel(use_time=False))
+    trainer = _trainer(tmp_path, [cb, accumulation], steps=7)
+    with warnings.catch_warnings(), MemoryCap(1_500_000, modules=module):
+        warnings.simplefilter("ignore")
+        trainer.fit(module)
+    # steps 0-4 the trial, 5 the first of the way decided: recompute's where the launch cost makes it faster
+    assert checks == [(5, micro_batch_sizes(16, accumulation.micro_batch_size), launch > 0)]
+
+
+@pytest.mark.parametrize("launch", [0.0, 100.0])
 def test_micro_steps_timed_to_cost_their_samples_alone_are_neither_recomputed_nor_tried(
     tmp_path, monkeypatch, launch
 ):
