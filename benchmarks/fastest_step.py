@@ -7,13 +7,15 @@ meaningful on a quiet machine)::
     PYTHONPATH=. python benchmarks/fastest_step.py --precision bf16-mixed
     PYTHONPATH=. python benchmarks/fastest_step.py --quick                  # a smoke run (smaller, fewer)
     PYTHONPATH=. python benchmarks/fastest_step.py --only gpt llama
+    PYTHONPATH=. python benchmarks/fastest_step.py --only gpt2 llama --layers 12   # deeper: start-up
     PYTHONPATH=. python benchmarks/fastest_step.py --device cuda   # on a GPU: the issue's Llama (below)
 
 The models (built in code, nothing downloaded, dropout off, AdamW): the GPT of ``examples/gpt/gpt.py``
 (``CharGPT`` at ``memopt.yaml``'s shape: 4 blocks, 4 heads, width 128, 128 tokens, its own AdamW and
 warm-up schedule), a Hugging Face Llama-shaped causal LM with grouped-query attention (2 key/value heads
 for 4 query heads), Hugging Face GPT-2, a ViT and a ResNet (``ViTForImageClassification``,
-``ResNetForImageClassification``), each a ``model(**batch).loss`` LightningModule, at a batch of
+``ResNetForImageClassification``; 4 layers each, ``--layers`` for the transformers, whose profile times one
+block of many alike), each a ``model(**batch).loss`` LightningModule, at a batch of
 ``--batch`` samples (48: its divisors give a user room to pick micro-batches) a step.
 
 The memory limit ``L`` of a model (bytes of live tensors, as :class:`~lightning_memopt.memory.MemoryTracker`
@@ -212,8 +214,10 @@ def _pixels(image: int, classes: int) -> Callable[[int], Any]:
     return sample
 
 
-def benches(quick: bool) -> dict[str, Bench]:
-    layers, seq, width, image = (2, 64, 64, 32) if quick else (4, 128, 128, 64)
+def benches(quick: bool, layers: int | None = None) -> dict[str, Bench]:
+    """The CPU models; ``layers``: the transformers' depth (4; quick 2; the ResNet's stays)."""
+    depth, seq, width, image = (2, 64, 64, 32) if quick else (4, 128, 128, 64)
+    layers = layers or depth
     vocab = 1024
 
     def llama():
@@ -800,7 +804,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds of alternation (4; quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps a way runs per round (2)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the issue's Llama")
-    parser.add_argument("--layers", type=int, default=16, help="cuda: the Llama's layers (16)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="the transformers' layers (CPU 4, quick 2; cuda: 16)"
+    )
     parser.add_argument("--seq", type=int, default=4096, help="cuda: tokens a sequence (4,096)")
     parser.add_argument(
         "--micro",
@@ -836,7 +842,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(threads)
-    all_benches = gpu_benches(args.layers, args.seq) if cuda() else benches(args.quick)
+    all_benches = gpu_benches(args.layers or 16, args.seq) if cuda() else benches(args.quick, args.layers)
     count_phases()
     names = args.only or list(all_benches)
     unknown = sorted(set(names) - set(all_benches))
