@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -326,15 +327,11 @@ def checked_micro_batches(sizes: list[int]) -> int:
 
     Example::
 
-        >>> checked_micro_batches([12, 12, 12, 12]), checked_micro_batches([2, 2, 2, 2]), checked_micro_batches([3, 3])
-        (1, 4, 2)
+        >>> checked_micro_batches([12, 12, 12, 12]), checked_micro_batches([3, 3, 3, 3])
+        (1, 3)
     """
-    held = 0
-    for count, size in enumerate(sizes, 1):
-        held += size
-        if held >= CHECKED_SAMPLES:
-            return count
-    return len(sizes)
+    held = itertools.accumulate(sizes)
+    return next((count for count, n in enumerate(held, 1) if n >= CHECKED_SAMPLES), len(sizes))
 
 
 _NONE = (
