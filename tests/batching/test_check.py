@@ -93,18 +93,22 @@ def samples(micro_batch) -> int:
         (TokenMean, {"count_fn": samples}, "relative difference"),  # weighed by samples: wrong
     ],
 )
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_the_first_micro_batch_alone_still_tells_a_split_that_changes_the_step(
-    module, options, cause
+    module, options, cause, precision
 ) -> None:
     data = labelled() if module is TokenMean else dataset(n=48)
     callback = AutoAccumulation(micro_batch_size=12, log=False, exactness="raise", **options)
+    trainer = quiet_trainer([callback], max_steps=1, precision=precision)
     with pytest.raises(SplitNotExactError, match=cause):
-        quiet_trainer([callback], max_steps=1).fit(module(), DataLoader(data, batch_size=48))
+        trainer.fit(module(), DataLoader(data, batch_size=48))
 
 
-def test_a_mean_over_counted_labels_learned_from_the_loss_passes_the_check() -> None:
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_mean_over_counted_labels_learned_from_the_loss_passes_the_check(precision: str) -> None:
     # the engine learns the count from the loss: the check passes (exactness="raise" would raise)
     module = TokenMean()
     callback = AutoAccumulation(micro_batch_size=12, log=False, exactness="raise")
-    quiet_trainer([callback], max_steps=1).fit(module, DataLoader(labelled(), batch_size=48))
+    trainer = quiet_trainer([callback], max_steps=1, precision=precision)
+    trainer.fit(module, DataLoader(labelled(), batch_size=48))
     assert module.seen_sizes == [12, 12, 12, 12, 12, 6, 6]
