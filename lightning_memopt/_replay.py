@@ -1,7 +1,7 @@
 """Passes whose results are thrown away, which what learns from a step's forwards must not learn from.
 
-The micro-batching engine's one-time exactness check runs a batch again as another split after the step's
-own micro-batches; ``AutoCheckpoint`` profiles the inputs of the step's last forward of each block. Inside
+The micro-batching engine's one-time exactness check runs a batch's leading micro-batches again as another
+split after the step's own micro-batches; ``AutoCheckpoint`` profiles the inputs of the step's last forward of each block. Inside
 :func:`replaying`, :func:`is_replaying` is true and such observers skip the forwards.
 """
 

@@ -55,8 +55,9 @@ class AutoAccumulation(MicroBatching):
             ``OOMBackoff``.
         exactness: ``"warn"`` (default): check once per batch structure that a split step gives the
             unsplit gradient and warn with the cause when it does not; ``"raise"``: raise
-            :class:`~lightning_memopt.SplitNotExactError` instead; ``"off"``: do not check (the check costs
-            one more forward and backward of one batch, two for a model with dropout). Shared with
+            :class:`~lightning_memopt.SplitNotExactError` instead; ``"off"``: do not check (the check runs
+            the step's leading micro-batches, at least 8 samples, twice more: whole and as another split;
+            where they are the whole batch, once, twice with dropout). Shared with
             ``OOMBackoff``.
         log: Log the keys below per step. Default True.
 
