@@ -395,6 +395,13 @@ class MicroBatchSizes:
         return _fewer_cannot_pay(timed, size, whole)
 
     @property
+    def planning(self) -> bool:
+        """Whether the step about to run is the trial's planning turn: its first step, where recompute is a
+        way, every block recomputed while ``AutoCheckpoint`` measures the step for its plan."""
+        trial = self._trial
+        return trial is not None and trial.turn == 0 and trial.turns[0] == "full"
+
+    @property
     def timing(self) -> bool:
         """Whether the step about to run is a trial step: the engine times its micro-steps and hands their
         seconds to :meth:`succeeded`."""

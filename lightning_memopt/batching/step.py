@@ -117,13 +117,13 @@ class TrainingStep:
         engine.zero_grad()
         # The one-time check runs on every rank or on none: decided with the sizes' agreement, where the
         # ranks have one before the step (else None: what one rank can see is said without a comparison).
-        # Not in a trial step: it checks the micro-batches of the way that runs after the trial (a trial's
-        # recompute turn would check the batch recomputed, in micro-batches twice as large).
+        # Not in the trial's planning turn (the batch recomputed, in micro-batches twice as large): the step
+        # after it checks the next way's.
         self.size, count, self.checking = engine.sizes.plan(
             total=self.total,
             width=self.width,
             probes=engine.probes(self.batch),
-            flag=lambda size: engine.check_due(self.key) and size < self.total and not engine.sizes.timing,
+            flag=lambda size: engine.check_due(self.key) and size < self.total and not engine.sizes.planning,
         )
         self.sizes = micro_batch_sizes(self.total, self.size, smallest=self.floor, count=count)
         self.pad = count - len(self.sizes) if count and engine.sharded() is not None else 0
