@@ -398,8 +398,7 @@ class MicroBatchSizes:
     def planning(self) -> bool:
         """Whether the step about to run is the trial's planning turn: its first step, where recompute is a
         way, every block recomputed while ``AutoCheckpoint`` measures the step for its plan."""
-        trial = self._trial
-        return trial is not None and trial.turn == 0 and trial.turns[0] == "full"
+        return self._trial is not None and self._trial.turn == self._trial.planning_turn
 
     @property
     def timing(self) -> bool:
@@ -436,8 +435,9 @@ class MicroBatchSizes:
             self._size_to(self._try(trial.turns[trial.turn]))
             return
         # recompute's first turn planned (every block recomputed, measured): its later turns ran the plan
-        planning = trial.turns.index("full") if "full" in trial.turns else None
-        timed = [(w, s) for i, (w, s) in enumerate(zip(trial.turns, trial.seconds)) if i != planning]
+        timed = [
+            (w, s) for i, (w, s) in enumerate(zip(trial.turns, trial.seconds)) if i != trial.planning_turn
+        ]
         fastest = [min(s for w, s in timed if w == way) for way in trial.ways]
         agreed = max_over_ranks_each([int(seconds * 1e9) for seconds in fastest], probes.device)
         seconds = {way: ns / 1e9 for way, ns in zip(trial.ways, agreed)}
@@ -695,6 +695,11 @@ class _Trial:
         # way's turns come one after the plan's profile and one later.
         self.turns = [w for w in self.ways if w == "full"] + self.ways * _TRIAL_ROUNDS
         self.seconds = [None] * len(self.turns)
+
+    @property
+    def planning_turn(self) -> int | None:
+        """The turn that makes recompute's plan (the first), None where recompute is not a way."""
+        return 0 if self.turns[0] == "full" else None
 
     def state(self) -> dict[str, Any]:
         """As plain values, for a checkpoint (:meth:`from_state`)."""
