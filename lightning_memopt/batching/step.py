@@ -282,7 +282,7 @@ class TrainingStep:
         # the step ran them too unless they are the whole batch and no random number was drawn (then the
         # step's own gradients are the reference).
         count = len(self.sizes) if is_distributed() else checked_micro_batches(self.sizes)
-        checked, pad = self.sizes[:count], self.pad if count == len(self.sizes) else 0
+        checked = self.sizes[:count]  # FSDP2's padding repeats (weighted 0) follow, as in the step
         part = self.batch
         if count < len(self.sizes):
             part = split_batch(
@@ -298,7 +298,7 @@ class TrainingStep:
             drop_attempt(engine.trainer.strategy.model, None)
             # replaying(): what learns from forwards (AutoCheckpoint) skips these
             with exactness.no_dropout(), replaying():
-                self.run_pass(regime, sizes, pad, check=True, batch=part)
+                self.run_pass(regime, sizes, self.pad, check=True, batch=part)
             drawn = drawn or start.drawn_since()  # random numbers drawn beside dropout's
             grads.append(exactness.gradients(module))
         reference = grads[0] if len(grads) > 1 else kept
