@@ -287,15 +287,14 @@ class MicroBatchSizes:
 
         The ways, cheapest per sample first: the model's own output head with every block kept (where a
         chunked head was installed: :attr:`Recompute.own_head`), every block kept (``keep``), every block
-        recomputed (``full``). For each in turn the largest micro-batch that fits is found; where the whole
-        batch fits, the later ways are not tried, nor where the first way that fits is measured to gain
-        nothing from larger micro-batches: its probes are timed, and where a micro-step's seconds grow with
-        its samples alone, one micro-batch instead of several would make the step at most :data:`_GAIN`
-        faster, before any recompute's cost (:func:`_fewer_cannot_pay`; a large model on a GPU: no profile,
-        no trial). A later way counts only where it runs the step in fewer micro-batches (``ceil(whole /
-        size)``, split evenly) than the ways before it: as many micro-steps, each costing more, cannot be
-        faster. So its search starts at the least size that does (16 after 12, of 48: :func:`_fewer`), its
-        floor: where that does not fit, one probe has ruled the way out. Where one way counts, it is
+        recomputed (``full``). For each in turn the largest micro-batch that fits is found, starting where
+        the one before ended (a later way holds less); where the whole batch fits, the later ways are not
+        tried, nor where the first way that fits is measured to gain nothing from larger micro-batches: its
+        probes are timed, and where a micro-step's seconds grow with its samples alone, one micro-batch
+        instead of several would make the step at most :data:`_GAIN` faster, before any recompute's cost
+        (:func:`_fewer_cannot_pay`; a large model on a GPU: no profile, no trial). A later way counts only
+        where it runs the step in fewer micro-batches (``ceil(whole / size)``, split evenly) than every way
+        before it: as many micro-steps, each costing more, cannot be faster. Where one way counts, it is
         taken untimed; else the ways that count run the fit's next optimizer steps, taking turns,
         :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`): the engine times each step's
         micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
@@ -318,39 +317,35 @@ class MicroBatchSizes:
         said = _said(chunked=ways[0] == "own head")
         named = {"keep": "the chunked head", "full": "recomputing"}
 
-        def largest(way: str, least: int | None, fixed: float | None) -> tuple[int | None, list]:
+        def largest(way: str, start: int | None, fixed: float | None) -> tuple[int | None, list]:
             self.recompute.use(way)
             self.probes, self._timed = [], []
-            try:  # from ``least`` up, where a way before counted (its least: ``least`` or none)
-                size = self._find(
-                    probes, whole, limit, least or floor, evaluation=False, start=least, fixed=fixed
-                )
+            try:
+                size = self._find(probes, whole, limit, floor, evaluation=False, start=start, fixed=fixed)
             except MicroBatchOOMError:
                 return None, self.probes
             return size, self.probes
 
         found: dict[str, tuple[int | None, list[tuple[int, int | None]]]] = {}
         counting: list[str] = []  # the ways that run the step in fewer micro-batches than those before
-        # A later way counts only where it runs the step in fewer micro-batches than the ways before: its
-        # search starts at the next such size (16 after 12, of 48), which is also its least (where that
-        # does not fit, one probe has ruled the way out), the probe after predicted from the bytes that the
-        # ways before measured not to grow with the size (parameters, gradients, optimizer state, the
-        # batch; the last way's line that had two sizes fit): they are the same whatever the blocks keep.
-        least, fixed, flat = None, None, None
-        borrowed: dict[str, float | None] = {}  # the fixed bytes each way's search started from
+        # Each later way starts where the one before ended, its next probe predicted from the bytes that
+        # the ways before measured not to grow with the size (parameters, gradients, optimizer state, the
+        # batch; the last way's line that had two sizes fit): they are the same whatever the blocks keep,
+        # which saves a probe a way.
+        start, fixed, flat = None, None, None
         for way in ways:
-            borrowed[way] = fixed
-            size, way_probes = found[way] = largest(way, least, fixed)
+            size, way_probes = found[way] = largest(way, start, fixed)
             if size is None:
                 continue
-            counting.append(way)
+            if not counting or _split(size, whole)[0] < _split(found[counting[-1]][0], whole)[0]:
+                counting.append(way)
+            start = size
             line = MemoryModel.through_largest(way_probes, usable_bytes(limit, self.headroom, None))
             fixed = line.fixed if line is not None else fixed
             if size == whole:  # no way runs fewer than one micro-batch
                 break
             if counting == [way] and (flat := self._flat(probes, size, whole)) is not None:
                 break  # its micro-steps' seconds grow with their samples alone: no later way can be faster
-            least = _fewer(size, whole)
         if not counting:  # the blocks stay recomputed: the least memory
             self.recompute = None
             measured = [p for _, way_probes in found.values() for p in way_probes]
@@ -359,7 +354,7 @@ class MicroBatchSizes:
                 f"micro-batch size that fits, with or without recomputing every block."
                 f"{self._smallest_fit(measured, floor)}\n{CHECKLIST}"
             )
-        kept = _kept(found["keep"][1], borrowed["keep"]) if "keep" in found else []
+        kept = found["keep"][1] if "keep" in found else []
         if len(counting) == 1:
             (way,) = counting
             size, way_probes = found[way]
@@ -797,28 +792,6 @@ def _chord(sizes: Iterable[int]) -> tuple[int, int] | None:
     high = max(sizes, default=0)
     lows = [n for n in sizes if n <= high / 2]
     return (max(lows), high) if lows else None
-
-
-def _fewer(size: int, whole: int) -> int:
-    """The smallest micro-batch that runs a step of ``whole`` samples (more than ``size``) in fewer
-    micro-batches than ``size`` does.
-
-    Example::
-
-        >>> _fewer(12, 48), _fewer(16, 48), _fewer(24, 48), _fewer(7, 10)
-        (16, 24, 48, 10)
-    """
-    count = -(-whole // size)  # the micro-batches at size: at least 2, as size < whole
-    return -(-whole // (count - 1))
-
-
-def _kept(probes: list[tuple[int, int | None]], fixed: float | None) -> list[tuple[int, int | None]]:
-    """The peaks known with every block kept (``AutoCheckpoint``'s plan holds their transient): the keep
-    way's probes, and where fewer than two of them fitted (a later way's search that stopped at its least),
-    the fixed bytes its search started from as the peak at 0 samples, so that :func:`_peak_at` has a line."""
-    if fixed is None or sum(peak is not None for _, peak in probes) >= 2:
-        return probes
-    return [(0, round(fixed)), *probes]
 
 
 def _peak_at(probes: list[tuple[int, int | None]]) -> Callable[[int], float] | None:

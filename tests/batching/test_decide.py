@@ -122,12 +122,11 @@ def test_plain_micro_batches_win_where_larger_ones_gain_less_than_recompute_cost
     # optimizer steps, taking turns, two each: recompute's first (the fit's first step) planned, its others
     # ran the plan
     assert probes.timed == [("full", 64), ("keep", 16), ("plan", 64), ("keep", 16), ("plan", 64)]
-    # The recomputed search starts at the least size that runs the step in fewer micro-batches than kept's
-    # 16 (4 of 64): 22 (3 micro-batches), not at one sample, nor at 16 again.
+    # The recomputed search starts where the kept one ended (16 samples fit kept), not at one sample.
     first_full = next(i for i, (way, _) in enumerate(probes.probed) if way == "full")
     # Its next probe comes from the bytes the kept search measured not to grow with the size (its line's
-    # intercept, 1,000 here): the line through them and 22's peak crosses the limit at 64, the whole batch.
-    assert probes.probed[first_full:] == [("full", 22), ("full", 64)]
+    # intercept, 1,000 here): the line through them and 16's peak crosses the limit at 64, the whole batch.
+    assert probes.probed[first_full:] == [("full", 16), ("full", 64)]
     assert probes.probed[:first_full] == [("keep", 1), ("keep", 2), ("keep", 5), ("keep", 8), ("keep", 16)]
     assert model.said == [
         (
@@ -162,7 +161,7 @@ def test_a_micro_step_costing_what_its_samples_do_is_neither_recomputed_nor_trie
         model = FakeModel(launch=launch)
         _, _, probes = _decide(model, limit=HELD + 1_600)
         assert bool(probes.timed) is tried, launch
-        assert ("full", 22) in probes.probed if tried else all(way == "keep" for way, _ in probes.probed)
+        assert ("full", 16) in probes.probed if tried else all(way == "keep" for way, _ in probes.probed)
 
 
 def test_a_way_that_fits_two_samples_times_its_first_probe_again_to_tell():
@@ -319,9 +318,6 @@ def test_the_model_own_head_where_the_chunked_head_runs_no_fewer_micro_batches()
     assert model.said == [
         ("own head", "the chunked head and recomputing run the step in no fewer micro-batches")
     ]
-    # One probe each rules the later ways out: the least size that runs fewer micro-batches than 13 (5 of
-    # 64), 16 (4), fits neither (1,600 and 1,520 bytes over 1,500); 13 itself is not probed again.
-    assert probes.probed == [("own head", s) for s in (1, 2, 5, 13)] + [("keep", 16), ("full", 16)]
 
 
 def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
@@ -340,17 +336,6 @@ def test_the_chunked_head_where_its_larger_micro_batches_make_the_step_faster():
         )
     ]
     assert size == 32 and all(model.kept_peak(s) == HELD + 100 * s for s in [1, 13])  # the chunked head's
-
-
-def test_a_later_way_with_one_size_fitting_plans_on_the_fixed_bytes_its_search_started_from():
-    # own head: 115 bytes a sample, 13 fit (5 micro-batches of 64); the chunked head, kept: 100, 16 fit (its
-    # least, 4 micro-batches) and 22 does not: one peak. Recompute wins; what AutoCheckpoint plans with is
-    # still the line of a sample kept: through that peak and the own head's fixed bytes (its intercept).
-    model = FakeModel(logits=15, launch=1.0)
-    _, size, probes = _decide(model, limit=HELD + 1_700)
-    assert (size, model.way) == (64, "full")
-    assert [p for p in probes.probed if p[0] == "keep"] == [("keep", 16), ("keep", 22)]
-    assert [model.kept_peak(s) for s in (1, 16, 64)] == [HELD + 100, HELD + 1_600, HELD + 6_400]
 
 
 def test_the_ways_take_turns_at_real_steps_and_each_way_s_fastest_step_counts():
