@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_memopt._checks import check_bool
+from lightning_memopt._tree import tensors
 from lightning_memopt.batching.state import StepState
 from lightning_memopt.checkpointing.apply import (
     apply_checkpointing,
@@ -154,6 +155,7 @@ class AutoCheckpointer:
         self._policy: PlanPolicy | None = None  # mode, limit, treatments: resolved in prepare
         self._needs_check = False  # the next step measures the plan and compares
         self._signature: Signature = ()  # the shapes of the step running
+        self._batch: list[torch.Tensor] = []  # its batch's tensors, until its forward ends
         self._by_shape = False  # whether plans are made per batch shape: auto under a known limit
         self._probe: ForwardProbe | None = None  # measures a step's forward (and records block inputs)
         self._kept_peak: Callable[[int], float] | None = None  # the size search's kept peaks (decided)
@@ -221,13 +223,14 @@ class AutoCheckpointer:
         self.plan, self._needs_check = loaded or Plan.unprofiled(choices), loaded is None
         return None
 
-    def start_step(self, signature: Signature, most: Most = _same) -> None:
+    def start_step(self, signature: Signature, most: Most = _same, batch: Any = None) -> None:
         """Before a step on a batch of ``signature`` (:func:`~lightning_memopt.checkpointing.shape_plans.step_signature`):
         under a limit, switch to the plan made for its shapes (a batch larger than all planned runs every
-        block ``full`` and is profiled); open the probe where the step is to be measured."""
+        block ``full`` and is profiled); open the probe where the step is to be measured. ``batch``: the
+        step's batch, which a measured step counts beside what it holds (until :meth:`forward_done`)."""
         if not self.active:
             return
-        self._signature = signature
+        self._signature, self._batch = signature, tensors(batch)
         if self._by_shape and self.plan.predicted:  # a plan covering every rank's batch, or profile them
             plan = self.shape_plans.next_plan(signature, self.plan, most)
             self._needs_check = self._needs_check or not plan.predicted
@@ -307,7 +310,8 @@ class AutoCheckpointer:
     def forward_done(self) -> None:
         """The step's forward ended: measure no more (backward runs untracked)."""
         if self._probe is not None:
-            self._probe.forward_done()
+            self._probe.forward_done(self._batch)
+        self._batch = []  # no reference to the batch stays
 
     def finish_step(
         self,
@@ -364,9 +368,10 @@ class AutoCheckpointer:
         options.update(discovered=self.blocks is None, profile=profile_blocks)
         self._found, profiles, self._notes = profile_blocks_run(self._model, self._found, **options)
         states = state_bytes(self._model, optimizers) if policy.limit.usable is not None else 0
-        transient = self._transient(profiles, states + probe.outside_bytes)
+        outside = probe.outside_bytes + probe.batch_bytes  # held outside the blocks through the step
+        transient = self._transient(profiles, states + outside)
         # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.
-        agreed = agree(gather(Measured(self._signature, profiles, states, probe.outside_bytes, transient)))
+        agreed = agree(gather(Measured(self._signature, profiles, states, outside, transient)))
         held = lambda: (agreed.states, agreed.outside, agreed.transient)  # noqa: E731
         self.plan = policy.choose(agreed.profiles, self.plan.choices, held)
         if not self._trying:  # a trial's plan is said with the decision, if it runs
@@ -379,8 +384,8 @@ class AutoCheckpointer:
     def _transient(self, profiles: list, held: int) -> int:
         """The transient beside every activation kept (:meth:`decided`): the peak the size search measured
         with every block kept, at the micro-batch that ran (the line through its probes beyond them), less
-        ``held`` (parameters, gradients, optimizer state, activations outside the blocks) and what the
-        blocks hold kept, as profiled; 0 where no search measured it."""
+        ``held`` (parameters, gradients, optimizer state, activations outside the blocks, the batch) and
+        what the blocks hold kept, as profiled; 0 where no search measured it."""
         kept_peak, self._kept_peak = self._kept_peak, None
         if kept_peak is None or not self._signature or len(self._signature[-1]) != 1:
             return 0
@@ -457,7 +462,7 @@ class AutoCheckpointer:
         if self._found and self._model is not None:
             remove_checkpointing(self._model)
         self._take_heads_off()
-        self._found, self._model = [], None
+        self._found, self._model, self._batch = [], None, []
 
     def note(self, text: str) -> None:
         """Say ``text`` to the user (a warning; the callback says it on rank zero)."""
@@ -605,7 +610,7 @@ def _measure_and_plan(checkpointer, model, example_batch, forward, optimizer, co
     """One measured forward of the example, then the profiles and the plan (:meth:`~AutoCheckpointer.finish_step`)."""
     signature = shape_signature(example_batch) if not callable(example_batch) else ()
     with _untouched(model), torch.enable_grad():
-        checkpointer.start_step(signature)
+        checkpointer.start_step(signature, batch=None if callable(example_batch) else example_batch)
         try:
             with context() if context is not None else contextlib.nullcontext():
                 out = forward()

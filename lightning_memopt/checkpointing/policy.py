@@ -1,7 +1,8 @@
 """How the blocks are planned under a training step's memory limit (plain torch; no Lightning).
 
 A step holds the parameters, their gradients and the optimizer state (:func:`state_bytes`), the
-activations outside the blocks (embeddings, head, loss: measured around a real step) and the blocks'
+activations outside the blocks (embeddings, head, loss: measured around a real step) with the batch
+beside them (what of it autograd does not hold: ``ForwardProbe.batch_bytes``) and the blocks'
 activations. The blocks get what the limit leaves::
 
     blocks' share = max_memory * (1 - headroom) - states - outside

@@ -939,3 +939,48 @@ def test_micro_batches_sliced_from_the_batch_measure_what_the_plan_predicts(tmp_
     assert metrics["checkpoint/activation_bytes_predicted"].item() == 2 * 12 * 4 + 2 * 16 * 4
     assert metrics["checkpoint/activation_bytes_measured"].item() == 2 * 12 * 4 + 2 * 16 * 4
     assert not [w for w in caught if "more than 10% apart" in str(w.message)]
+
+
+class _HeavyBatch(GPTModule):
+    """Each batch also carries 4 x 40,000 float32 features (640 KB) that the step reads but autograd never
+    holds: they stay alive beside the activations through the step, as an image batch does."""
+
+    def training_step(self, batch, batch_idx):
+        idx, features = batch
+        logits = self.model(idx)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten()) + 0 * features.mean()
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, 32, (self.n_samples, 64), generator=g)
+        samples = [(i, lambda: torch.zeros(40_000)) for i in idx]  # made as loaded: no dataset held
+        return DataLoader(samples, batch_size=4, collate_fn=lambda rows: _collate(rows))
+
+
+def _collate(rows):
+    return torch.stack([i for i, _ in rows]), torch.stack([make() for _, make in rows])
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_the_plan_counts_the_batch_held_beside_the_activations(tmp_path, monkeypatch, counted):
+    """The measured step's batch, which autograd does not hold but the step does, counts beside what the
+    plan keeps (ForwardProbe.batch_bytes): the planned steps fit. Without it (counted=False) the plan
+    keeps blocks that the batch leaves no room for, and the step after it runs out of memory."""
+    from lightning_memopt.checkpointing import meter
+
+    if not counted:
+        monkeypatch.setattr(
+            meter.ForwardProbe, "batch_bytes", property(lambda self: 0, lambda self, v: None), raising=False
+        )
+    torch.manual_seed(0)
+    module, limit = _HeavyBatch(n_layer=4, n_samples=12), 1_800_000
+    cb = AutoCheckpoint(max_memory=limit, headroom=0.0)
+    trainer = _trainer(tmp_path, [cb], steps=3)  # measured and planned, then the plan runs twice
+    with warnings.catch_warnings(), MemoryCap(limit, modules=module):
+        warnings.simplefilter("ignore")
+        if not counted:
+            with pytest.raises(torch.OutOfMemoryError, match="MemoryCap"):
+                trainer.fit(module)
+            return
+        trainer.fit(module)
+    assert cb.plan.predicted and set(cb.plan.choices.values()) != {"full"}  # some block keeps

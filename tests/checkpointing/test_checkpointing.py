@@ -799,6 +799,22 @@ def test_forward_probe_reads_whats_held_outside_the_blocks_after_micro_batches_r
     assert split.meter.total == whole_part.meter.total and whole.outside_bytes > split.outside_bytes
 
 
+def test_forward_probe_counts_the_batch_autograd_does_not_hold_once():
+    """The step's batch stays alive through the step: what autograd does not already hold of it counts in
+    ``batch_bytes`` (the token ids are the embedding's saved indices: activations, not counted again), each
+    storage once however many views of it the batch holds."""
+    from lightning_memopt.checkpointing.meter import ForwardProbe
+
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    idx, features = torch.randint(0, 32, (4, 8)), torch.zeros(4, 100)
+    probe = ForwardProbe(model, find_blocks(model), record=False)
+    out = model(idx).sum() + features.mean()
+    probe.forward_done([idx, features, features[:2]])
+    del out
+    assert probe.batch_bytes == 4 * 100 * 4
+
+
 @pytest.mark.parametrize("choice", ["keep", "full"])
 def test_a_stem_that_saves_a_slice_of_its_batch_holds_the_slice_not_the_batch(choice):
     # A micro-batch is a slice of the DataLoader's batch (one storage); a stem block that saves its input
