@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_memopt._compat import is_dtensor, tree_flatten
+from lightning_memopt._compat import is_dtensor
 from lightning_memopt.batching.outputs import LogRecorder, loss_of
 from lightning_memopt.batching.regime import no_sync
 from lightning_memopt.batching.size_search import smallest_micro_batch
-from lightning_memopt.batching.split import split_batch
+from lightning_memopt.batching.split import split_batch, tensors_of
 from lightning_memopt.batching.state import StepState
 from lightning_memopt.data.clock import Clock, step_clock
 from lightning_memopt.memory.device import is_out_of_memory, memory_of
@@ -172,4 +172,4 @@ class BatchProbes:
 
     def _held_tensors(self) -> list[torch.Tensor]:
         snapshot = self.engine.state.tensors() if self.engine.state is not None else []
-        return [t for t in tree_flatten(self.batch)[0] if isinstance(t, torch.Tensor)] + snapshot
+        return [t for _, t in tensors_of(self.batch, strict=False)] + snapshot

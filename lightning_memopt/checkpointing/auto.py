@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lightning_memopt._checks import check_bool
-from lightning_memopt._tree import tensors
+from lightning_memopt.batching.split import tensors_of
 from lightning_memopt.batching.state import StepState
 from lightning_memopt.checkpointing.apply import (
     apply_checkpointing,
@@ -230,7 +230,7 @@ class AutoCheckpointer:
         step's batch, which a measured step counts beside what it holds (until :meth:`forward_done`)."""
         if not self.active:
             return
-        self._signature, self._batch = signature, tensors(batch)
+        self._signature, self._batch = signature, [t for _, t in tensors_of(batch, strict=False)]
         if self._by_shape and self.plan.predicted:  # a plan covering every rank's batch, or profile them
             plan = self.shape_plans.next_plan(signature, self.plan, most)
             self._needs_check = self._needs_check or not plan.predicted

@@ -16,19 +16,18 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 
-from torch.utils._pytree import tree_flatten
-
+from lightning_memopt.batching.split import tensors_of
 from lightning_memopt.checkpointing.costs import BlockProfile
 from lightning_memopt.checkpointing.planner import Plan, evaluate_plan
 from lightning_memopt.memory.units import format_bytes
 
 Signature = tuple[tuple[int, ...], ...]
-"""The shapes of a batch's tensors, in the order ``torch.utils._pytree`` flattens the batch."""
+"""The shapes of a batch's tensors, in the order :func:`~lightning_memopt.batching.split.tensors_of` walks the batch."""
 
 
 def shape_signature(batch) -> Signature:
-    """The shapes of the tensors in ``batch`` (any nesting of lists, tuples and dicts); other leaves are
-    ignored.
+    """The shapes of the tensors in ``batch`` (any nesting of mappings, sequences, named tuples and
+    dataclasses: a tokenizer's ``BatchEncoding`` too); other leaves are ignored.
 
     Example::
 
@@ -36,8 +35,7 @@ def shape_signature(batch) -> Signature:
         >>> shape_signature({"input_ids": torch.zeros(4, 9), "labels": torch.zeros(4, 9), "n": 3})
         ((4, 9), (4, 9))
     """
-    leaves, _ = tree_flatten(batch)
-    return tuple(tuple(t.shape) for t in leaves if hasattr(t, "shape") and hasattr(t, "numel"))
+    return tuple(tuple(t.shape) for _, t in tensors_of(batch, strict=False))
 
 
 def step_signature(batch, micro_batch: int | None) -> Signature:

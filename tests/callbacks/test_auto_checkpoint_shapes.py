@@ -210,3 +210,42 @@ def test_a_smaller_micro_batch_of_the_same_shape_gets_its_own_plan(tmp_path):
     assert list(plans[((8, 16), (8,))].choices.values()) == ["full", "full", "keep"]
     assert set(plans[((8, 16), (4,))].choices.values()) == {"keep"}
     assert not [w for w in caught if "held" in str(w.message) and "predicted" in str(w.message)]
+
+
+def test_batches_a_tokenizer_collates_get_a_plan_per_length(tmp_path):
+    """Hugging Face's collators return a BatchEncoding (a Mapping, not a dict): its 48-token batches ran the
+    plan made for its 16-token ones (the batch's shapes read as none), now each length gets its own."""
+    import transformers
+    from transformers import BatchEncoding
+
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = transformers.LlamaForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    def collate(rows):
+        ids = torch.randint(
+            0, 128, (8, 16 if rows[0] < 16 else 48), generator=torch.Generator().manual_seed(0)
+        )
+        return BatchEncoding({"input_ids": ids, "labels": ids.clone()})
+
+    torch.manual_seed(0)
+    cb = AutoCheckpoint(max_memory="5MiB")
+    trainer = quiet_trainer([cb], max_steps=4, default_root_dir=tmp_path)
+    trainer.fit(Module(), DataLoader(list(range(32)), batch_size=8, collate_fn=collate))
+    assert cb.shape_plans.made == 2

@@ -18,6 +18,15 @@ def test_shape_signature_flattens_nested_batches_and_skips_non_tensors():
     assert shape_signature(batch) == ((2, 5), (3,), ())
 
 
+def test_shape_signature_reads_a_tokenizer_s_batch_encoding():
+    # What Hugging Face's collators return: a Mapping that is not a dict. Its shapes were () before, so
+    # a longer batch ran the plan made for a shorter one.
+    from transformers import BatchEncoding
+
+    batch = BatchEncoding({"input_ids": torch.zeros(4, 9, dtype=torch.long), "labels": torch.zeros(4, 9)})
+    assert shape_signature(batch) == ((4, 9), (4, 9))
+
+
 def test_covers_needs_every_dimension_of_every_tensor_no_larger():
     assert covers(((4, 16), (4,)), ((4, 16), (4,)))
     assert covers(((4, 16),), ((2, 9),))
