@@ -186,6 +186,7 @@ class MicroBatchEngine:
             stable_steps=self.sizes.stable_steps,
             overlap_after=self.overlap_after,
             size=size,
+            done=self.sizes.done,
         )
 
     def sharded(self) -> Sharding | None:
@@ -215,7 +216,7 @@ class MicroBatchEngine:
             floor = watch_allocator(self.thrash_watch, self.sizes, retried, step, key, failed=retries > 0)
             if floor and "thrashing" not in self.warned:
                 self.warned.add("thrashing")
-                rank_zero_warn(thrashing_at_the_floor(step.size))
+                rank_zero_warn(thrashing_at_the_floor(step.size, self.sizes.done))
         if step.loss is None:  # training_step returned None: Lightning skips the step
             return step.output
         step.result.recorder.flush(step.result.losses, step.loss)

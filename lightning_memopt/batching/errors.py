@@ -12,24 +12,50 @@ from lightning_memopt.memory.units import format_bytes
 
 __all__ = [
     "BATCHNORM_ADVICE",
-    "CHECKLIST",
+    "IN_PLACE",
     "MicroBatchOOMError",
     "SplitNotExactError",
     "SplitNotExactWarning",
+    "checklist",
 ]
 
 # Every option named here exists (tests/batching/test_errors.py checks them against the signatures).
-CHECKLIST = """\
-What to do, cheapest first:
-  1. precision="bf16-mixed" (or "16-mixed") on the Trainer: activations take half the bytes.
-  2. lightning_memopt.AutoCheckpoint(): recompute activations in backward instead of keeping them.
-  3. lightning_memopt.BatchNormToGroupNorm(): small micro-batches make BatchNorm statistics noisy;
-     GroupNorm does not depend on the micro-batch size.
-  4. Shard parameters, gradients and optimizer state across devices with Lightning's
-     strategy="fsdp" or ModelParallelStrategy (FSDP2).
-  5. Offload saved activations to CPU memory: AutoCheckpoint(mode="offload"), or
-     AutoCheckpoint(allow_offload=True) to let its planner offload where that is cheapest.
-  6. A smaller model or shorter sequences: one sample does not fit as it is."""
+_ADVICE = {
+    "precision": 'precision="bf16-mixed" (or "16-mixed") on the Trainer: activations take half the bytes.',
+    "checkpointing": "lightning_memopt.AutoCheckpoint(): recompute activations in backward instead of keeping them.",
+    "batchnorm": (
+        "lightning_memopt.BatchNormToGroupNorm(): small micro-batches make BatchNorm statistics noisy;\n"
+        "     GroupNorm does not depend on the micro-batch size."
+    ),
+    "sharding": (
+        "Shard parameters, gradients and optimizer state across devices with Lightning's\n"
+        '     strategy="fsdp" or ModelParallelStrategy (FSDP2).'
+    ),
+    "offload": (
+        'Offload saved activations to CPU memory: AutoCheckpoint(mode="offload"), or\n'
+        "     AutoCheckpoint(allow_offload=True) to let its planner offload where that is cheapest."
+    ),
+    "smaller": "A smaller model or shorter sequences: one sample does not fit as it is.",
+}
+IN_PLACE = frozenset(("precision", "checkpointing", "batchnorm", "sharding"))
+"""What a fit can already do of :func:`checklist`'s advice (the engine tells at fit start)."""
+
+
+def checklist(done: frozenset[str] = frozenset()) -> str:
+    """What to do against running out of memory, cheapest first, without what the fit already does
+    (``done``, among :data:`IN_PLACE`: half precision, ``AutoCheckpoint``, no BatchNorm to swap, sharding).
+
+    Example::
+
+        >>> print(checklist(frozenset({"precision", "checkpointing", "batchnorm", "sharding"})))
+        What to do, cheapest first:
+          1. Offload saved activations to CPU memory: AutoCheckpoint(mode="offload"), or
+             AutoCheckpoint(allow_offload=True) to let its planner offload where that is cheapest.
+          2. A smaller model or shorter sequences: one sample does not fit as it is.
+    """
+    items = [text for key, text in _ADVICE.items() if key not in done]
+    return "What to do, cheapest first:\n" + "\n".join(f"  {i}. {text}" for i, text in enumerate(items, 1))
+
 
 BATCHNORM_ADVICE = (
     "The model has BatchNorm layers in training mode, which need at least 2 samples per micro-batch "

@@ -30,7 +30,7 @@ from lightning_memopt.batching.distributed import (
     is_distributed,
     max_over_ranks_each,
 )
-from lightning_memopt.batching.errors import CHECKLIST, MicroBatchOOMError
+from lightning_memopt.batching.errors import MicroBatchOOMError, checklist
 from lightning_memopt.batching.state import drop_gradients
 
 __all__ = [
@@ -232,6 +232,7 @@ def choose_regime(
     stable_steps: int = 0,
     overlap_after: int | None = None,
     size: int = 0,
+    done: frozenset[str] = frozenset(),
 ) -> Regime:
     """The regime of one attempt of ``phase`` (the only place the regimes are chosen).
 
@@ -244,13 +245,14 @@ def choose_regime(
         stable_steps: Steps that succeeded in a row at the current size.
         overlap_after: ``OOMBackoff(overlap_after=...)``.
         size: The micro-batch size of the attempt (for the error message).
+        done: What the fit already does of the error's advice (:func:`~.errors.checklist`).
     """
     if not is_distributed():
         return Regime(strategy)
     if phase == "optimizer_step":
         if stable_steps <= 1:  # the first clean step at this size
             return Agreed(strategy)
-        return Unagreed(strategy, _SETTLED_STEP, "\n" + CHECKLIST)
+        return Unagreed(strategy, _SETTLED_STEP, "\n" + checklist(done))
     if phase == "evaluation":
         return Sharded(strategy, sharding) if retry and sharding is not None else Agreed(strategy)
     if not retry:

@@ -28,7 +28,7 @@ from lightning_memopt.batching.distributed import (
     max_over_ranks_each,
     min_over_ranks,
 )
-from lightning_memopt.batching.errors import BATCHNORM_ADVICE, CHECKLIST, MicroBatchOOMError
+from lightning_memopt.batching.errors import BATCHNORM_ADVICE, MicroBatchOOMError, checklist
 from lightning_memopt.batching.shape_model import ShapeModel
 from lightning_memopt.batching.size_search import MemoryModel, NoSizeFits, find_micro_batch_size
 from lightning_memopt.batching.split import largest_micro_batch
@@ -159,6 +159,9 @@ class MicroBatchSizes:
         out (:func:`_fewer_cannot_pay`)."""
         self._trial: _Trial | None = None
         self._limits: tuple[int, int, int] | None = None  # the search's (limit, held, whole batch)
+        self.done: frozenset[str] = frozenset()
+        """What the fit already does of the out-of-memory advice (:data:`~.errors.IN_PLACE`), left out of
+        the errors' checklist (the engine tells at fit start)."""
 
     # ------------------------------------------------------------------ reading
     def see(self, width: int) -> None:
@@ -352,7 +355,7 @@ class MicroBatchSizes:
             raise MicroBatchOOMError(
                 f"AutoAccumulation(max_memory={self.max_memory!r}, headroom={self.headroom}) found no training "
                 f"micro-batch size that fits, with or without recomputing every block."
-                f"{self._smallest_fit(measured, floor)}\n{CHECKLIST}"
+                f"{self._smallest_fit(measured, floor)}\n{checklist(self.done)}"
             )
         kept = found["keep"][1] if "keep" in found else []
         if len(counting) == 1:
@@ -503,7 +506,7 @@ class MicroBatchSizes:
             raise MicroBatchOOMError(
                 f"AutoAccumulation(max_memory={self.max_memory!r}, headroom={self.headroom}) found no "
                 f"{'evaluation' if evaluation else 'training'} micro-batch size that fits: {error}."
-                f"{self._smallest_fit(log, min(floor, whole))}\n{advice}{CHECKLIST}"
+                f"{self._smallest_fit(log, min(floor, whole))}\n{advice}{checklist(self.done)}"
             ) from None
         return min_over_ranks(int(result.size), probes.device)
 
@@ -556,12 +559,12 @@ class MicroBatchSizes:
         if size <= 1:
             raise MicroBatchOOMError(
                 "out of memory with one sample per micro-batch; splitting the batch further cannot help.\n"
-                f"{failure}\n{CHECKLIST}"
+                f"{failure}\n{checklist(self.done)}"
             )
         if size <= floor:
             raise MicroBatchOOMError(
                 f"out of memory with {size} samples per micro-batch, the fewest a model with BatchNorm layers in "
-                f"training mode can run. {BATCHNORM_ADVICE}\n{failure}\n{CHECKLIST}"
+                f"training mode can run. {BATCHNORM_ADVICE}\n{failure}\n{checklist(self.done)}"
             )
         self._halve(size, total, floor)
 
@@ -628,7 +631,7 @@ class MicroBatchSizes:
         """
         if size <= 1:
             raise MicroBatchOOMError(
-                f"out of memory in {hook} with one sample per micro-batch.\n{failure or 'on another rank'}\n{CHECKLIST}"
+                f"out of memory in {hook} with one sample per micro-batch.\n{failure or 'on another rank'}\n{checklist(self.done)}"
             )
         self.eval_oom_retries += 1
         self.eval_size = math.ceil(size / 2)

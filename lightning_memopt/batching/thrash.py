@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from lightning_memopt.batching.errors import CHECKLIST
+from lightning_memopt.batching.errors import checklist
 
 __all__ = ["ThrashWatch"]
 
@@ -96,12 +96,13 @@ def watch_allocator(
     return not sizes.near_miss(step.size, total=step.total, floor=step.floor)
 
 
-def thrashing_at_the_floor(size: int) -> str:
-    """The one warning when the allocator thrashes at the fewest samples the model can run."""
+def thrashing_at_the_floor(size: int, done: frozenset[str] = frozenset()) -> str:
+    """The one warning when the allocator thrashes at the fewest samples the model can run (``done``: what
+    the fit already does of the advice, :func:`~.errors.checklist`)."""
     return (
         f"The CUDA caching allocator keeps freeing its cache and retrying allocations (thrashing: every "
         f"such step synchronizes the device and reallocates, a large slowdown) at {size} samples per "
         f"micro-batch, the fewest this model can run. Training goes on, slowly. Against fragmentation, set "
         f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts; to need less "
-        f"memory:\n{CHECKLIST}"
+        f"memory:\n{checklist(done)}"
     )

@@ -12,15 +12,18 @@ from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
 from lightning_memopt.batching.engine import Exactness, MicroBatchEngine
+from lightning_memopt.batching.errors import IN_PLACE
 from lightning_memopt.batching.exactness import batchnorms, causes
 from lightning_memopt.batching.sizes import MicroBatchSizes
 from lightning_memopt.batching.surface import check_setup
 from lightning_memopt.callbacks._hooks import ReleasingCallback
+from lightning_memopt.checkpointing.auto import AutoCheckpointer
 
 __all__ = ["MicroBatching", "engine_of"]
 
@@ -108,6 +111,7 @@ class MicroBatching(ReleasingCallback):
         # BatchNorm is known before the first step (BatchNormToGroupNorm has swapped it by now): said now
         # where batches will be split, every rank alike.
         batchnorm = batchnorms(pl_module)
+        self._engine.sizes.done = _in_place(trainer, batchnorm=bool(batchnorm))
         splits = any(cb.splits_from_the_start for cb in trainer.callbacks if isinstance(cb, MicroBatching))
         if batchnorm and splits and self._engine.exactness != "off":
             self._engine.report_inexact(causes(batchnorm=batchnorm, written=[], unexplained=False))
@@ -189,3 +193,15 @@ def engine_of(trainer: pl.Trainer) -> MicroBatchEngine | None:
             engine = cb.engine
             return engine if engine is not None and engine.installed else None
     return None
+
+
+def _in_place(trainer: pl.Trainer, *, batchnorm: bool) -> frozenset[str]:
+    """What the fit already does of the out-of-memory advice (:data:`~lightning_memopt.batching.errors.IN_PLACE`):
+    half precision, ``AutoCheckpoint``, no BatchNorm to swap, sharding; its errors leave these out."""
+    done = {
+        "precision": trainer.precision not in ("32-true", "64-true"),
+        "checkpointing": any(isinstance(cb, AutoCheckpointer) for cb in trainer.callbacks),
+        "batchnorm": not batchnorm,
+        "sharding": isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)),
+    }
+    return frozenset(key for key, value in done.items() if value and key in IN_PLACE)

@@ -282,6 +282,24 @@ def test_max_memory_resolves_through_the_budget_rule(monkeypatch):
     assert limits == [2000, 8000, 1024, 3000]  # the headroom is applied by the search: usable_bytes once more
 
 
+def test_the_checklist_leaves_out_what_the_fit_already_does(tmp_path):
+    # Under bf16-mixed, without BatchNorm, the advice starts at AutoCheckpoint: half precision and swapping
+    # BatchNorm are in place; in 32-true with BatchNorm it names both.
+    with pytest.raises(MicroBatchOOMError) as raised:
+        fit(Net(), [AutoAccumulation(max_memory=1000)], steps=1, tmp_path=tmp_path, precision="bf16-mixed")
+    advice = str(raised.value).split("What to do, cheapest first:\n")[1]
+    assert advice.startswith("  1. lightning_memopt.AutoCheckpoint()") and "precision=" not in advice
+    assert "  2. Shard parameters" in advice
+    assert "BatchNormToGroupNorm" not in advice
+    with pytest.raises(MicroBatchOOMError) as raised:
+        fit(Net(batchnorm=True), [AutoAccumulation(max_memory=1000)], steps=1, tmp_path=tmp_path)
+    advice = str(raised.value).split("What to do, cheapest first:\n")[1]
+    assert (
+        advice.startswith('  1. precision="bf16-mixed"')
+        and "  3. lightning_memopt.BatchNormToGroupNorm" in advice
+    )
+
+
 def test_nothing_fits_raises_micro_batch_oom_error(tmp_path):
     model = Net(batchnorm=True)
     with pytest.raises(
