@@ -548,13 +548,16 @@ class MicroBatchSizes:
 
     # ------------------------------------------------------------------ after each attempt
     def failed(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
-        """An attempt at ``size`` samples per micro-batch ran out of memory: the retry runs at half of it.
+        """An attempt at ``size`` samples per micro-batch ran out of memory: the retry runs at half of it (at
+        the floor during the trial, with the trial's way that holds the least: :meth:`_leave_trial`).
 
         Raises:
             MicroBatchOOMError: If ``size`` is already the floor (1 sample; 2 with BatchNorm in training).
         """
         self.oom_retries += 1
         self.clean_steps = self.stable_steps = 0
+        if size <= floor and self._leave_trial(size):
+            return
         self._record_failure(size)
         if size <= 1:
             raise MicroBatchOOMError(
@@ -567,6 +570,21 @@ class MicroBatchSizes:
                 f"training mode can run. {BATCHNORM_ADVICE}\n{failure}\n{checklist(self.done)}"
             )
         self._halve(size, total, floor)
+
+    def _leave_trial(self, size: int) -> bool:
+        """During the trial, a way that ran out of memory at the fewest samples (a longer batch than the first)
+        cannot run the fit's batches: the trial ends, and its last way, which holds the least (recompute),
+        runs from the retry on; False where the way that failed is that one (nothing holds less)."""
+        trial = self._trial
+        if trial is None or trial.turns[trial.turn] == trial.ways[-1]:
+            return False
+        way, last = trial.turns[trial.turn], trial.ways[-1]
+        said = _said(chunked=trial.ways[0] == "own head", planned=True)
+        why = f"{counted(size, 'sample')} {said[way]} ran out of memory in a step of the trial: {said[last]} from now on"
+        self._trial, self._retry = None, None
+        found, probes = trial.found[last]
+        self._size_to(self._decided(last, found, probes, why, kept=trial.kept if last == "full" else ()))
+        return True
 
     def near_miss(self, size: int, *, total: int, floor: int) -> bool:
         """A step at ``size`` trained while the allocator thrashed: lower the size as :meth:`failed` would,

@@ -434,3 +434,30 @@ def _saved(state: dict):
     torch.save(state, buffer)
     buffer.seek(0)
     return buffer
+
+
+def test_a_way_that_runs_out_of_memory_at_one_sample_during_the_trial_leaves_it_to_recompute():
+    """A longer batch than the first, during the trial: the model's own head cannot run one sample of it.
+    The fit goes on: the trial ends, and recompute (which holds the least) runs from the retry on, where
+    the error said that splitting further could not help; recompute itself failing there still raises."""
+    model = FakeModel(logits=300)  # own head: 3 fit; the chunked head: 13; recomputed: 32 (of 64)
+    sizes = MicroBatchSizes(max_memory=HELD + 1_500, headroom=0.0)
+    sizes.recompute = model
+    probes = FakeProbes(model)
+    size, _, _ = sizes.plan(total=64, width=1, probes=probes)  # the search, then the planning turn
+    assert (model.way, size) == ("full", 32)
+    sizes.succeeded(retried=False, total=64, size=size, seconds=10.0)
+    size, _, _ = sizes.plan(total=64, width=1, probes=probes)
+    assert (model.way, size) == ("own head", 3)
+    sizes.failed(1, total=64, floor=1, failure="OutOfMemoryError")  # backed off to 1, out of memory again
+    assert not sizes.timing and model.way == "full"
+    assert model.said == [
+        (
+            "full",
+            "1 sample with the model's own head ran out of memory in a step of the trial: with the least "
+            "recompute that fits them from now on",
+        )
+    ]
+    assert sizes.plan(total=64, width=1, probes=probes)[0] == 32
+    with pytest.raises(MicroBatchOOMError, match="one sample per micro-batch"):
+        sizes.failed(1, total=64, floor=1, failure="OutOfMemoryError")
