@@ -164,7 +164,9 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
             # decide); a run resumed during the trial goes on with it.
             engine.sizes.recompute = self
         signature = step_signature(batch, None if engine is None else engine.peek(batch))
-        self.start_step(signature, lambda flags: most_over_ranks(trainer.strategy, flags), batch)
+        self.start_step(
+            signature, lambda flags: most_over_ranks(trainer.strategy, flags), batch, engine is not None
+        )
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:

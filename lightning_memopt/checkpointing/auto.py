@@ -223,16 +223,19 @@ class AutoCheckpointer:
         self.plan, self._needs_check = loaded or Plan.unprofiled(choices), loaded is None
         return None
 
-    def start_step(self, signature: Signature, most: Most = _same, batch: Any = None) -> None:
+    def start_step(
+        self, signature: Signature, most: Most = _same, batch: Any = None, sized: bool = False
+    ) -> None:
         """Before a step on a batch of ``signature`` (:func:`~lightning_memopt.checkpointing.shape_plans.step_signature`):
         under a limit, switch to the plan made for its shapes (a batch larger than all planned runs every
         block ``full`` and is profiled); open the probe where the step is to be measured. ``batch``: the
-        step's batch, which a measured step counts beside what it holds (until :meth:`forward_done`)."""
+        step's batch, which a measured step counts beside what it holds (until :meth:`forward_done`);
+        ``sized``: a micro-batching engine sizes its micro-batches (:meth:`ShapePlans.next_plan`)."""
         if not self.active:
             return
         self._signature, self._batch = signature, [t for _, t in tensors_of(batch, strict=False)]
         if self._by_shape and self.plan.predicted:  # a plan covering every rank's batch, or profile them
-            plan = self.shape_plans.next_plan(signature, self.plan, most)
+            plan = self.shape_plans.next_plan(signature, self.plan, most, sized)
             self._needs_check = self._needs_check or not plan.predicted
             if plan is not self.plan:
                 self.plan = plan

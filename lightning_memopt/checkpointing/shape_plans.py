@@ -175,20 +175,23 @@ class ShapePlans:
         keys = next((keys for made, keys in self._entries if made is plan), [])
         return signature in keys and all(covers(signature, k) for k in keys)
 
-    def next_plan(self, signature: Signature, current: Plan, most: Callable[[list[int]], list[int]]) -> Plan:
+    def next_plan(
+        self, signature: Signature, current: Plan, most: Callable[[list[int]], list[int]], sized: bool = False
+    ) -> Plan:
         """The plan a batch of ``signature`` runs, ``current`` being the plan that ran last.
 
         ``most(flags)``: each flag's largest over processes (the flags themselves in one process). Per plan
         made, a flag says whether it does not cover this process's batch; the batch runs the cheapest plan
         that covers every process's batch, the same plan on every process. Where none does, every block
         runs ``full`` unprofiled, after a warning if that too is estimated over ``current``'s ``max_bytes``
-        (:meth:`overrun`), and is profiled on every process.
+        (:meth:`overrun`; not where ``sized``: a micro-batching engine measures the step's micro-batches to
+        fit, and says so itself where one sample does not), and is profiled on every process.
         """
         uncovered = self._uncovered(signature)
         known = self._cheapest(most(uncovered) if uncovered else [])  # the same plans on every process
         if known is not None:
             return known
-        overrun = self.overrun(signature, current.max_bytes)
+        overrun = None if sized else self.overrun(signature, current.max_bytes)
         if overrun is not None:
             warnings.warn(overrun, stacklevel=2)
         return Plan.unprofiled(dict.fromkeys(current.choices, "full"))

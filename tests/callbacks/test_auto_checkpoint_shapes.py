@@ -133,6 +133,25 @@ def test_a_batch_too_large_even_fully_checkpointed_warns_before_it_runs(tmp_path
     assert ran == [(4, 8), (4, 8), (4, 512)]
 
 
+def test_under_micro_batching_a_longer_batch_is_sized_not_warned_about(tmp_path):
+    # The batch of 512 tokens that the test above warns about: under OOMBackoff the engine sizes its
+    # micro-batches by measuring them, so AutoCheckpoint does not estimate it (the estimate scaled the whole
+    # batch, and read 16x over on micro-batches a quarter of it that fit).
+    import warnings
+
+    from lightning_memopt import OOMBackoff
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(MisconfigurationException, match=r"AutoCheckpoint: max_memory=370000"):
+            _fit(
+                tmp_path,
+                [AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0), OOMBackoff()],
+                lengths=[8, 8, 512],
+            )
+    assert not [w for w in caught if "arrives; fully checkpointed" in str(w.message)]
+
+
 def test_resume_keeps_the_plans_per_shape(tmp_path, monkeypatch):
     auto = AutoCheckpoint(max_memory=MAX_MEMORY, headroom=0.0)
     _, trainer = _fit(tmp_path, [auto], checkpointing=True)
