@@ -159,6 +159,7 @@ class MicroBatchSizes:
         out (:func:`_fewer_cannot_pay`)."""
         self._trial: _Trial | None = None
         self._limits: tuple[int, int, int] | None = None  # the search's (limit, held, whole batch)
+        self._leaving = False  # a trial way ran out of memory at the floor: the trial ends (_next_way)
         self.done: frozenset[str] = frozenset()
         """What the fit already does of the out-of-memory advice (:data:`~.errors.IN_PLACE`), left out of
         the errors' checklist (the engine tells at fit start)."""
@@ -428,6 +429,19 @@ class MicroBatchSizes:
         run resumed from a checkpoint)."""
         trial = self._trial
         assert trial is not None and self._limits is not None
+        if any_rank(self._leaving, probes.device):
+            # A way ran out of memory at the fewest samples on some rank (a batch longer than the first): it
+            # cannot run the fit's batches. The trial ends; its last way, which holds the least (recompute),
+            # runs from the retry on, on every rank.
+            way, last = trial.turns[trial.turn], trial.ways[-1]
+            said = _said(chunked=trial.ways[0] == "own head", planned=True)
+            why = f"the trial's step {said[way]} ran out of memory at the fewest samples: {said[last]} from now on"
+            self._trial, self._retry, self._leaving = None, None, False
+            size, way_probes = trial.found[last]
+            self._size_to(
+                self._decided(last, size, way_probes, why, kept=trial.kept if last == "full" else ())
+            )
+            return
         resumed, trial.resumed = trial.resumed, False
         if trial.seconds[trial.turn] is None:
             if resumed:
@@ -549,14 +563,19 @@ class MicroBatchSizes:
     # ------------------------------------------------------------------ after each attempt
     def failed(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
         """An attempt at ``size`` samples per micro-batch ran out of memory: the retry runs at half of it (at
-        the floor during the trial, with the trial's way that holds the least: :meth:`_leave_trial`).
+        the floor during the trial, with the trial's way that holds the least: :meth:`_next_way`).
 
         Raises:
             MicroBatchOOMError: If ``size`` is already the floor (1 sample; 2 with BatchNorm in training).
         """
         self.oom_retries += 1
         self.clean_steps = self.stable_steps = 0
-        if size <= floor and self._leave_trial(size):
+        if (
+            size <= floor
+            and self._trial is not None
+            and self._trial.turns[self._trial.turn] != self._trial.ways[-1]
+        ):
+            self._leaving = True  # the trial ends before the retry, on every rank alike (_next_way)
             return
         self._record_failure(size)
         if size <= 1:
@@ -570,21 +589,6 @@ class MicroBatchSizes:
                 f"training mode can run. {BATCHNORM_ADVICE}\n{failure}\n{checklist(self.done)}"
             )
         self._halve(size, total, floor)
-
-    def _leave_trial(self, size: int) -> bool:
-        """During the trial, a way that ran out of memory at the fewest samples (a longer batch than the first)
-        cannot run the fit's batches: the trial ends, and its last way, which holds the least (recompute),
-        runs from the retry on; False where the way that failed is that one (nothing holds less)."""
-        trial = self._trial
-        if trial is None or trial.turns[trial.turn] == trial.ways[-1]:
-            return False
-        way, last = trial.turns[trial.turn], trial.ways[-1]
-        said = _said(chunked=trial.ways[0] == "own head", planned=True)
-        why = f"{counted(size, 'sample')} {said[way]} ran out of memory in a step of the trial: {said[last]} from now on"
-        self._trial, self._retry = None, None
-        found, probes = trial.found[last]
-        self._size_to(self._decided(last, found, probes, why, kept=trial.kept if last == "full" else ()))
-        return True
 
     def near_miss(self, size: int, *, total: int, floor: int) -> bool:
         """A step at ``size`` trained while the allocator thrashed: lower the size as :meth:`failed` would,

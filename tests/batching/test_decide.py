@@ -450,14 +450,14 @@ def test_a_way_that_runs_out_of_memory_at_one_sample_during_the_trial_leaves_it_
     size, _, _ = sizes.plan(total=64, width=1, probes=probes)
     assert (model.way, size) == ("own head", 3)
     sizes.failed(1, total=64, floor=1, failure="OutOfMemoryError")  # backed off to 1, out of memory again
+    assert sizes.plan(total=64, width=1, probes=probes)[0] == 32  # the retry, every rank agreeing
     assert not sizes.timing and model.way == "full"
     assert model.said == [
         (
             "full",
-            "1 sample with the model's own head ran out of memory in a step of the trial: with the least "
-            "recompute that fits them from now on",
+            "the trial's step with the model's own head ran out of memory at the fewest samples: with the "
+            "least recompute that fits them from now on",
         )
     ]
-    assert sizes.plan(total=64, width=1, probes=probes)[0] == 32
     with pytest.raises(MicroBatchOOMError, match="one sample per micro-batch"):
         sizes.failed(1, total=64, floor=1, failure="OutOfMemoryError")
