@@ -171,9 +171,26 @@ class MicroBatchEngine:
             if failure is not None:
                 self.last_failure = failure + "\n" + self._memory_report()
             if not regime.failed(self.last_failure if failure is not None else None, peer):
-                return regime, retries
+                failure = self._settle(attempt, regime)
+                if failure is None:
+                    return regime, retries
             attempt.recover(failure)
             retries += 1
+
+    def _settle(self, attempt: Attempt, regime: Regime) -> str | None:
+        """``attempt.settle`` once every rank's run succeeded; its out-of-memory error (with ``retry_on_oom``)
+        as a failure to recover from, else None. Not agreed: under DDP or FSDP2 the other ranks are inside
+        the same collectives then, as they were when the check ran inside the attempt."""
+        try:
+            attempt.settle(regime)
+        except BaseException as error:
+            if not (self.retry_on_oom and is_out_of_memory(error)):
+                raise
+            failure = f"{type(error).__name__}: {error}"
+        else:
+            return None
+        self.last_failure = failure + "\n" + self._memory_report()
+        return failure
 
     def choose(self, phase: Phase, micro_batches: int = 1, size: int = 0) -> Regime:
         """The regime of one attempt of ``phase`` (:func:`~.regime.choose_regime`)."""

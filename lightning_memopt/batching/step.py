@@ -48,6 +48,8 @@ class Attempt(Protocol):
 
     def run(self, regime: Regime) -> None: ...
 
+    def settle(self, regime: Regime) -> None: ...  # once every rank's run succeeded: what needs them all
+
     def recover(self, failure: str | None) -> None: ...  # drop the attempt, pick a smaller size (or raise)
 
 
@@ -85,6 +87,7 @@ class TrainingStep:
         self.pad = 0  # FSDP2: repeats of the last micro-batch, weighted 0, to run the count the ranks agreed
         self.result = Pass(None)
         self._combined: tuple[Pass, Any] | None = None  # (the pass, its output), combined once
+        self._to_check: tuple[Any, list[str]] | None = None  # the check's start state and writes (settle)
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -148,16 +151,23 @@ class TrainingStep:
                 "count_fn=... (the number of items the loss averages over in a micro-batch, or 'sum')",
                 local=True,
             )
-        if checking:
-            engine.checked_keys.add(key)
-            self._check(regime, start, written)
-        elif looking:  # distributed, no agreement to check on: what one rank can see, said on every rank
+        # The one-time check runs once every rank's pass succeeded (settle): a rank out of memory in its pass
+        # agrees on the failure first, where it used to meet the others in the check's collectives.
+        self._to_check = (start, written) if checking else None
+        if looking and not checking:  # distributed, no agreement to check on: what one rank can see, said
             engine.checked_keys.add(key)
             batchnorm = exactness.batchnorms(self.module)
             if written or batchnorm:
                 engine.report_inexact(
                     exactness.causes(batchnorm=batchnorm, written=written, unexplained=False), local=True
                 )
+
+    def settle(self, regime: Regime) -> None:
+        """The one-time exactness check, where this step runs it (:meth:`_check`)."""
+        if self._to_check is not None:
+            (start, written), self._to_check = self._to_check, None
+            self.engine.checked_keys.add(self.key)
+            self._check(regime, start, written)
 
     def recover(self, failure: str | None) -> None:
         engine = self.engine
@@ -400,6 +410,9 @@ class OptimizerStep:
     def run(self, regime: Regime) -> None:
         self.result = self.original(self.optimizer, self.closure, self.model, **self.kwargs)
 
+    def settle(self, regime: Regime) -> None:
+        pass
+
     def recover(self, failure: str | None) -> None:
         engine = self.engine
         if self.snapshot is not None:
@@ -442,6 +455,9 @@ class EvalStep:
                     outputs.append(self.original(part, *self.args[1:], **self.kwargs))
             recorder.flush()
             self.result = None if outputs[0] is None else combine(outputs, sizes)
+
+    def settle(self, regime: Regime) -> None:
+        pass
 
     def recover(self, failure: str | None) -> None:
         engine = self.engine

@@ -86,9 +86,12 @@ class InjectOOM(pl.Callback):
         self.injector.remove()
 
 
-def _fit_deciding(module: pl.LightningModule, limit: int) -> tuple[AutoCheckpoint, AutoAccumulation]:
+def _fit_deciding(
+    module: pl.LightningModule, limit: int, *more: pl.Callback
+) -> tuple[AutoCheckpoint, AutoAccumulation]:
     """Nine DDP steps of ``module`` with AutoCheckpoint beside AutoAccumulation under ``limit`` bytes (no
-    headroom): the first batch's search and its trial steps decide, a plan runs; returns the two callbacks."""
+    headroom), and ``more`` callbacks: the first batch's search and its trial steps decide, a plan runs;
+    returns the two callbacks."""
     accumulation = AutoAccumulation(max_memory=limit, headroom=0.0)
     cb = AutoCheckpoint(max_memory=limit, headroom=0.0)
     trainer = pl.Trainer(
@@ -96,7 +99,7 @@ def _fit_deciding(module: pl.LightningModule, limit: int) -> tuple[AutoCheckpoin
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo"),
         max_steps=9,
-        callbacks=[cb, accumulation],
+        callbacks=[cb, accumulation, *more],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -157,6 +160,34 @@ def decide_with_rank_probe_timings(rank: int) -> dict:
     return {"probes": accumulation.probes, "size": accumulation.micro_batch_size}
 
 
+def decide_with_a_rank_out_of_memory_in_the_trial(rank: int) -> dict:
+    """Rank 1 alone runs out of memory at every micro-batch size in the kept way's trial step (a batch
+    longer than the first would): at one sample it cannot run the step, rank 0 could. Both end the trial
+    together and recompute, agreed before the retry: no rank waits in a collective the other skips."""
+    from lightning_memopt.checkpointing import checkpointed_blocks
+    from tests.callbacks.test_auto_checkpoint import GPTModule, _price_steps, _Wide
+
+    kept = []  # the micro-batches that ran out of memory: (step, samples)
+
+    def price(module, samples):
+        blocks = set(checkpointed_blocks(module.model).values())
+        if rank == 1 and blocks == {"keep"} and module.trainer.global_step == 1:
+            kept.append((module.trainer.global_step, samples))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1, every block kept)")
+        return "", 100.0 + samples * (1.3 if blocks - {"keep"} else 1.0)
+
+    with pytest.MonkeyPatch.context() as patch:
+        _price_steps(patch, GPTModule, price)
+        module = _Wide(n_layer=4)
+        cb, accumulation = _fit_deciding(module, 1_500_000, OOMBackoff())
+    return {
+        "failed": kept,
+        "size": accumulation.micro_batch_size,
+        "choices": cb.plan.choices,
+        "seen": [module.seen_choices[i] for i in (0, -1)],
+    }
+
+
 def decide_head_with_rank_timings(rank: int) -> dict:
     """The output head in the decision under DDP: a tiny Hugging Face GPT-2 whose logits outweigh its
     blocks; rank 1 pays a launch cost per micro-step (the chunked head's larger micro-batches win there),
@@ -197,6 +228,7 @@ def main(out: str) -> None:
             result["decided"] = decide_with_rank_timings(rank)
             result["probe_decided"] = decide_with_rank_probe_timings(rank)
             result["head_decided"] = decide_head_with_rank_timings(rank)
+            result["oom_decided"] = decide_with_a_rank_out_of_memory_in_the_trial(rank)
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
             # A limit between all-full and all-kept: the sharded blocks are profiled and planned for.

@@ -70,6 +70,19 @@ def test_two_process_training_matches_plain(results, kind):
             head = result["head_decided"]
             assert head == torch.load(tmp_path / "ddp_params0.pt")["head_decided"]
             assert head["own_head"] is False and set(head["heads"]) == {"chunked"}
+            # rank 1 alone out of memory at every size in the kept way's trial step, the step that runs the
+            # one-time check, down to one sample: both ranks agree on each failure (before the check, not in
+            # its collectives), end the trial before the retry and recompute from there, one plan, no hang
+            oom = result["oom_decided"]
+            other = torch.load(tmp_path / "ddp_params0.pt")["oom_decided"]
+            if rank == 1:
+                assert oom["failed"][-1] == (1, 1) and {step for step, _ in oom["failed"]} == {1}
+            else:
+                assert oom["failed"] == []
+            assert {k: v for k, v in oom.items() if k != "failed"} == {
+                k: v for k, v in other.items() if k != "failed"
+            }
+            assert set(oom["choices"].values()) != {"keep"} and oom["seen"][-1] == oom["choices"]
         plan = json.loads((tmp_path / f"{kind}_plan{rank}.json").read_text())
         assert plan["choices"] == dict.fromkeys(names, "full")  # CPU, no budget: every block
         assert all(seen == plan["choices"] for seen in plan["seen"])
