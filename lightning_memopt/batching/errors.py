@@ -12,7 +12,6 @@ from lightning_memopt.memory.units import format_bytes
 
 __all__ = [
     "BATCHNORM_ADVICE",
-    "IN_PLACE",
     "MicroBatchOOMError",
     "SplitNotExactError",
     "SplitNotExactWarning",
@@ -37,13 +36,12 @@ _ADVICE = {
     ),
     "smaller": "A smaller model or shorter sequences: one sample does not fit as it is.",
 }
-IN_PLACE = frozenset(("precision", "checkpointing", "batchnorm", "sharding"))
-"""What a fit can already do of :func:`checklist`'s advice (the engine tells at fit start)."""
 
 
 def checklist(done: frozenset[str] = frozenset()) -> str:
     """What to do against running out of memory, cheapest first, without what the fit already does
-    (``done``, among :data:`IN_PLACE`: half precision, ``AutoCheckpoint``, no BatchNorm to swap, sharding).
+    (``done``: ``"precision"``, half precision; ``"checkpointing"``, ``AutoCheckpoint``; ``"batchnorm"``, no
+    BatchNorm to swap; ``"sharding"``, FSDP or ModelParallel: the engine tells at fit start).
 
     Example::
 

@@ -161,7 +161,7 @@ class MicroBatchSizes:
         self._limits: tuple[int, int, int] | None = None  # the search's (limit, held, whole batch)
         self._leaving = False  # a trial way ran out of memory at the floor: the trial ends (_next_way)
         self.done: frozenset[str] = frozenset()
-        """What the fit already does of the out-of-memory advice (:data:`~.errors.IN_PLACE`), left out of
+        """What the fit already does of the out-of-memory advice (:func:`~.errors.checklist`), left out of
         the errors' checklist (the engine tells at fit start)."""
 
     # ------------------------------------------------------------------ reading

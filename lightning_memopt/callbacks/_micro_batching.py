@@ -18,7 +18,6 @@ from typing_extensions import override
 
 from lightning_memopt._checks import check_bool
 from lightning_memopt.batching.engine import Exactness, MicroBatchEngine
-from lightning_memopt.batching.errors import IN_PLACE
 from lightning_memopt.batching.exactness import batchnorms, causes
 from lightning_memopt.batching.sizes import MicroBatchSizes
 from lightning_memopt.batching.surface import check_setup
@@ -196,7 +195,7 @@ def engine_of(trainer: pl.Trainer) -> MicroBatchEngine | None:
 
 
 def _in_place(trainer: pl.Trainer, *, batchnorm: bool) -> frozenset[str]:
-    """What the fit already does of the out-of-memory advice (:data:`~lightning_memopt.batching.errors.IN_PLACE`):
+    """What the fit already does of the out-of-memory advice (:func:`~lightning_memopt.batching.errors.checklist`):
     half precision, ``AutoCheckpoint``, no BatchNorm to swap, sharding; its errors leave these out."""
     done = {
         "precision": trainer.precision not in ("32-true", "64-true"),
@@ -204,4 +203,4 @@ def _in_place(trainer: pl.Trainer, *, batchnorm: bool) -> frozenset[str]:
         "batchnorm": not batchnorm,
         "sharding": isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)),
     }
-    return frozenset(key for key, value in done.items() if value and key in IN_PLACE)
+    return frozenset(key for key, value in done.items() if value)
