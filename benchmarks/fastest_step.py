@@ -54,7 +54,8 @@ On CUDA (``--device cuda``, bf16-mixed unless ``--precision`` says otherwise) th
 the limit is the card itself (``--cap-gib`` caps it with ``torch.cuda.set_per_process_memory_fraction``,
 and gives the defaults ``max_memory`` of that many GiB): the manual ways' micro-batches are found by real
 out-of-memory errors (two optimizer steps of two micro-batches each), the defaults get no arguments but
-``OOMBackoff``'s, the ways run one after another, the defaults first (three copies of the model and its
+``OOMBackoff``'s, one micro-step of the plain way warms the device (its first kernels) before any way is
+timed, the ways run one after another, the defaults first (three copies of the model and its
 AdamW state do not fit the card together), every step time is read after ``torch.cuda.synchronize()``, and peaks are
 ``torch.cuda.max_memory_allocated`` over the timed steps.
 
@@ -377,6 +378,18 @@ def free_cuda() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def warm_device(bench: Bench, precision: str) -> float:
+    """On CUDA, before any way is timed: one micro-step of one sample of the plain way, so that the device's
+    first kernels (loaded and tuned once per process) are not charged to the way that runs first; its
+    seconds, the model's build included."""
+    began = time.perf_counter()
+    module, _ = way_setup("plain + accumulate", bench, 0)
+    trainer([], precision, max_steps=1).fit(module, DataLoader(Samples(bench.sample, 1, 1), batch_size=1))
+    del module
+    free_cuda()
+    return time.perf_counter() - began
+
+
 def cuda_peak(way: str, bench: Bench, micro: int, precision: str) -> tuple[float, dict]:
     """On CUDA: the device's peak over two optimizer steps of two micro-batches of ``micro`` samples (the
     second of each with the gradients held, the second step with AdamW's state), or infinity where that
@@ -611,6 +624,8 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
         if run.micro is None:
             run.error = "not one sample fits"
 
+    if cuda():
+        print(f"{name}: the device warmed in {warm_device(bench, precision):.1f} s", file=sys.stderr)
     print(f"{name}: timing (L = {limit / MiB:.2f} MiB) ({stamp()})", file=sys.stderr)
     spent.clear()
     probed.clear()

@@ -14,9 +14,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_memopt._patch import patch
 from lightning_memopt._text import listed
-from lightning_memopt.batching.state import host_copy
+from lightning_memopt.batching.state import host_copy, local_tensor
 
-__all__ = ["batchnorms", "causes", "difference", "gradients", "no_dropout", "tolerance", "written_in_place"]
+__all__ = [
+    "batchnorms",
+    "causes",
+    "difference",
+    "gradients",
+    "no_dropout",
+    "norms",
+    "tolerance",
+    "written_in_place",
+]
 
 _DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
 
@@ -47,23 +56,31 @@ def gradients(module: torch.nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else host_copy(p.grad) for p in module.parameters()]
 
 
-def difference(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
-    """The largest relative difference between two runs' gradients, parameter by parameter (a missing
-    gradient counts as zeros): ``|a - b| / (|a| + |b|)`` in the 2-norm, 0 where both are zero.
+def norms(module: torch.nn.Module) -> list[float | None]:
+    """Every parameter's gradient's 2-norm (a DTensor's local shard's) in float64, computed where the
+    gradient is; None where it has none."""
+    with torch.no_grad():
+        return [
+            None
+            if p.grad is None
+            else torch.linalg.vector_norm(local_tensor(p.grad), dtype=torch.float64).item()
+            for p in module.parameters()
+        ]
 
-    A gradient under a tenth of the largest is measured against that tenth instead of itself: one that
-    is zero in exact arithmetic (a key projection's bias, which softmax cancels) is rounding alone, and
-    relative to itself that rounding would read as a different gradient.
+
+def difference(a: list[float | None], gap: list[float | None]) -> float:
+    """The largest relative difference between two runs' gradients ``a`` and ``b``, parameter by parameter,
+    from the 2-norms of ``a`` and of ``a - b`` (:func:`norms`; None: no gradient, zeros):
+    ``|a - b| / (2 |a| + |a - b|)``, 0 where both are zero. The check computes ``a - b`` where the gradients
+    are, by running the second split's backward with its loss negated on top of ``a``: no copy of either.
+
+    A gradient whose scale is under a tenth of the largest is measured against that tenth instead: one
+    that is zero in exact arithmetic (a key projection's bias, which softmax cancels) is rounding alone,
+    and relative to itself that rounding would read as a different gradient.
     """
-    pairs = []
-    for x, y in zip(a, b):
-        if x is None and y is None:
-            continue
-        x = (torch.zeros_like(y) if x is None else x).double()
-        y = (torch.zeros_like(x) if y is None else y).double()
-        pairs.append((float((x - y).norm()), float(x.norm() + y.norm())))
+    pairs = [(d or 0.0, 2 * (x or 0.0) + (d or 0.0)) for x, d in zip(a, gap, strict=True)]
     floor = 0.1 * max((scale for _, scale in pairs), default=0.0)
-    return max((gap / max(scale, floor) for gap, scale in pairs if scale > 0), default=0.0)
+    return max((d / max(scale, floor) for d, scale in pairs if scale > 0), default=0.0)
 
 
 def tolerance(module: torch.nn.Module, mixed: bool, loss: torch.dtype | None = None) -> float:

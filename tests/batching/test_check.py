@@ -112,3 +112,29 @@ def test_a_mean_over_counted_labels_learned_from_the_loss_passes_the_check(preci
     trainer = quiet_trainer([callback], max_steps=1, precision=precision)
     trainer.fit(module, DataLoader(labelled(), batch_size=48))
     assert module.seen_sizes == [12, 12, 12, 12, 12, 6, 6]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_check_copies_the_step_s_gradients_once_and_puts_them_back_exactly(
+    precision, monkeypatch
+) -> None:
+    """The moved split runs with its loss negated on top of the reference's gradients: they end as the
+    difference, so the only copy is the step's own gradients, and the step trains as an unchecked one."""
+    from lightning_memopt.batching import exactness
+
+    copies = []
+    original = exactness.gradients
+    monkeypatch.setattr(exactness, "gradients", lambda module: copies.append(1) or original(module))
+    trained = []
+    for check in ("raise", "off"):
+        torch.manual_seed(0)
+        net = Net()
+        callback = AutoAccumulation(micro_batch_size=3, log=False, exactness=check)
+        quiet_trainer([callback], max_steps=1, precision=precision).fit(
+            net, DataLoader(dataset(n=12), batch_size=12)
+        )
+        trained.append([p.detach().clone() for p in net.parameters()])
+        if check == "raise":  # the step, its first 9 samples again as the step ran them, then moved
+            assert net.seen_sizes == [3, 3, 3, 3, 3, 3, 3, 1, 3, 3, 2]
+            assert len(copies) == 1
+    assert all(torch.equal(a, b) for a, b in zip(*trained, strict=True))

@@ -1,5 +1,6 @@
 """The pieces of the one-time exactness check, without a Trainer."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -29,23 +30,39 @@ def test_no_dropout_runs_every_dropout_as_the_identity_even_in_a_recomputation()
     )  # one key, one value: attention is the value
 
 
+def norms(*grads):
+    """The norms the check reads of gradients (None: none)."""
+    module = torch.nn.Module()
+    for i, g in enumerate(grads):
+        like = torch.zeros(1) if g is None else torch.zeros_like(g)
+        module.register_parameter(f"p{i}", torch.nn.Parameter(like))
+        module.get_parameter(f"p{i}").grad = g
+    return exactness.norms(module)
+
+
+def test_norms_are_each_parameter_s_gradient_s_in_float64():
+    assert norms(torch.tensor([3.0, 4.0]), None, torch.tensor([[1.0], [0.0]], dtype=torch.bfloat16)) == [
+        5.0,
+        None,
+        1.0,
+    ]
+    tiny = torch.full((4,), 1e-30)  # squares under float32's range: float64 keeps them
+    assert norms(tiny) == [pytest.approx(2e-30, rel=1e-6)]
+
+
 def test_difference_is_per_parameter_and_treats_a_missing_gradient_as_zeros():
-    a = [torch.tensor([3.0, 4.0]), None, torch.tensor([1.0])]
-    b = [torch.tensor([3.0, 4.0]), None, torch.tensor([1.0])]
-    assert exactness.difference(a, b) == 0.0
-    b[2] = torch.tensor([3.0])  # |1 - 3| / (1 + 3)
-    assert exactness.difference(a, b) == 0.5
-    assert exactness.difference([None], [torch.ones(2)]) == 1.0
+    a = norms(torch.tensor([3.0, 4.0]), None, torch.tensor([1.0]))
+    assert exactness.difference(a, norms(torch.zeros(2), None, torch.zeros(1))) == 0.0
+    assert exactness.difference(a, [0.0, None, 2.0]) == 0.5  # b = [3]: |1 - 3| / (2 x 1 + 2)
+    assert exactness.difference([None], norms(torch.ones(2))) == 1.0  # no gradient against one
 
 
 def test_difference_measures_a_tiny_gradient_against_a_tenth_of_the_largest():
     """A gradient that is zero in exact arithmetic (a key bias under softmax) differs between two exact
     splits by rounding alone: relative to itself that is 100%, relative to the step's gradients nothing."""
-    a = [torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([1e-17], dtype=torch.float64)]
-    b = [torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([-1e-17], dtype=torch.float64)]
-    assert exactness.difference(a, b) == 2e-17 / 1.0  # a tenth of |a| + |b| of the largest: 1.0
-    b[1] = torch.tensor([0.5], dtype=torch.float64)  # a real difference in a small gradient still shows
-    assert exactness.difference(a, b) == 0.5
+    a = [5.0, 1e-17]  # |a - b| of the largest is 0: its scale is 2 x 5, a tenth of it 1.0
+    assert exactness.difference(a, [0.0, 2e-17]) == 2e-17 / 1.0
+    assert exactness.difference(a, [0.0, 0.5]) == 0.5  # a real difference in a small gradient still shows
 
 
 def test_tolerance_follows_the_gradients_dtype():

@@ -1,0 +1,103 @@
+"""Where the defaults' first optimizer steps spend their time (issue 30's start-up), under cProfile.
+
+Run from the repository root (never run by the test suite)::
+
+    PYTHONPATH=. python benchmarks/startup_profile.py --only llama             # CPU: fastest_step's model, its L
+    PYTHONPATH=. python benchmarks/startup_profile.py --device cuda --cap-gib 79.18   # the issue's Llama
+
+One ``trainer.fit`` of ``fastest_step.py``'s ``defaults`` way (``AutoCheckpoint``, ``AutoAccumulation``,
+``OOMBackoff`` under the same limit) for ``--steps`` optimizer steps, after ``fastest_step.warm_device``
+(``--cold``: without), so that what the defaults pay is theirs and not the device's first kernels. It prints each optimizer step's seconds and, for the first step, the functions with the most
+cumulative time (``--top``) and those called from the package with the most time of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fastest_step as fs  # noqa: E402
+
+
+class StepClock(pl.Callback):
+    """Each optimizer step's seconds (the device synchronized), from the fit's start; the profiler runs over
+    the first step only."""
+
+    def __init__(self, profiler: cProfile.Profile) -> None:
+        self.profiler, self.seconds, self.last = profiler, [], None
+
+    def on_train_start(self, trainer, pl_module):
+        fs.sync()
+        self.last = time.perf_counter()
+        self.profiler.enable()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step > len(self.seconds):  # an optimizer step ended
+            fs.sync()
+            now = time.perf_counter()
+            self.seconds.append(now - self.last)
+            self.last = now
+            if len(self.seconds) == 1:
+                self.profiler.disable()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--only", default="llama", help="one of fastest_step's models (CPU)")
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=None, help="samples a step (CPU 48, cuda 32)")
+    parser.add_argument("--cap-gib", type=float, default=None)
+    parser.add_argument("--cold", action="store_true", help="no warm-up fit before the defaults")
+    parser.add_argument("--top", type=int, default=35)
+    args = parser.parse_args()
+    fs.DEVICE = args.device
+    precision = args.precision or ("bf16-mixed" if fs.cuda() else "32-true")
+    batch = args.batch or (32 if fs.cuda() else 48)
+    if fs.cuda():
+        bench = fs.gpu_benches(args.layers or 16, args.seq)["llama"]
+        total = torch.cuda.get_device_properties(0).total_memory
+        limit = total
+        if args.cap_gib is not None:
+            fs.CAP = limit = int(args.cap_gib * 2**30)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, fs.CAP / total))
+    else:
+        bench = fs.benches(False, args.layers)[args.only]
+        quarter, eighth = batch // 4, batch // 8
+        high, low = (fs.manual_peak("plain + accumulate", bench, d, precision)[0] for d in (quarter, eighth))
+        limit = -(-(high + max(0, high - low) // 2) // 1024) * 1024
+    warm = None if args.cold else fs.warm_device(bench, precision)  # the device's first kernels
+    module, callbacks = fs.way_setup("defaults", bench, limit)
+    profiler = cProfile.Profile()
+    clock = StepClock(profiler)
+    data = DataLoader(fs.Samples(bench.sample, args.steps * batch, batch), batch_size=batch)
+    fs.trainer([clock, *callbacks], precision, max_steps=args.steps).fit(module, data)
+    steady = min(clock.seconds[1:]) if len(clock.seconds) > 1 else None
+    print(f"L = {limit / fs.MiB:.2f} MiB, {precision}, batch {batch}, torch {torch.__version__}")
+    if warm is not None:
+        print(f"the warm-up fit (the plain way, one sample, the model built): {warm:.1f} s")
+    print("optimizer steps (s): " + ", ".join(f"{s:.3f}" for s in clock.seconds))
+    if steady:
+        print(f"first step: {clock.seconds[0] / steady:.1f} steady steps")
+    for order in ("cumulative", "tottime"):
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).sort_stats(order)
+        stats.print_stats(args.top)
+        print(f"\n## the first step, by {order}\n" + text.getvalue().strip())
+
+
+if __name__ == "__main__":
+    main()
