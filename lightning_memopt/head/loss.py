@@ -262,6 +262,9 @@ class _Compiled:
                 compiled = self.functions.get(fn)
                 if compiled is None:
                     compiled = self.functions[fn] = torch.compile(fn, dynamic=None)
+                for arg in args:  # the tokens a call holds vary (a batch's last chunk, every micro-batch's
+                    if isinstance(arg, torch.Tensor) and arg.dim():  # length): one graph for all of them
+                        torch._dynamo.maybe_mark_dynamic(arg, 0)
                 return compiled(*args)
             except Exception as error:  # any failure of torch.compile's stack: the eager chunks are correct
                 cause = (str(error).strip().splitlines() or [""])[0]
@@ -674,7 +677,9 @@ def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dty
         z = _logits(h, w[cols], None if b is None else b[cols])  # (n, columns)
         for sub in range(start, start + z.shape[1], width):
             part = slice(sub, sub + width)
-            args = (z[:, sub - start : sub - start + width], lse, weights, opts, vocab, False)
+            columns_of = z[:, sub - start : sub - start + width]
+            torch._dynamo.maybe_mark_dynamic(columns_of, 1)  # the last slice is narrower: the same graph
+            args = (columns_of, lse, weights, opts, vocab, False)
             again = functools.partial(_anew, args, h, w[part], None if b is None else b[part])
             run(_grad_columns, *args, again=again)
         # The targets in this slice get the first pass's column (no data-dependent index: the other rows

@@ -462,6 +462,22 @@ def test_compiled_chunks_equal_the_eager_ones():
         assert _rel(compiled.float(), eager.float()) <= 1e-6
 
 
+def test_compiled_chunks_compile_each_function_once_whatever_the_tokens():
+    """A batch's last chunk holds fewer tokens, the second pass's last slice fewer columns, and every
+    micro-batch length gives other chunks: each compiled function still compiles one graph (on an H200 the
+    first chunked step compiled for 12 s, the last chunk's shape a second time)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    weight = torch.randn(50, 8, dtype=torch.bfloat16, requires_grad=True)
+    for n in (25, 17):  # chunks of 10: 10 + 10 + 5, then 10 + 7; slices of 20 columns: 20 + 20 + 10
+        hidden = torch.randn(n, 8, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, 50, (n,))
+        linear_cross_entropy(hidden, weight, labels, chunk_size=10, backend="compiled").backward()
+    assert counters["stats"]["unique_graphs"] == 2  # the chunks' softmax, the slices' gradient
+
+
 def test_a_failed_compile_warns_once_and_the_chunks_run_eagerly(monkeypatch):
     """Compiling fails (here: the compiled function raises after writing into the chunk's logits): one
     warning naming the cause, then eager chunks on logits computed anew, equal to backend="eager"'s."""
