@@ -677,9 +677,8 @@ def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dty
         z = _logits(h, w[cols], None if b is None else b[cols])  # (n, columns)
         for sub in range(start, start + z.shape[1], width):
             part = slice(sub, sub + width)
-            columns_of = z[:, sub - start : sub - start + width]
-            torch._dynamo.maybe_mark_dynamic(columns_of, 1)  # the last slice is narrower: the same graph
-            args = (columns_of, lse, weights, opts, vocab, False)
+            args = (z[:, sub - start : sub - start + width], lse, weights, opts, vocab, False)
+            torch._dynamo.maybe_mark_dynamic(args[0], 1)  # the last slice is narrower: the same graph
             again = functools.partial(_anew, args, h, w[part], None if b is None else b[part])
             run(_grad_columns, *args, again=again)
         # The targets in this slice get the first pass's column (no data-dependent index: the other rows
