@@ -87,6 +87,10 @@ class Recompute(Protocol):
         ``kept_peak(samples)``: where recompute won over plain micro-batches that fit, a whole micro-step's
         peak bytes with every block kept, from the sizes the search measured."""
 
+    def fall_back(self, why: str) -> bool:
+        """After ``keep`` or ``own head``, a batch not one sample of fits: recompute from this step on, for
+        the reason ``why``; whether anything changed (else the out-of-memory error stands)."""
+
 
 class MicroBatchSizes:
     """The training micro-batch size and everything that moves it (see the module docstring).
@@ -153,6 +157,9 @@ class MicroBatchSizes:
         self._retry: int | None = None  # with a model: the halved size of the step being retried
         self.recompute: Recompute | None = None
         """Where activation checkpointing takes part in the first batch's search (:meth:`decide`)."""
+        self.fallback: Recompute | None = None
+        """Where activation checkpointing can still recompute once the search decided against it: a later
+        batch whose micro-batch of the fewest samples runs out of memory then recomputes (:meth:`failed`)."""
         self.step_seconds: float | None = None
         """The optimizer step's seconds at the way and size chosen (its micro-steps' together), as its trial
         step measured them, or as the search's timed probes predict them where they ruled the later ways
@@ -235,7 +242,9 @@ class MicroBatchSizes:
 
     def _measure(self, width: int, total: int, probes: Probes) -> None:
         """Probe this batch at the size the model predicts for ``width``; a probe that runs out of memory
-        raises the prediction and every rank probes again (FSDP2's collectives inside the probes match)."""
+        raises the prediction and every rank probes again (FSDP2's collectives inside the probes match);
+        one of the fewest samples, after the search decided against recompute, recomputing
+        (:meth:`_recompute_instead`)."""
         assert self.model is not None
         for _ in range(_ROUNDS):
             size = min(self.model.samples_for(width), total)
@@ -248,6 +257,8 @@ class MicroBatchSizes:
                 self.model.measured(width=width, samples=size, increment=increment)
             if not any_rank(increment is None, probes.device):
                 return
+            if any_rank(size <= probes.floor, probes.device):  # the next round probes it recomputing
+                self._recompute_instead(size, total)
 
     def _search(self, total: int, width: int, probes: Probes) -> None:
         """The first batch: find the largest size that fits, and the model of its peaks."""
@@ -563,7 +574,9 @@ class MicroBatchSizes:
     # ------------------------------------------------------------------ after each attempt
     def failed(self, size: int, *, total: int, floor: int, failure: str | None) -> None:
         """An attempt at ``size`` samples per micro-batch ran out of memory: the retry runs at half of it (at
-        the floor during the trial, with the trial's way that holds the least: :meth:`_next_way`).
+        the floor during the trial, with the trial's way that holds the least: :meth:`_next_way`; at the
+        floor after the search decided against recompute, at the same size recomputing, where
+        :attr:`fallback` can).
 
         Raises:
             MicroBatchOOMError: If ``size`` is already the floor (1 sample; 2 with BatchNorm in training).
@@ -577,6 +590,9 @@ class MicroBatchSizes:
         ):
             self._leaving = True  # the trial ends before the retry, on every rank alike (_next_way)
             return
+        if size <= floor and self._recompute_instead(size, total):
+            self._retry = size  # the same micro-batch again, recomputing (every rank took this path)
+            return
         self._record_failure(size)
         if size <= 1:
             raise MicroBatchOOMError(
@@ -589,6 +605,17 @@ class MicroBatchSizes:
                 f"training mode can run. {BATCHNORM_ADVICE}\n{failure}\n{checklist(self.done)}"
             )
         self._halve(size, total, floor)
+
+    def _recompute_instead(self, size: int, total: int) -> bool:
+        """``size`` samples, the fewest a micro-batch holds, ran out of memory after the search decided
+        against recompute: the blocks recompute from now on (:attr:`fallback`; every rank calls this
+        alike); whether they do."""
+        if self._trial is not None or self.fallback is None:
+            return False
+        tokens = f" ({self.width} tokens a sample)" if self.width and self.width > 1 else ""
+        return self.fallback.fall_back(
+            f"{counted(size, 'sample')} of a batch of {total} ran out of memory with every block kept{tokens}"
+        )
 
     def near_miss(self, size: int, *, total: int, floor: int) -> bool:
         """A step at ``size`` trained while the allocator thrashed: lower the size as :meth:`failed` would,

@@ -310,6 +310,28 @@ class AutoCheckpointer:
             return
         self._probe = ForwardProbe(self._model, self._found, record=True)
 
+    def fall_back(self, why: str) -> bool:
+        """Where the size search decided ``keep`` or ``own head`` (:meth:`decided`), a batch that not one
+        sample of fits with every block kept (longer sequences than the search's): from this step on the
+        blocks are planned per batch shape, as after ``full``: this step recomputes every block and is
+        measured for its plan, and each batch shape no plan covers does the same (the output head stays as
+        decided). Said in one line with ``why``. Whether it changed anything (False: already planned per
+        shape, not ``auto``, no limit to plan under, no blocks: the engine's error stands).
+        (:class:`~lightning_memopt.batching.sizes.Recompute`)"""
+        if not self.active or self._by_shape or self.mode != "auto" or self._policy.limit.usable is None:
+            return False
+        self._by_shape = True
+        choices = initial_choices([n for n, _ in self._found], "full")
+        apply_checkpointing(self._model, choices)
+        self.plan, self._needs_check = Plan.unprofiled(choices), True
+        if self._probe is None:
+            self._probe = ForwardProbe(self._model, self._found, record=True)
+        self.note(
+            f"{self.name} recomputes from now on: {why}; each batch shape runs the least recompute that fits "
+            "its micro-batches, planned at its first step"
+        )
+        return True
+
     def forward_done(self) -> None:
         """The step's forward ended: measure no more (backward runs untracked)."""
         if self._probe is not None:

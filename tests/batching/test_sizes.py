@@ -36,6 +36,35 @@ def test_back_off_stops_at_one_sample_and_at_the_batchnorm_floor():
     assert policy.micro_batch_size == 2  # ceil(3 / 2) = 2, the floor itself
 
 
+class _Fallback:
+    """A Recompute that can still recompute once (``acts``), recording why it was asked."""
+
+    def __init__(self, acts: bool) -> None:
+        self.acts, self.asked = acts, []
+
+    def fall_back(self, why: str) -> bool:
+        self.asked.append(why)
+        return self.acts
+
+
+def test_at_the_floor_a_fallback_that_recomputes_retries_the_same_size():
+    policy = MicroBatchSizes(micro_batch_size=1)
+    policy.see(640)
+    policy.fallback = _Fallback(acts=True)
+    policy.failed(1, total=8, floor=1, failure="OOM")  # no error: the same sample again, recomputing
+    assert policy._retry == 1 and policy.smallest_failed_size is None and policy.oom_retries == 1
+    assert policy.fallback.asked == [
+        "1 sample of a batch of 8 ran out of memory with every block kept (640 tokens a sample)"
+    ]
+    policy.fallback = _Fallback(acts=False)  # already recomputing (or nothing to recompute): the error stands
+    with pytest.raises(MicroBatchOOMError, match="one sample per micro-batch"):
+        policy.failed(1, total=8, floor=1, failure="OOM")
+    above = MicroBatchSizes(micro_batch_size=4)
+    above.fallback = _Fallback(acts=True)
+    above.failed(4, total=8, floor=1, failure="OOM")  # above the floor: halved, recompute not asked
+    assert above.micro_batch_size == 2 and above.fallback.asked == []
+
+
 def test_grows_after_clean_steps_up_to_the_start_and_below_the_smallest_failure():
     policy = MicroBatchSizes(micro_batch_size=16, grow_after=2)
     policy.failed(16, total=16, floor=1, failure="OOM")  # 8

@@ -268,3 +268,47 @@ def test_batches_a_tokenizer_collates_get_a_plan_per_length(tmp_path):
     trainer = quiet_trainer([cb], max_steps=4, default_root_dir=tmp_path)
     trainer.fit(Module(), DataLoader(list(range(32)), batch_size=8, collate_fn=collate))
     assert cb.shape_plans.made == 2
+
+
+@pytest.mark.parametrize(("precision", "long"), [("32-true", 128), ("bf16-mixed", 192)])
+def test_a_later_batch_one_sample_of_which_does_not_fit_kept_recomputes(tmp_path, precision, long):
+    """The 8-token batches fit whole without recompute, so the size search decides against it; a batch of
+    ``long`` tokens then runs out of memory at one sample: the blocks recompute from then on, each batch
+    shape planned for its micro-batches, and the fit ends (before: torch's out-of-memory error)."""
+    import warnings
+
+    from lightning_memopt import AutoAccumulation
+    from lightning_memopt.testing import MemoryCap
+
+    limit = 1_000_000
+
+    class Seen(GPTModule):
+        def training_step(self, batch, batch_idx):
+            shapes.append(tuple(batch.shape))
+            return super().training_step(batch, batch_idx)
+
+    shapes: list[tuple[int, ...]] = []
+    torch.manual_seed(0)
+    module, auto = Seen(), AutoCheckpoint(max_memory=limit)
+    trainer = quiet_trainer(
+        [auto, AutoAccumulation(max_memory=limit)],
+        max_steps=4,
+        default_root_dir=tmp_path,
+        precision=precision,
+    )
+    with warnings.catch_warnings(record=True) as caught, MemoryCap(limit, modules=module) as cap:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(_batches([8, 8, long, 8]), batch_size=None))
+    said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
+    assert (
+        said[0] == "AutoCheckpoint checkpoints no block of Seen: the whole batch of 4 fits without recompute"
+    )
+    assert said[1].startswith(
+        "AutoCheckpoint recomputes from now on: 1 sample of a batch of 4 ran out of memory with every block "
+        f"kept ({long} tokens a sample)"
+    )
+    assert cap.raised >= 1 and trainer.global_step == 4
+    assert (1, long) in shapes and shapes[-1] == (4, 8)  # one sample at a time, then the short batch whole
+    planned = {sig[0]: set(plan.choices.values()) for plan, (sig, *_) in auto.shape_plans._entries}
+    assert planned[(4, long)] - {"keep"}  # the long batch's plan recomputes something
+    assert planned[(4, 8)] == {"keep"}  # the short batches' keeps everything, as decided
