@@ -163,9 +163,7 @@ class AutoCheckpoint(AutoCheckpointer, ReleasingCallback):
             # The first batch's search and its trial decide whether to recompute at all (batching/sizes.py:
             # decide); a run resumed during the trial goes on with it.
             engine.sizes.recompute = self
-        if (
-            engine is not None
-        ):  # one sample of a later, longer batch not fitting kept: recompute (sizes.failed)
+        if engine is not None:  # a later batch not one sample of which fits kept: recompute (sizes.failed)
             engine.sizes.fallback = self
         signature = step_signature(batch, None if engine is None else engine.peek(batch))
         self.start_step(
