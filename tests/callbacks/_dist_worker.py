@@ -188,6 +188,38 @@ def decide_with_a_rank_out_of_memory_in_the_trial(rank: int) -> dict:
     }
 
 
+def fall_back_with_a_rank_out_of_memory_after_the_decision(rank: int) -> dict:
+    """Plain micro-batches win the trial; at step 7 rank 1 alone runs out of memory at every size with every
+    block kept (as a longer batch would): at one sample both ranks recompute from then on, and profile and
+    plan that step together (their collectives match): no hang, the same plans on both."""
+    from lightning_memopt.checkpointing import checkpointed_blocks
+    from tests.callbacks.test_auto_checkpoint import GPTModule, _price_steps, _Wide
+
+    kept = []  # the micro-batches that ran out of memory: (step, samples)
+    treated = {}  # the treatments each step's last micro-step ran
+
+    def price(module, samples):
+        blocks = set(checkpointed_blocks(module.model).values())
+        treated[module.trainer.global_step] = sorted(blocks)
+        if rank == 1 and blocks == {"keep"} and module.trainer.global_step == 7:
+            kept.append((module.trainer.global_step, samples))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1, every block kept)")
+        return "", samples * (1.3 if blocks - {"keep"} else 1.0)
+
+    with pytest.MonkeyPatch.context() as patch:
+        _price_steps(patch, GPTModule, price)
+        module = _Wide(n_layer=4)
+        cb, accumulation = _fit_deciding(module, 1_500_000, OOMBackoff())
+    return {
+        "failed": kept,
+        "per_shape": cb._by_shape,
+        "plans": cb.shape_plans.made,
+        "choices": cb.plan.choices,
+        "treated": treated,
+        "steps": module.trainer.global_step,
+    }
+
+
 def decide_head_with_rank_timings(rank: int) -> dict:
     """The output head in the decision under DDP: a tiny Hugging Face GPT-2 whose logits outweigh its
     blocks; rank 1 pays a launch cost per micro-step (the chunked head's larger micro-batches win there),
@@ -229,6 +261,7 @@ def main(out: str) -> None:
             result["probe_decided"] = decide_with_rank_probe_timings(rank)
             result["head_decided"] = decide_head_with_rank_timings(rank)
             result["oom_decided"] = decide_with_a_rank_out_of_memory_in_the_trial(rank)
+            result["fell_back"] = fall_back_with_a_rank_out_of_memory_after_the_decision(rank)
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
             # A limit between all-full and all-kept: the sharded blocks are profiled and planned for.

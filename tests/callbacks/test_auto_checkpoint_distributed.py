@@ -83,6 +83,19 @@ def test_two_process_training_matches_plain(results, kind):
                 k: v for k, v in other.items() if k != "failed"
             }
             assert set(oom["choices"].values()) != {"keep"} and oom["seen"][-1] == oom["choices"]
+            # after plain micro-batches won, rank 1 alone out of memory at every size with every block kept
+            # (step 7): at one sample both ranks recompute from then on, that step profiled on both
+            fell, other = result["fell_back"], torch.load(tmp_path / "ddp_params0.pt")["fell_back"]
+            if rank == 1:
+                assert fell["failed"][-1] == (7, 1) and {step for step, _ in fell["failed"]} == {7}
+            else:
+                assert fell["failed"] == []
+            assert {k: v for k, v in fell.items() if k != "failed"} == {
+                k: v for k, v in other.items() if k != "failed"
+            }
+            assert fell["treated"][6] == ["keep"] and fell["treated"][7] == ["full"]  # kept, then recomputed
+            assert fell["per_shape"] and fell["plans"] >= 1
+            assert fell["steps"] == 9
         plan = json.loads((tmp_path / f"{kind}_plan{rank}.json").read_text())
         assert plan["choices"] == dict.fromkeys(names, "full")  # CPU, no budget: every block
         assert all(seen == plan["choices"] for seen in plan["seen"])
