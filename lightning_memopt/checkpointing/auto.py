@@ -428,6 +428,8 @@ class AutoCheckpointer:
         if any(choice != "keep" for choice in self.plan.choices.values()):
             return
         what = type(model).__name__
+        if self._by_shape and self.shape_plans.made and self._signature:  # one plan of several, by shape
+            what += f" for batches of shapes {list(self._signature)}"
         found = len(self.plan.choices)
         cause = "; ".join(self._notes) if self._notes else None
         if self.mode != "auto":

@@ -307,6 +307,10 @@ def test_a_later_batch_one_sample_of_which_does_not_fit_kept_recomputes(tmp_path
         "AutoCheckpoint recomputes from now on: 1 sample of a batch of 4 ran out of memory with every block "
         f"kept ({long} tokens a sample)"
     )
+    assert said[2] == (  # the short batches' plan, one of two: named by the shapes it was made for
+        "AutoCheckpoint checkpoints no block of Seen for batches of shapes [(4, 8), (4,)]: the step fits "
+        "max_memory=1000000 with every block keeping its activations (no recompute)"
+    )
     assert cap.raised >= 1 and trainer.global_step == 4
     assert (1, long) in shapes and shapes[-1] == (4, 8)  # one sample at a time, then the short batch whole
     planned = {sig[0]: set(plan.choices.values()) for plan, (sig, *_) in auto.shape_plans._entries}
