@@ -169,7 +169,7 @@ class MicroBatchEngine:
                 failure = f"{type(error).__name__}: {error}"
             # Outside the except block: the traceback, and the attempt's tensors its frames hold, are gone.
             if failure is not None:
-                self.last_failure = failure + "\n" + self._memory_report()
+                self.last_failure = failure + "\n" + self._memory_report(attempt.size)
             if not regime.failed(self.last_failure if failure is not None else None, peer):
                 failure = self._settle(attempt, regime)
                 if failure is None:
@@ -189,7 +189,7 @@ class MicroBatchEngine:
             failure = f"{type(error).__name__}: {error}"
         else:
             return None
-        self.last_failure = failure + "\n" + self._memory_report()
+        self.last_failure = failure + "\n" + self._memory_report(attempt.size)
         return failure
 
     def choose(self, phase: Phase, micro_batches: int = 1, size: int = 0) -> Regime:
@@ -419,6 +419,7 @@ class MicroBatchEngine:
     def _device_memory(self, tracker: Any = None) -> Any:
         return memory_of(self.trainer.strategy.root_device, tracker)
 
-    def _memory_report(self) -> str:
+    def _memory_report(self, size: int | None) -> str:
+        """What the failed try at ``size`` samples per micro-batch held, by category."""
         module, optimizers = self.trainer.lightning_module, self.trainer.optimizers
-        return memory_report(module, optimizers, self.sizes.micro_batch_size, self._device_memory())
+        return memory_report(module, optimizers, size, self._device_memory())

@@ -52,6 +52,9 @@ class Attempt(Protocol):
 
     def recover(self, failure: str | None) -> None: ...  # drop the attempt, pick a smaller size (or raise)
 
+    @property
+    def size(self) -> int | None: ...  # samples per micro-batch of the try (a failure's memory report)
+
 
 @dataclass
 class Pass:
@@ -419,6 +422,10 @@ class OptimizerStep:
     def run(self, regime: Regime) -> None:
         self.result = self.original(self.optimizer, self.closure, self.model, **self.kwargs)
 
+    @property
+    def size(self) -> int | None:
+        return self.engine.ran_size  # the training step's, which the optimizer step runs after
+
     def settle(self, regime: Regime) -> None:
         pass
 
@@ -448,9 +455,13 @@ class EvalStep:
     def choose(self) -> Regime:
         return self.engine.choose("evaluation")
 
+    @property
+    def size(self) -> int:
+        return min(self.engine.sizes.eval_size or self.total, self.total)
+
     def run(self, regime: Regime) -> None:
         engine, batch = self.engine, self.args[0]
-        sizes = micro_batch_sizes(self.total, min(engine.sizes.eval_size or self.total, self.total))
+        sizes = micro_batch_sizes(self.total, self.size)
         with regime.armed():  # FSDP2: sync points before each sharded module's forward all-gather
             if len(sizes) == 1:
                 self.result = self.original(*self.args, **self.kwargs)
@@ -473,9 +484,7 @@ class EvalStep:
         if engine.sharded() is not None:
             engine.sharded().reset()
         engine.restore()
-        engine.sizes.halve_eval(
-            min(engine.sizes.eval_size or self.total, self.total), hook=self.hook, failure=failure
-        )
+        engine.sizes.halve_eval(self.size, hook=self.hook, failure=failure)
 
 
 def _return(value: Any) -> Any:

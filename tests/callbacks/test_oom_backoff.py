@@ -166,6 +166,29 @@ def test_one_sample_per_micro_batch_raises_with_checklist(tmp_path):
     assert oom_injector.raised == 5  # 10, 5, 3, 2, 1
 
 
+def test_the_error_reports_the_memory_of_the_micro_batch_that_failed(tmp_path):
+    """Sized by a memory model, the first steps train whole (10); from the third step every size runs out of
+    memory: the error's report names the micro-batch that failed (1), not the size last trained."""
+    model = Net()
+    trainer_of = []
+    oom_injector = OOMInjector(
+        model.net[-1], max_size=0, steps=range(2, 9), step_fn=lambda: trainer_of[0].global_step
+    )
+
+    class Keep(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trainer_of.append(trainer)
+
+    with oom_injector, pytest.raises(MicroBatchOOMError, match="one sample per micro-batch") as info:
+        fit(
+            model,
+            [Keep(), AutoAccumulation(max_memory="1GiB", exactness="off"), OOMBackoff()],
+            tmp_path=tmp_path,
+        )
+    assert "Memory of the failed step (micro-batch size 1):" in str(info.value)
+    assert trainer_of[0].global_step == 2 and oom_injector.raised == 5  # 10, 5, 3, 2, 1
+
+
 def test_batchnorm_stops_at_two_samples_with_advice(tmp_path):
     # Backing off to one sample would make torch raise "Expected more than 1 value per channel".
     model = Net(batchnorm=True)
