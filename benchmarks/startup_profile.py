@@ -7,8 +7,8 @@ Run from the repository root (never run by the test suite)::
 
 One ``trainer.fit`` of ``fastest_step.py``'s ``defaults`` way (``AutoCheckpoint``, ``AutoAccumulation``,
 ``OOMBackoff`` under the same limit) for ``--steps`` optimizer steps, after ``fastest_step.warm_device``
-(``--cold``: without), so that what the defaults pay is theirs and not the device's first kernels. It prints each optimizer step's seconds and, for the first step, the functions with the most
-cumulative time (``--top``) and those called from the package with the most time of their own.
+(``--cold``: without), so that what the defaults pay is theirs and not the device's first kernels. It prints each optimizer step's seconds and, for the first step (``--profiled``: steps), the
+functions with the most cumulative time (``--top``) and those with the most time of their own.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import fastest_step as fs  # noqa: E402
 
 class StepClock(pl.Callback):
     """Each optimizer step's seconds (the device synchronized), from the fit's start; the profiler runs over
-    the first step only."""
+    the first ``profiled`` steps."""
 
-    def __init__(self, profiler: cProfile.Profile) -> None:
-        self.profiler, self.seconds, self.last = profiler, [], None
+    def __init__(self, profiler: cProfile.Profile, profiled: int = 1) -> None:
+        self.profiler, self.profiled, self.seconds, self.last = profiler, profiled, [], None
 
     def on_train_start(self, trainer, pl_module):
         fs.sync()
@@ -47,7 +47,7 @@ class StepClock(pl.Callback):
             now = time.perf_counter()
             self.seconds.append(now - self.last)
             self.last = now
-            if len(self.seconds) == 1:
+            if len(self.seconds) == self.profiled:
                 self.profiler.disable()
 
 
@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=None)
     parser.add_argument("--cold", action="store_true", help="no warm-up fit before the defaults")
     parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--profiled", type=int, default=1, help="the first steps profiled together")
     args = parser.parse_args()
     fs.DEVICE = args.device
     precision = args.precision or ("bf16-mixed" if fs.cuda() else "32-true")
@@ -82,7 +83,7 @@ def main() -> None:
     warm = None if args.cold else fs.warm_device(bench, precision)  # the device's first kernels
     module, callbacks = fs.way_setup("defaults", bench, limit)
     profiler = cProfile.Profile()
-    clock = StepClock(profiler)
+    clock = StepClock(profiler, args.profiled)
     data = DataLoader(fs.Samples(bench.sample, args.steps * batch, batch), batch_size=batch)
     fs.trainer([clock, *callbacks], precision, max_steps=args.steps).fit(module, data)
     steady = min(clock.seconds[1:]) if len(clock.seconds) > 1 else None
@@ -96,7 +97,7 @@ def main() -> None:
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text).sort_stats(order)
         stats.print_stats(args.top)
-        print(f"\n## the first step, by {order}\n" + text.getvalue().strip())
+        print(f"\n## the first {args.profiled} step(s), by {order}\n" + text.getvalue().strip())
 
 
 if __name__ == "__main__":
