@@ -345,6 +345,17 @@ def way_setup(way: str, bench: Bench, limit: int) -> tuple[pl.LightningModule, l
     return module, [AutoCheckpoint(max_memory=limit), AutoAccumulation(max_memory=limit), OOMBackoff()]
 
 
+def predicted_peak(trainer: pl.Trainer) -> int | None:
+    """AutoAccumulation's predicted peak of the step that just trained: held + workspace + its micro-batch's
+    samples x bytes each (None without a memory model)."""
+    sizing = next((c for c in trainer.callbacks if isinstance(c, AutoAccumulation)), None)
+    sizes = sizing.engine.sizes if sizing is not None and sizing.engine is not None else None
+    if sizes is None or sizes.model is None or sizes.ran is None:
+        return None
+    model = sizes.model
+    return round(model.held + model.workspace + sizes.ran * model.per_sample(sizes.width))
+
+
 class TrackBatch(Callback):
     """A MemoryTracker of the module and its optimizers from the start to the end of batch ``index``
     (after its optimizer step, where one ends there)."""
@@ -363,11 +374,7 @@ class TrackBatch(Callback):
             self.tracker.__exit__(None, None, None)
             self.peak, self.breakdown = self.tracker.peak, self.tracker.peak_breakdown
             self.tracker = None
-            sizing = next((c for c in trainer.callbacks if isinstance(c, AutoAccumulation)), None)
-            sizes = sizing.engine.sizes if sizing is not None and sizing.engine is not None else None
-            if sizes is not None and sizes.model is not None:  # held + workspace + samples x bytes each
-                model, size = sizes.model, sizes.ran
-                self.predicted = round(model.held + model.workspace + size * model.per_sample(sizes.width))
+            self.predicted = predicted_peak(trainer)
 
 
 def free_cuda() -> None:
@@ -465,6 +472,7 @@ class Pacer(Callback):
         self.last_step = 0
         self._handle = None
         self.peak: int | None = None  # CUDA: the device's peak over the granted rounds
+        self.predicted: int | None = None  # AutoAccumulation's largest predicted peak of those steps
 
     def on_train_start(self, trainer, pl_module):
         def seen(module, args, kwargs):
@@ -484,6 +492,9 @@ class Pacer(Callback):
         self.times.append(now - self.t0)
         if self.in_round:
             self.rounds.append(now - self.t0)
+            predicted = predicted_peak(trainer)
+            if predicted is not None:
+                self.predicted = max(self.predicted or 0, predicted)
         self.steady_sizes, self.sizes = self.sizes, []
         self.granted -= 1
         if self.granted == 0 and trainer.global_step < trainer.max_steps:
@@ -664,6 +675,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
     probe_seconds = list(probed)
     if cuda():  # the peaks of the timed steps (the Pacer's)
         defaults.peak_sizes, defaults.peak_notes = defaults.pacer.steady_sizes, defaults.notes
+        defaults.predicted = defaults.pacer.predicted
     elif defaults.error is None:
         print(f"{name}: the defaults' steady peak ({stamp()})", file=sys.stderr)
 
