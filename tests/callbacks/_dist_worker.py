@@ -160,26 +160,36 @@ def decide_with_rank_probe_timings(rank: int) -> dict:
     return {"probes": accumulation.probes, "size": accumulation.micro_batch_size}
 
 
-def decide_with_a_rank_out_of_memory_in_the_trial(rank: int) -> dict:
-    """Rank 1 alone runs out of memory at every micro-batch size in the kept way's trial step (a batch
-    longer than the first would): at one sample it cannot run the step, rank 0 could. Both end the trial
-    together and recompute, agreed before the retry: no rank waits in a collective the other skips."""
+def _kept_out_of_memory_on_rank_1(rank: int, step: int, launch: float):
+    """A DDP fit of ``_Wide`` deciding under 1.5 MB (AutoCheckpoint, AutoAccumulation, OOMBackoff), each
+    micro-step priced ``launch + samples`` (+30% recomputed); in optimizer step ``step`` rank 1 alone runs
+    out of memory at every size with every block kept (as a longer batch would). Returns the two callbacks,
+    the module, the (step, samples) that ran out of memory and the treatments of each step's last micro-step."""
     from lightning_memopt.checkpointing import checkpointed_blocks
     from tests.callbacks.test_auto_checkpoint import GPTModule, _price_steps, _Wide
 
-    kept = []  # the micro-batches that ran out of memory: (step, samples)
+    kept, treated = [], {}
 
     def price(module, samples):
         blocks = set(checkpointed_blocks(module.model).values())
-        if rank == 1 and blocks == {"keep"} and module.trainer.global_step == 1:
+        treated[module.trainer.global_step] = sorted(blocks)
+        if rank == 1 and blocks == {"keep"} and module.trainer.global_step == step:
             kept.append((module.trainer.global_step, samples))
             raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1, every block kept)")
-        return "", 100.0 + samples * (1.3 if blocks - {"keep"} else 1.0)
+        return "", launch + samples * (1.3 if blocks - {"keep"} else 1.0)
 
     with pytest.MonkeyPatch.context() as patch:
         _price_steps(patch, GPTModule, price)
         module = _Wide(n_layer=4)
         cb, accumulation = _fit_deciding(module, 1_500_000, OOMBackoff())
+    return cb, accumulation, module, kept, treated
+
+
+def decide_with_a_rank_out_of_memory_in_the_trial(rank: int) -> dict:
+    """Rank 1 alone runs out of memory at every micro-batch size in the kept way's trial step (a batch
+    longer than the first would): at one sample it cannot run the step, rank 0 could. Both end the trial
+    together and recompute, agreed before the retry: no rank waits in a collective the other skips."""
+    cb, accumulation, module, kept, _ = _kept_out_of_memory_on_rank_1(rank, step=1, launch=100.0)
     return {
         "failed": kept,
         "size": accumulation.micro_batch_size,
@@ -190,26 +200,9 @@ def decide_with_a_rank_out_of_memory_in_the_trial(rank: int) -> dict:
 
 def fall_back_with_a_rank_out_of_memory_after_the_decision(rank: int) -> dict:
     """Plain micro-batches win the trial; at step 7 rank 1 alone runs out of memory at every size with every
-    block kept (as a longer batch would): at one sample both ranks recompute from then on, and profile and
-    plan that step together (their collectives match): no hang, the same plans on both."""
-    from lightning_memopt.checkpointing import checkpointed_blocks
-    from tests.callbacks.test_auto_checkpoint import GPTModule, _price_steps, _Wide
-
-    kept = []  # the micro-batches that ran out of memory: (step, samples)
-    treated = {}  # the treatments each step's last micro-step ran
-
-    def price(module, samples):
-        blocks = set(checkpointed_blocks(module.model).values())
-        treated[module.trainer.global_step] = sorted(blocks)
-        if rank == 1 and blocks == {"keep"} and module.trainer.global_step == 7:
-            kept.append((module.trainer.global_step, samples))
-            raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1, every block kept)")
-        return "", samples * (1.3 if blocks - {"keep"} else 1.0)
-
-    with pytest.MonkeyPatch.context() as patch:
-        _price_steps(patch, GPTModule, price)
-        module = _Wide(n_layer=4)
-        cb, accumulation = _fit_deciding(module, 1_500_000, OOMBackoff())
+    block kept: at one sample both ranks recompute from then on, and profile and plan that step together
+    (their collectives match): no hang, the same plans on both."""
+    cb, _, module, kept, treated = _kept_out_of_memory_on_rank_1(rank, step=7, launch=0.0)
     return {
         "failed": kept,
         "per_shape": cb._by_shape,
