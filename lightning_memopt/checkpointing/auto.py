@@ -52,7 +52,7 @@ from lightning_memopt.checkpointing.ranks import Measured, agree
 from lightning_memopt.checkpointing.shape_plans import ShapePlans, Signature, full_peak, shape_signature
 from lightning_memopt.head.causal_lm import HeadMode, TakenHeads, check_head, take_over_heads
 from lightning_memopt.memory import MemoryTracker
-from lightning_memopt.memory.device import device_memory
+from lightning_memopt.memory.device import device_memory, is_out_of_memory
 from lightning_memopt.memory.limit import MemoryLimit, StepLimit, check_headroom, check_max_memory
 from lightning_memopt.memory.tracker import state_bytes
 
@@ -369,6 +369,11 @@ class AutoCheckpointer:
         if not self.plan.predicted:
             ran, planned = self.plan.choices, self._plan_from(probe, context, optimizers, gather)
             notes = self._notes
+            if planned is None:  # not profiled (out of memory): the blocks run on as this step ran them
+                self._needs_check = False
+                if self._trying:
+                    self._trial_plan, self._trying = self.plan, False
+                return StepOutcome(notes=notes)
             if self._trying:  # the trial's: run at its next turns (try_plan), timed
                 self._trial_plan, self._trying = planned, False
             if planned.choices != ran:
@@ -384,19 +389,38 @@ class AutoCheckpointer:
         gap = prediction_gap(self.plan.activation_bytes, measured)
         return StepOutcome(planned=planned, metrics=self.plan.metrics(total), gap=gap, notes=notes)
 
-    def _plan_from(self, probe: ForwardProbe, context, optimizers, gather: Gather) -> Plan:
-        """Profile the blocks on the inputs ``probe`` recorded and choose the plan (every rank the same)."""
+    def _plan_from(self, probe: ForwardProbe, context, optimizers, gather: Gather) -> Plan | None:
+        """Profile the blocks on the inputs ``probe`` recorded and choose the plan (every rank the same);
+        None where profiling ran out of memory on some rank (said in :attr:`_notes`): no plan is made, and
+        the blocks run on as the step ran them (every block ``full`` in ``auto``: the least memory)."""
         policy = self._policy
         # auto under a limit also times each treatment on the policy's clock: plans priced in seconds
         options = dict(inputs=probe.inputs, context=context, choices=policy.treatments, clock=policy.clock)
         # blocks the forward ran, profiled without ever raising: what cannot be profiled is left out or kept
         options.update(discovered=self.blocks is None, profile=profile_blocks)
-        self._found, profiles, self._notes = profile_blocks_run(self._model, self._found, **options)
-        states = state_bytes(self._model, optimizers) if policy.limit.usable is not None else 0
-        outside = probe.outside_bytes + probe.batch_bytes  # held outside the blocks through the step
-        transient = self._transient(profiles, states + outside)
+        failure = None
+        try:
+            self._found, profiles, self._notes = profile_blocks_run(self._model, self._found, **options)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            failure = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        measured = None  # outside the except block: the profile's tensors went with its frames
+        if failure is None:
+            states = state_bytes(self._model, optimizers) if policy.limit.usable is not None else 0
+            outside = probe.outside_bytes + probe.batch_bytes  # held outside the blocks through the step
+            transient = self._transient(profiles, states + outside)
+            measured = Measured(self._signature, profiles, states, outside, transient)
         # Every rank plans on the largest figures over ranks: the same plan, fitting every rank's batch.
-        agreed = agree(gather(Measured(self._signature, profiles, states, outside, transient)))
+        gathered = gather(measured)
+        if any(m is None for m in gathered):
+            where = f" ({failure})" if failure is not None else " on another process"
+            self._notes = [
+                f"profiling the blocks on the step's micro-batch ran out of memory{where}; they run on as this "
+                "step ran them, unplanned (every block full in mode 'auto': the least memory)"
+            ]
+            return None
+        agreed = agree(gathered)
         held = lambda: (agreed.states, agreed.outside, agreed.transient)  # noqa: E731
         self.plan = policy.choose(agreed.profiles, self.plan.choices, held)
         if not self._trying:  # a trial's plan is said with the decision, if it runs

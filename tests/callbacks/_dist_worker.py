@@ -213,6 +213,26 @@ def fall_back_with_a_rank_out_of_memory_after_the_decision(rank: int) -> dict:
     }
 
 
+def profile_out_of_memory_on_rank_1(rank: int) -> dict:
+    """AutoCheckpoint under a limit, the first step's profile out of memory on rank 1 alone: both ranks
+    make no plan and run every block as the step ran them (full), the gather of what they measured their
+    one agreement: no hang."""
+    import lightning_memopt.checkpointing.auto as auto_module
+
+    original = auto_module.profile_blocks
+
+    def profile(*args, **kwargs):
+        if rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1, profiling)")
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(auto_module, "profile_blocks", profile)
+        cb = AutoCheckpoint(max_memory=150_000, headroom=0.0)
+        _, seen, _ = run("ddp", [cb])
+    return {"choices": cb.plan.choices, "predicted": cb.plan.predicted, "seen": seen[-1]}
+
+
 def decide_head_with_rank_timings(rank: int) -> dict:
     """The output head in the decision under DDP: a tiny Hugging Face GPT-2 whose logits outweigh its
     blocks; rank 1 pays a launch cost per micro-step (the chunked head's larger micro-batches win there),
@@ -255,6 +275,7 @@ def main(out: str) -> None:
             result["head_decided"] = decide_head_with_rank_timings(rank)
             result["oom_decided"] = decide_with_a_rank_out_of_memory_in_the_trial(rank)
             result["fell_back"] = fall_back_with_a_rank_out_of_memory_after_the_decision(rank)
+            result["unprofiled"] = profile_out_of_memory_on_rank_1(rank)
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
             # A limit between all-full and all-kept: the sharded blocks are profiled and planned for.

@@ -270,36 +270,45 @@ def test_batches_a_tokenizer_collates_get_a_plan_per_length(tmp_path):
     assert cb.shape_plans.made == 2
 
 
-@pytest.mark.parametrize(("precision", "long"), [("32-true", 128), ("bf16-mixed", 192)])
-def test_a_later_batch_one_sample_of_which_does_not_fit_kept_recomputes(tmp_path, precision, long):
-    """The 8-token batches fit whole without recompute, so the size search decides against it; a batch of
-    ``long`` tokens then runs out of memory at one sample: the blocks recompute from then on, each batch
-    shape planned for its micro-batches, and the fit ends (before: torch's out-of-memory error)."""
+def _capped_fit(tmp_path, limit: int, lengths: list[int], precision: str = "32-true"):
+    """AutoCheckpoint beside AutoAccumulation under ``limit`` bytes of a ``MemoryCap``: batches of 4 samples
+    of ``lengths`` tokens. Returns AutoCheckpoint's lines, the cap, the trainer, each micro-batch's shape,
+    the callback and the treatments the last micro-step ran."""
     import warnings
 
     from lightning_memopt import AutoAccumulation
+    from lightning_memopt.checkpointing import checkpointed_blocks
     from lightning_memopt.testing import MemoryCap
-
-    limit = 1_000_000
 
     class Seen(GPTModule):
         def training_step(self, batch, batch_idx):
             shapes.append(tuple(batch.shape))
+            treated[:] = sorted(set(checkpointed_blocks(self.model).values()))
             return super().training_step(batch, batch_idx)
 
     shapes: list[tuple[int, ...]] = []
+    treated: list[str] = []
     torch.manual_seed(0)
     module, auto = Seen(), AutoCheckpoint(max_memory=limit)
     trainer = quiet_trainer(
         [auto, AutoAccumulation(max_memory=limit)],
-        max_steps=4,
+        max_steps=len(lengths),
         default_root_dir=tmp_path,
         precision=precision,
     )
     with warnings.catch_warnings(record=True) as caught, MemoryCap(limit, modules=module) as cap:
         warnings.simplefilter("always")
-        trainer.fit(module, DataLoader(_batches([8, 8, long, 8]), batch_size=None))
+        trainer.fit(module, DataLoader(_batches(lengths), batch_size=None))
     said = [str(w.message) for w in caught if str(w.message).startswith("AutoCheckpoint")]
+    return said, cap, trainer, shapes, auto, treated
+
+
+@pytest.mark.parametrize(("precision", "long"), [("32-true", 128), ("bf16-mixed", 192)])
+def test_a_later_batch_one_sample_of_which_does_not_fit_kept_recomputes(tmp_path, precision, long):
+    """The 8-token batches fit whole without recompute, so the size search decides against it; a batch of
+    ``long`` tokens then runs out of memory at one sample: the blocks recompute from then on, each batch
+    shape planned for its micro-batches, and the fit ends (before: torch's out-of-memory error)."""
+    said, cap, trainer, shapes, auto, _ = _capped_fit(tmp_path, 1_000_000, [8, 8, long, 8], precision)
     assert (
         said[0] == "AutoCheckpoint checkpoints no block of Seen: the whole batch of 4 fits without recompute"
     )
@@ -316,3 +325,20 @@ def test_a_later_batch_one_sample_of_which_does_not_fit_kept_recomputes(tmp_path
     planned = {sig[0]: set(plan.choices.values()) for plan, (sig, *_) in auto.shape_plans._entries}
     assert planned[(4, long)] - {"keep"}  # the long batch's plan recomputes something
     assert planned[(4, 8)] == {"keep"}  # the short batches' keeps everything, as decided
+
+
+def test_profiling_out_of_memory_runs_the_blocks_as_the_step_ran_them(tmp_path):
+    """At 2 MB one sample of 256 tokens fits only with every block recomputed, and profiling its blocks
+    (each treatment of one block beside what the step holds) runs out of memory: one line says so, no plan
+    is made, every block stays recomputed and the fit ends (before: torch's out-of-memory error, raised
+    from inside the profile)."""
+    said, cap, trainer, shapes, auto, treated = _capped_fit(tmp_path, 2_000_000, [8, 8, 256, 8])
+    assert said[1].startswith("AutoCheckpoint recomputes from now on: 1 sample of a batch of 4 ran out")
+    assert said[2].startswith(
+        "AutoCheckpoint: profiling the blocks on the step's micro-batch ran out of memory (OutOfMemoryError: "
+    )
+    assert said[2].endswith(
+        "they run on as this step ran them, unplanned (every block full in mode 'auto': the least memory)"
+    )
+    assert trainer.global_step == 4 and shapes[-1] == (4, 8) and treated == ["full"]
+    assert auto.shape_plans.made == 0 and not auto.plan.predicted and not auto.measuring
