@@ -38,10 +38,10 @@ part() { # part NAME SECONDS COMMAND...: COMMAND under a time limit, its output 
     git rev-parse --short HEAD; } >"$out/stack.txt" 2>&1
 cat "$out/stack.txt"
 # shellcheck disable=SC2086  # $micro and $cap are words or none
-part fastest_step 270 python3 benchmarks/fastest_step.py --device cuda $micro $cap
+part fastest_step 290 python3 benchmarks/fastest_step.py --device cuda $micro $cap
 # shellcheck disable=SC2086
 part startup_profile 100 python3 benchmarks/startup_profile.py --device cuda $cap --steps 3 --top 40
-part head 80 python3 benchmarks/head.py --shapes --device cuda --reps 5
-part cuda_tests 120 python3 -m pytest -q -m cuda tests/head/test_loss.py tests/checkpointing/test_offload.py \
+part head 70 python3 benchmarks/head.py --shapes --device cuda --reps 5
+part cuda_tests 100 python3 -m pytest -q -m cuda tests/head/test_loss.py tests/checkpointing/test_offload.py \
     tests/memory/test_device_cuda_fakes.py tests/memory/test_head_time.py tests/test_gpu_benchmark.py \
     tests/callbacks/test_auto_accumulation.py
