@@ -21,6 +21,7 @@ __all__ = [
     "in_backward",
     "install_device_guard",
     "is_dtensor",
+    "mark_dynamic",
     "queue_backward_callback",
     "reset_fsdp_iteration",
     "saved_by",
@@ -144,6 +145,12 @@ def untracked() -> Any:
 def view_base(t: torch.Tensor) -> torch.Tensor:
     """The tensor ``t`` is a view of (itself where it is not a view)."""
     return t._base if t._is_view() else t  # private; public behaviour since 1.0
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Let ``torch.compile`` treat dimension ``dim`` of ``t`` as dynamic from its first call (no graph
+    specialised on its size, then compiled again for the next); a hint only, no effect in eager code."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)  # private module; present on torch 2.x
 
 
 def saved_by(node: Any, name: str) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["counted", "listed"]
+__all__ = ["counted", "first_line", "listed"]
 
 _MOST = 6  # names a message shows before it counts the rest
 
@@ -32,3 +32,14 @@ def counted(n: int, noun: str) -> str:
         ('1 sample', '3 steps')
     """
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def first_line(error: BaseException, limit: int | None = None) -> str:
+    """The first line of ``error``'s message (at most ``limit`` characters), for a one-line note.
+
+    Example::
+
+        >>> first_line(RuntimeError("CUDA out of memory.\\nTried to allocate 2 MiB"))
+        'CUDA out of memory.'
+    """
+    return (str(error).strip().splitlines() or [""])[0][:limit]

@@ -44,6 +44,19 @@ def test_saved_tensors_hooks_below_is_the_pair_in_effect():
         _compat.saved_tensors_hooks_below()
 
 
+def test_mark_dynamic_compiles_one_graph_for_every_size():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    double = torch.compile(lambda t: t * 2, backend="eager")
+    for n in (5, 7, 9):
+        x = torch.ones(n, 3)
+        _compat.mark_dynamic(x, 0)
+        assert torch.equal(double(x), x * 2)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_view_base_and_saved_by():
     x = torch.randn(4, 6, requires_grad=True)
     y = torch.nn.functional.gelu(x, approximate="tanh")

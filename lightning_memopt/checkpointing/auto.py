@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_memopt._checks import check_bool
+from lightning_memopt._text import first_line
 from lightning_memopt.batching.split import tensors_of
 from lightning_memopt.batching.state import StepState
 from lightning_memopt.checkpointing.apply import (
@@ -404,7 +405,7 @@ class AutoCheckpointer:
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            failure = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+            failure = f"{type(error).__name__}: {first_line(error, 160)}"
         measured = None  # outside the except block: the profile's tensors went with its frames
         if failure is None:
             states = state_bytes(self._model, optimizers) if policy.limit.usable is not None else 0

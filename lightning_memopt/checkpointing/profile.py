@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_memopt._text import first_line
 from lightning_memopt._tree import tensors
 from lightning_memopt.checkpointing.apply import apply_checkpointing, observe_saved, remove_checkpointing
 from lightning_memopt.checkpointing.calls import call_signature, storage_key
@@ -113,10 +114,10 @@ class UnprofilableBlockError(RuntimeError):
     that its model runs inside its own autograd function, a block that reads state the forward set)."""
 
     def __init__(self, name: str, err: BaseException) -> None:
-        super().__init__(f"block {name!r} does not run alone on its recorded inputs: {_first_line(err)}")
+        super().__init__(f"block {name!r} does not run alone on its recorded inputs: {first_line(err, 160)}")
         self.name = name
         self.reason = (
-            f"it does not run alone on its recorded inputs ({type(err).__name__}: {_first_line(err)})"
+            f"it does not run alone on its recorded inputs ({type(err).__name__}: {first_line(err, 160)})"
         )
 
 
@@ -233,7 +234,7 @@ def _profile_block(
                     raise
                 if choice == "keep":  # not even as in the model's forward: it cannot be profiled at all
                     raise UnprofilableBlockError(name, err) from err
-                note, options = f"its recomputation fails ({type(err).__name__}: {_first_line(err)})", {}
+                note, options = f"its recomputation fails ({type(err).__name__}: {first_line(err, 160)})", {}
                 break  # profiled again below, keep alone
             if choice == "keep":
                 keep_bwd, forward_flops, (in_bytes, out_bytes) = bwd, fwd_flops, sizes
@@ -262,10 +263,6 @@ def _profile_block(
     )
     profile.note = None if note is None else f"{note}: a recomputation would not reproduce the forward"
     return profile, held
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:160]
 
 
 def _run_choice(fake_model: nn.Module, choice: str, call, captured: BlockInputs, context):

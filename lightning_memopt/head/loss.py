@@ -54,6 +54,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import handle_torch_function, has_torch_function
 
 from lightning_memopt._checks import check_positive_int
+from lightning_memopt._compat import mark_dynamic
+from lightning_memopt._text import first_line
 from lightning_memopt.memory.tracker import open_head
 
 __all__ = ["linear_cross_entropy", "default_chunk_size", "compute_dtype"]
@@ -264,10 +266,10 @@ class _Compiled:
                     compiled = self.functions[fn] = torch.compile(fn, dynamic=None)
                 for arg in args:  # the tokens a call holds vary (a batch's last chunk, every micro-batch's
                     if isinstance(arg, torch.Tensor) and arg.dim():  # length): one graph for all of them
-                        torch._dynamo.maybe_mark_dynamic(arg, 0)
+                        mark_dynamic(arg, 0)
                 return compiled(*args)
             except Exception as error:  # any failure of torch.compile's stack: the eager chunks are correct
-                cause = (str(error).strip().splitlines() or [""])[0]
+                cause = first_line(error)
                 self.failure = f"{type(error).__name__}: {cause}"
                 warnings.warn(
                     f"linear_cross_entropy computes its chunks eagerly: torch.compile failed ({self.failure}); "
@@ -678,7 +680,7 @@ def _weight_gradient_by_columns(h, w, b, y, opts, scale, lse, at_target, out_dty
         for sub in range(start, start + z.shape[1], width):
             part = slice(sub, sub + width)
             args = (z[:, sub - start : sub - start + width], lse, weights, opts, vocab, False)
-            torch._dynamo.maybe_mark_dynamic(args[0], 1)  # the last slice is narrower: the same graph
+            mark_dynamic(args[0], 1)  # the last slice is narrower: the same graph
             again = functools.partial(_anew, args, h, w[part], None if b is None else b[part])
             run(_grad_columns, *args, again=again)
         # The targets in this slice get the first pass's column (no data-dependent index: the other rows
