@@ -15,6 +15,20 @@ def results(tmp_path_factory):
     return out
 
 
+def _rank_1_failed_at_step(tmp_path, result: dict, rank: int, key: str, step: int) -> dict:
+    """``result[key]`` of a scenario where rank 1 alone ran out of memory in optimizer step ``step``, down to
+    one sample: that rank's failures, none on rank 0, and everything else the same on both ranks."""
+    mine, other = result[key], torch.load(tmp_path / "ddp_params0.pt")[key]
+    if rank == 1:
+        assert mine["failed"][-1] == (step, 1) and {s for s, _ in mine["failed"]} == {step}
+    else:
+        assert mine["failed"] == []
+    assert {k: v for k, v in mine.items() if k != "failed"} == {
+        k: v for k, v in other.items() if k != "failed"
+    }
+    return mine
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_two_process_training_matches_plain(results, kind):
@@ -73,26 +87,11 @@ def test_two_process_training_matches_plain(results, kind):
             # rank 1 alone out of memory at every size in the kept way's trial step, the step that runs the
             # one-time check, down to one sample: both ranks agree on each failure (before the check, not in
             # its collectives), end the trial before the retry and recompute from there, one plan, no hang
-            oom = result["oom_decided"]
-            other = torch.load(tmp_path / "ddp_params0.pt")["oom_decided"]
-            if rank == 1:
-                assert oom["failed"][-1] == (1, 1) and {step for step, _ in oom["failed"]} == {1}
-            else:
-                assert oom["failed"] == []
-            assert {k: v for k, v in oom.items() if k != "failed"} == {
-                k: v for k, v in other.items() if k != "failed"
-            }
+            oom = _rank_1_failed_at_step(tmp_path, result, rank, "oom_decided", step=1)
             assert set(oom["choices"].values()) != {"keep"} and oom["seen"][-1] == oom["choices"]
             # after plain micro-batches won, rank 1 alone out of memory at every size with every block kept
             # (step 7): at one sample both ranks recompute from then on, that step profiled on both
-            fell, other = result["fell_back"], torch.load(tmp_path / "ddp_params0.pt")["fell_back"]
-            if rank == 1:
-                assert fell["failed"][-1] == (7, 1) and {step for step, _ in fell["failed"]} == {7}
-            else:
-                assert fell["failed"] == []
-            assert {k: v for k, v in fell.items() if k != "failed"} == {
-                k: v for k, v in other.items() if k != "failed"
-            }
+            fell = _rank_1_failed_at_step(tmp_path, result, rank, "fell_back", step=7)
             assert fell["treated"][6] == ["keep"] and fell["treated"][7] == ["full"]  # kept, then recomputed
             assert fell["per_shape"] and fell["plans"] >= 1
             assert fell["steps"] == 9
