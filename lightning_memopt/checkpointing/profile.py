@@ -43,6 +43,7 @@ from lightning_memopt.checkpointing.timing import time_treatments
 from lightning_memopt.checkpointing.written import Snapshot, detach_state, treatment_state
 from lightning_memopt.data.clock import Clock
 from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.memory.device import is_out_of_memory
 
 __all__ = ["UnprofilableBlockError", "profile_blocks", "profile_blocks_run"]
 
@@ -74,6 +75,8 @@ def profile_blocks(
 
     Raises:
         ValueError: If a block was not called by the model's forward.
+        torch.OutOfMemoryError: If a block's profile ran out of memory; raised after every block was
+            gathered (FSDP2), as on a rank that did not run out.
 
     Example::
 
@@ -89,6 +92,7 @@ def profile_blocks(
     choices = ["keep"] + [c for c in choices if c != "keep"]
     cache: dict[tuple, BlockProfile] = {}
     profiles = []
+    out_of_memory = None  # where a block's profile ran out of memory: what it said
     for name, block in blocks:
         if name not in inputs:
             raise ValueError(
@@ -96,16 +100,26 @@ def profile_blocks(
             )
         captured = inputs[name]
         key = _signature(block, captured)
-        # Every block is gathered, profiled or not: the ranks all-gather the same blocks in the same order.
+        # Every block is gathered, profiled or not: the ranks all-gather the same blocks in the same order,
+        # also once this rank ran out of memory (another rank that did not goes on gathering).
         with _gathered(block) as call:
-            if key not in cache:
-                cache[key] = _profile_block(name, block, call, captured, choices, context, clock)
+            if key not in cache and out_of_memory is None:
+                try:
+                    cache[key] = _profile_block(name, block, call, captured, choices, context, clock)
+                except Exception as error:  # noqa: BLE001 - re-raised unless out of memory
+                    if not is_out_of_memory(error):
+                        raise
+                    out_of_memory = str(error)  # its message only: its frames hold tensors
+        if out_of_memory is not None:
+            continue
         computed, held = cache[key]
         profile = copy.deepcopy(computed)
         profile.name, profile.chained, profile.input_held = name, captured.chained, captured.input_held
         for choice, option in profile.options.items():  # inputs held once count in the first block only
             option.internal_bytes -= sum(held[choice].get(i, 0) for i in captured.shared)
         profiles.append(profile)
+    if out_of_memory is not None:
+        raise torch.OutOfMemoryError(out_of_memory)
     return profiles
 
 
@@ -230,7 +244,7 @@ def _profile_block(
                     fake_model, choice, call, captured, context
                 )
             except Exception as err:  # noqa: BLE001 - whatever fails, the block keeps and the fit goes on
-                if isinstance(err, torch.OutOfMemoryError):
+                if is_out_of_memory(err):
                     raise
                 if choice == "keep":  # not even as in the model's forward: it cannot be profiled at all
                     raise UnprofilableBlockError(name, err) from err

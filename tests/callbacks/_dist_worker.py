@@ -213,23 +213,24 @@ def fall_back_with_a_rank_out_of_memory_after_the_decision(rank: int) -> dict:
     }
 
 
-def profile_out_of_memory_on_rank_1(rank: int) -> dict:
-    """AutoCheckpoint under a limit, the first step's profile out of memory on rank 1 alone: both ranks
-    make no plan and run every block as the step ran them (full), the gather of what they measured their
-    one agreement: no hang."""
-    import lightning_memopt.checkpointing.auto as auto_module
+def profile_out_of_memory_on_rank_1(rank: int, kind: str) -> dict:
+    """AutoCheckpoint under a limit, the first block's profile out of memory on rank 1 alone: both ranks
+    make no plan and run every block as the step ran them (full). Under FSDP2 rank 1 still gathers every
+    later block with rank 0 before it says so; the gather of what they measured is their one agreement: no
+    hang."""
+    import lightning_memopt.checkpointing.profile as profile_module
 
-    original = auto_module.profile_blocks
+    original = profile_module._profile_block
 
-    def profile(*args, **kwargs):
+    def profile_block(*args, **kwargs):
         if rank == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1, profiling)")
         return original(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(auto_module, "profile_blocks", profile)
+        patch.setattr(profile_module, "_profile_block", profile_block)
         cb = AutoCheckpoint(max_memory=150_000, headroom=0.0)
-        _, seen, _ = run("ddp", [cb])
+        _, seen, _ = run(kind, [cb])
     return {"choices": cb.plan.choices, "predicted": cb.plan.predicted, "seen": seen[-1]}
 
 
@@ -269,13 +270,13 @@ def main(out: str) -> None:
         cb = AutoCheckpoint()
         checkpointed, seen, _ = run(kind, [cb])
         result = {"plain": plain, "checkpointed": checkpointed}
+        result["unprofiled"] = profile_out_of_memory_on_rank_1(rank, kind)
         if kind == "ddp":
             result["decided"] = decide_with_rank_timings(rank)
             result["probe_decided"] = decide_with_rank_probe_timings(rank)
             result["head_decided"] = decide_head_with_rank_timings(rank)
             result["oom_decided"] = decide_with_a_rank_out_of_memory_in_the_trial(rank)
             result["fell_back"] = fall_back_with_a_rank_out_of_memory_after_the_decision(rank)
-            result["unprofiled"] = profile_out_of_memory_on_rank_1(rank)
         if kind == "fsdp2":
             result["checkpoint_first"], result["seen_first"], _ = run(kind, [], checkpoint_first=True)
             # A limit between all-full and all-kept: the sharded blocks are profiled and planned for.

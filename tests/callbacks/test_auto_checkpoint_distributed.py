@@ -95,11 +95,12 @@ def test_two_process_training_matches_plain(results, kind):
             assert fell["treated"][6] == ["keep"] and fell["treated"][7] == ["full"]  # kept, then recomputed
             assert fell["per_shape"] and fell["plans"] >= 1
             assert fell["steps"] == 9
-            # the first profile out of memory on rank 1 alone: no plan on either rank, every block full
-            unprofiled = result["unprofiled"]
-            assert unprofiled == torch.load(tmp_path / "ddp_params0.pt")["unprofiled"]
-            assert set(unprofiled["choices"].values()) == {"full"} and not unprofiled["predicted"]
-            assert unprofiled["seen"] == {f"model.{n}": "full" for n in ("h.0", "h.1", "h.2")}
+        # the first block's profile out of memory on rank 1 alone: no plan on either rank, every block full;
+        # under FSDP2 rank 1 goes on gathering the later blocks with rank 0 (else: a hang)
+        unprofiled = result["unprofiled"]
+        assert unprofiled == torch.load(tmp_path / f"{kind}_params0.pt")["unprofiled"]
+        assert set(unprofiled["choices"].values()) == {"full"} and not unprofiled["predicted"]
+        assert unprofiled["seen"] == {f"model.{n}": "full" for n in ("h.0", "h.1", "h.2")}
         plan = json.loads((tmp_path / f"{kind}_plan{rank}.json").read_text())
         assert plan["choices"] == dict.fromkeys(names, "full")  # CPU, no budget: every block
         assert all(seen == plan["choices"] for seen in plan["seen"])
