@@ -127,7 +127,9 @@ def test_plain_micro_batches_win_where_larger_ones_gain_less_than_recompute_cost
     # Its next probe comes from the bytes the kept search measured not to grow with the size (its line's
     # intercept, 1,000 here): the line through them and 16's peak crosses the limit at 64, the whole batch.
     assert probes.probed[first_full:] == [("full", 16), ("full", 64)]
-    assert probes.probed[:first_full] == [("keep", 1), ("keep", 2), ("keep", 5), ("keep", 8), ("keep", 16)]
+    # 8 and 16, the sizes the kept micro-step's line is drawn through, each timed once more (warm)
+    searched = [("keep", 1), ("keep", 2), ("keep", 5), ("keep", 8), ("keep", 16)]
+    assert probes.probed[:first_full] == [*searched, ("keep", 8), ("keep", 16)]
     assert model.said == [
         (
             "keep",
@@ -145,7 +147,8 @@ def test_a_micro_step_costing_what_its_samples_do_is_neither_recomputed_nor_trie
     model = FakeModel(launch=0.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)  # 16 kept, 64 recomputed
     assert size == 16 and model.way == "keep" and model.used == ["keep"]
-    assert probes.probed == [("keep", 1), ("keep", 2), ("keep", 5), ("keep", 8), ("keep", 16)]
+    searched = [("keep", 1), ("keep", 2), ("keep", 5), ("keep", 8), ("keep", 16)]
+    assert probes.probed == [*searched, ("keep", 8), ("keep", 16)]  # the line's two sizes timed again
     # the step's seconds as the probes predict them: 4 micro-steps of 16 samples at 0.1 s each
     assert probes.timed == [] and sizes.step_seconds == pytest.approx(6.4)
     assert model.said == [
@@ -166,11 +169,13 @@ def test_a_micro_step_costing_what_its_samples_do_is_neither_recomputed_nor_trie
 
 def test_a_way_that_fits_two_samples_times_its_first_probe_again_to_tell():
     # The model's own head fits 2 samples (100 + 600 bytes a sample of 1,600): its search probes 1 and 2;
-    # the first probe pays first-time costs and is left out, so the size 1 is timed once more (warm): a
-    # micro-step costs its samples alone, and neither the chunked head nor recompute is searched or tried.
+    # the first probe pays first-time costs and is left out; the line's two sizes, 1 and 2, are timed once
+    # more (warm): a micro-step costs its samples alone, and neither the chunked head nor recompute is
+    # searched or tried.
     model = FakeModel(logits=600, launch=0.0)
     sizes, size, probes = _decide(model, limit=HELD + 1_600)
-    assert probes.probed == [("own head", 1), ("own head", 2), ("own head", 1)] and probes.timed == []
+    retimed = [("own head", 1), ("own head", 2), ("own head", 1), ("own head", 2)]
+    assert probes.probed == retimed and probes.timed == []
     assert size == 2 and model.said == [
         (
             "own head",
@@ -182,7 +187,44 @@ def test_a_way_that_fits_two_samples_times_its_first_probe_again_to_tell():
     # with a launch cost, the same probes tell that fewer micro-batches would pay: the later ways are tried
     model = FakeModel(logits=600, launch=1.0)
     _, _, probes = _decide(model, limit=HELD + 1_600)
-    assert probes.probed[:3] == [("own head", 1), ("own head", 2), ("own head", 1)] and probes.timed
+    assert probes.probed[:4] == retimed and probes.timed
+
+
+def test_a_slow_run_of_a_size_the_line_is_drawn_through_is_outvoted_by_its_warm_run():
+    # No launch cost: a micro-step costs its samples alone. The kept search's first run of 8 samples reads
+    # 0.3 s slow (a busy moment, a shape's first run): the line through 8 and 16 would cross at 0.6 s a
+    # micro-step, 1.8 s of 8.8 to save in 1 micro-batch instead of 4, and the later ways would be tried.
+    # Each of the two sizes is timed once more and counted at its faster run: nothing to save, no trial.
+    model = FakeModel(launch=0.0)
+    probes = FakeProbes(model)
+    peak, slow = probes.peak, {8: 0.3}
+
+    def slowed(samples: int, evaluation: bool) -> int:
+        bytes_ = peak(samples, evaluation)
+        probes.seconds += slow.pop(samples, 0.0)
+        return bytes_
+
+    probes.peak = slowed
+    sizes, size, probes = _decide(model, limit=HELD + 1_600, probes=probes)
+    assert size == 16 and model.used == ["keep"] and probes.timed == []
+    assert probes.probed[-2:] == [("keep", 8), ("keep", 16)]
+    assert (
+        "would save at most 0.0% of the step (a micro-step: 0.8 s at 8 samples, 1.6 s at 16)"
+        in model.said[0][1]
+    )
+    # counted at its slow run, the same search tries the later ways
+    model = FakeModel(launch=0.0)
+    probes = FakeProbes(model)
+    peak = probes.peak
+
+    def always_slow_at_8(samples: int, evaluation: bool) -> int:
+        bytes_ = peak(samples, evaluation)
+        probes.seconds += 0.3 if samples == 8 else 0.0
+        return bytes_
+
+    probes.peak = always_slow_at_8
+    _, _, probes = _decide(model, limit=HELD + 1_600, probes=probes)
+    assert probes.timed  # the trial ran
 
 
 def test_recompute_wins_where_larger_micro_batches_run_faster_per_sample():
