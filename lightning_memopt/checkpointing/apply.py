@@ -158,32 +158,61 @@ class _CountOps(TorchDispatchMode):
         return out
 
 
-def _cache_policy(block: nn.Module, fn, args, kwargs) -> _CachePolicy:
-    """What selective checkpointing may cache in ``fn(*args, **kwargs)``, found on fake tensors.
+def _learn(block: nn.Module, state: _BlockState, fn, args, kwargs, key: Hashable) -> None:
+    """Learn, for the input signature ``key``, what selective checkpointing may cache in
+    ``fn(*args, **kwargs)`` (``state.cache_policies``) and which sub-modules the ``pointwise`` treatment
+    recomputes (``state.pointwise``), both from one run of the forward on fake tensors
+    (:func:`~lightning_memopt.checkpointing.dry_run.dry_run`): the profile puts every block through both.
 
     Non-reentrant checkpointing recomputes the forward only until every tensor saved for backward is
     back, so the compute ops after that point never run again and their outputs need no cache. Outputs
-    changed in place later in the forward cannot be cached at all. Found by running the forward once on
-    fake tensors (:func:`~lightning_memopt.checkpointing.dry_run.dry_run`). Where the block does not run
-    on fake tensors (a data-dependent op), nothing is cached: recomputing everything is always correct.
+    changed in place later in the forward cannot be cached at all. Where the block does not run on fake
+    tensors (a data-dependent op), nothing is cached: recomputing everything is always correct. Nor where
+    a key/value cache is passed (a block that says it only reads it), and for ``selective`` no dry run
+    runs then: one could write fake keys into the cache.
     """
-    if any(is_kv_cache(v) for v in (*args, *kwargs.values())):
-        return _RECOMPUTE_ALL  # a cache the block keeps: a dry run would write fake keys into it
+    cached = any(is_kv_cache(v) for v in (*args, *kwargs.values()))
+    if cached:
+        state.cache_policies[key] = _RECOMPUTE_ALL
+        if state.choice != "pointwise":
+            return
     count = _CountOps()
+    ran = False
 
-    def pack(t):
-        count.at_last_save = count.compute
-        return None
+    def run(*, pack, mode) -> bool:
+        nonlocal ran
+
+        def packs(t):
+            count.at_last_save = count.compute
+            return pack(t)
+
+        ran = dry_run(block, fn, args, kwargs, pack=packs, mode=_entered(count, mode))
+        return ran
 
     try:
-        if not dry_run(block, fn, args, kwargs, pack=pack, mode=count):
-            return _RECOMPUTE_ALL  # a data-dependent op, an op fake tensors do not support
+        state.pointwise[key] = pointwise_modules(block, run, is_compute=is_compute_op)
     finally:
-        # The dry run's nodes hold ``pack`` and through it ``count``: the fake outputs it keeps lead back
+        # The dry run's nodes hold ``packs`` and through it ``count``: the fake outputs it keeps lead back
         # to them (and to the block's parameters): a cycle through C++ no collector frees, emptied here.
         count._keep.clear()
+    if cached:
+        return
+    if not ran:
+        state.cache_policies[key] = _RECOMPUTE_ALL
+        return
     early_stop = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
-    return _CachePolicy(count.at_last_save if early_stop else None, frozenset(count.mutated))
+    state.cache_policies[key] = _CachePolicy(
+        count.at_last_save if early_stop else None, frozenset(count.mutated)
+    )
+
+
+@contextlib.contextmanager
+def _entered(*modes) -> Iterator[None]:
+    """Enter ``modes`` in order (the last one sees each op first)."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
 
 
 class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -250,8 +279,7 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
     if choice == "pointwise":
         key = call_signature((args, kwargs))
         if key not in state.pointwise:
-            run = functools.partial(dry_run, block, fn, args, kwargs)
-            state.pointwise[key] = pointwise_modules(block, run, is_compute=is_compute_op)
+            _learn(block, state, fn, args, kwargs, key)
         out = pointwise_forward(block, fn, args, kwargs, state.pointwise[key])
         inputs = None
     else:
@@ -268,7 +296,7 @@ def _recomputed(block: nn.Module, state: _BlockState, fn, args: tuple, kwargs: d
     if state.choice == "selective":
         key = call_signature((args, kwargs))
         if key not in state.cache_policies:
-            state.cache_policies[key] = _cache_policy(block, fn, args, kwargs)
+            _learn(block, state, fn, args, kwargs, key)
         contexts = functools.partial(_selective_contexts, state.cache_policies[key])
     else:
         contexts = _noop_contexts
