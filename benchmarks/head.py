@@ -4,7 +4,7 @@ Run: python benchmarks/head.py            # GPT2Config() (12 layers, h=768, voca
      python benchmarks/head.py --small    # 2 layers, h=128, GPT-2's vocabulary, 2 x 512: about 2 minutes
      python benchmarks/head.py --shapes   # the head alone at GPT-2, Llama 3 and Gemma 2 shapes (below)
      python benchmarks/head.py --shapes --device cuda   # the same on a GPU, bf16, 16,384 tokens
-     python benchmarks/head.py --shapes --compile   # and the chunks compiled (backend="compiled")
+     python benchmarks/head.py --shapes --backends  # and the other backend (compiled on a CPU, eager on CUDA)
      python benchmarks/head.py --shapes --dtype bf16-mixed   # float32 weights under bf16 autocast
      python benchmarks/head.py --bound    # Llama 3's head at 16,384 tokens, bf16: peak bytes, accuracy
 
@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ import transformers
 from lightning_memopt.checkpointing import apply_checkpointing, find_blocks
 from lightning_memopt.head import default_chunk_size, linear_cross_entropy
 from lightning_memopt.head.causal_lm import take_over_heads
+from lightning_memopt.head.loss import COMPILES_BY_DEFAULT
 from lightning_memopt.memory import MemoryTracker
 
 MiB = 2**20
@@ -275,8 +277,10 @@ def bound() -> None:
         )
 
 
-def _compiled(hidden, weight, labels):
-    return linear_cross_entropy(hidden, weight, labels, backend="compiled")
+def _other_backend(device: torch.device) -> tuple[str, Callable]:
+    """The backend ``linear_cross_entropy`` does not take by default on ``device``, and the head through it."""
+    other = "eager" if device.type in COMPILES_BY_DEFAULT else "compiled"
+    return other, lambda hidden, weight, labels: linear_cross_entropy(hidden, weight, labels, backend=other)
 
 
 def _under_bf16_autocast(fn, device: torch.device):
@@ -290,18 +294,20 @@ def _under_bf16_autocast(fn, device: torch.device):
 
 
 def head_shapes(
-    device: torch.device, dtype: torch.dtype, reps: int, compile: bool = False, mixed: bool = False
+    device: torch.device, dtype: torch.dtype, reps: int, backends: bool = False, mixed: bool = False
 ) -> None:
-    """The table of ``--shapes`` (module docstring); with ``compile``, the chunks compiled
-    (``backend="compiled"``) timed too, their ratio to the plain head in the last column; with ``mixed``,
+    """The table of ``--shapes`` (module docstring); with ``backends``, the backend not taken by default
+    on ``device`` (compiled on a CPU, eager on CUDA) timed too, its ratio to the plain head in the last
+    column (on CUDA: whether compiling the chunks is what makes them fast or slow); with ``mixed``,
     every head under bf16 autocast (``dtype`` float32: ``bf16-mixed``)."""
     inputs = f"{dtype} inputs under bf16 autocast" if mixed else f"{dtype} inputs"
     print(f"the head alone, forward + backward, {inputs} on {device}, median of {reps} rounds\n")
+    other, other_head = _other_backend(device)
     print(
         "| head | tokens | chunk | plain ms | chunked ms | chunked / plain | plain peak | chunked peak "
-        "| plain loss vs float64 | chunked loss vs float64 |" + (" compiled / plain |" if compile else "")
+        "| plain loss vs float64 | chunked loss vs float64 |" + (f" {other} / plain |" if backends else "")
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if compile else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if backends else ""))
     for name, vocab, width, cpu_tokens, cuda_tokens in SHAPES:
         tokens = cuda_tokens if device.type == "cuda" else cpu_tokens
         g = torch.Generator().manual_seed(0)
@@ -310,7 +316,7 @@ def head_shapes(
         labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
         with torch.no_grad():  # the same (rounded) inputs in float64 (chunked: exact to 1e-12 there, tested)
             reference = float(linear_cross_entropy(hidden.double(), weight.double(), labels))
-        ways = {"plain": _plain, "chunked": _chunked} | ({"compiled": _compiled} if compile else {})
+        ways = {"plain": _plain, "chunked": _chunked} | ({other: other_head} if backends else {})
         if mixed:
             ways = {k: _under_bf16_autocast(fn, device) for k, fn in ways.items()}
         losses = {k: float(_head_step(fn, hidden, weight, labels)) for k, fn in ways.items()}  # warm-up
@@ -332,8 +338,8 @@ def head_shapes(
             f"| {ratio:.3f} | {peaks['plain'] / MiB:,.1f} MiB | {peaks['chunked'] / MiB:,.1f} MiB "
             f"| {rel['plain']:.1e} | {rel['chunked']:.1e} |"
             + (
-                f" {statistics.median(c / p for c, p in zip(times['compiled'], times['plain'])):.3f} |"
-                if compile
+                f" {statistics.median(c / p for c, p in zip(times[other], times['plain'])):.3f} |"
+                if backends
                 else ""
             ),
             flush=True,
@@ -354,7 +360,9 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="for --shapes: cpu (default) or cuda")
     parser.add_argument(
-        "--compile", action="store_true", help="for --shapes: time backend='compiled' too (compiled on a CPU)"
+        "--backends",
+        action="store_true",
+        help="for --shapes: time the other backend too (compiled on a CPU, eager on CUDA)",
     )
     parser.add_argument(
         "--dtype",
@@ -373,7 +381,7 @@ def main() -> None:
         default = "bfloat16" if device.type == "cuda" else "float32"
         dtype = getattr(torch, "float32" if mixed else args.dtype or default)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-        head_shapes(device, dtype, args.reps, args.compile, mixed)
+        head_shapes(device, dtype, args.reps, args.backends, mixed)
         return
     if args.small:
         config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=512)
