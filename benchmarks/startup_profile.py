@@ -8,7 +8,8 @@ Run from the repository root (never run by the test suite)::
 One ``trainer.fit`` of ``fastest_step.py``'s ``defaults`` way (``AutoCheckpoint``, ``AutoAccumulation``,
 ``OOMBackoff`` under the same limit) for ``--steps`` optimizer steps, after ``fastest_step.warm_device``
 (``--cold``: without), so that what the defaults pay is theirs and not the device's first kernels. It prints each optimizer step's seconds and, for the first step (``--profiled``: steps), the
-functions with the most cumulative time (``--top``) and those with the most time of their own.
+functions with the most cumulative time (``--top``) and those with the most time of their own, and the seconds
+each checkpointing treatment took in ``AutoCheckpoint``'s profiles (its tracked pass and its timed passes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -49,6 +51,58 @@ class StepClock(pl.Callback):
             self.last = now
             if len(self.seconds) == self.profiled:
                 self.profiler.disable()
+
+
+class Treatments:
+    """The seconds each treatment takes in ``AutoCheckpoint``'s profiles (the device synchronized): its
+    tracked pass (``profile._run_choice``: memory, FLOPs, a first run) and its timed passes
+    (``profile.time_treatments``), over every block profiled."""
+
+    def __init__(self) -> None:
+        self.tracked: dict[str, list[float]] = {}
+        self.timed: dict[str, list[float]] = {}
+
+    def install(self, patch) -> None:
+        from lightning_memopt.checkpointing import profile
+
+        run_choice, time_treatments = profile._run_choice, profile.time_treatments
+
+        def tracked(fake_model, choice, *args, **kwargs):
+            fs.sync()
+            began = time.perf_counter()
+            try:
+                return run_choice(fake_model, choice, *args, **kwargs)
+            finally:
+                fs.sync()
+                self.tracked.setdefault(choice, []).append(time.perf_counter() - began)
+
+        def timed(prepare, choices, clock, *args, **kwargs):
+            def prepared(choice):
+                run = prepare(choice)
+
+                def timed_run():
+                    fs.sync()
+                    began = time.perf_counter()
+                    run()
+                    fs.sync()
+                    self.timed.setdefault(choice, []).append(time.perf_counter() - began)
+
+                return timed_run
+
+            return time_treatments(prepared, choices, clock, *args, **kwargs)
+
+        patch.setattr(profile, "_run_choice", tracked)
+        patch.setattr(profile, "time_treatments", timed)
+
+    def text(self) -> str:
+        if not self.tracked:
+            return "AutoCheckpoint profiled no block"
+        rows = [
+            f"  {choice}: tracked {sum(self.tracked[choice]):.2f} s ({len(self.tracked[choice])} passes), "
+            f"timed {sum(self.timed.get(choice, [])):.2f} s ({len(self.timed.get(choice, []))} passes)"
+            for choice in self.tracked
+        ]
+        return "the profiles' seconds by treatment (device synchronized):\n" + "\n".join(rows)
 
 
 def main() -> None:
@@ -85,7 +139,10 @@ def main() -> None:
     profiler = cProfile.Profile()
     clock = StepClock(profiler, args.profiled)
     data = DataLoader(fs.Samples(bench.sample, args.steps * batch, batch), batch_size=batch)
-    fs.trainer([clock, *callbacks], precision, max_steps=args.steps).fit(module, data)
+    treatments = Treatments()
+    with pytest.MonkeyPatch.context() as patch:
+        treatments.install(patch)
+        fs.trainer([clock, *callbacks], precision, max_steps=args.steps).fit(module, data)
     steady = min(clock.seconds[1:]) if len(clock.seconds) > 1 else None
     print(f"L = {limit / fs.MiB:.2f} MiB, {precision}, batch {batch}, torch {torch.__version__}")
     if warm is not None:
@@ -93,6 +150,7 @@ def main() -> None:
     print("optimizer steps (s): " + ", ".join(f"{s:.3f}" for s in clock.seconds))
     if steady:
         print(f"first step: {clock.seconds[0] / steady:.1f} steady steps")
+    print(treatments.text())
     for order in ("cumulative", "tottime"):
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text).sort_stats(order)

@@ -40,6 +40,8 @@ __all__ = ["MicroBatchSizes", "Probes", "Recompute"]
 _FAILED = 2**62  # what a probe that ran out of memory reports to the other ranks
 _ROUNDS = 3  # probe rounds at most for one new width
 _TRIAL_ROUNDS = 2  # the steps each way runs in the trial, taking turns (the fastest of them counts)
+_MORE_ROUNDS = 2  # rounds the trial may add where its steps' spread leaves the decision open
+_SPREAD = 0.15  # of a step: a spread counted at most (beyond it: a first step's one-time cost, not noise)
 _GAIN = 0.02  # of a step: the least a later way must save (else it is neither searched, tried, nor run)
 
 
@@ -311,7 +313,8 @@ class MicroBatchSizes:
         where it runs the step in fewer micro-batches (``ceil(whole / size)``, split evenly) than every way
         before it: as many micro-steps, each costing more, cannot be faster. Where one way counts, it is
         taken untimed; else the ways that count run the fit's next optimizer steps, taking turns,
-        :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`): the engine times each step's
+        :data:`_TRIAL_ROUNDS` steps each (the trial; :meth:`_next_way`; up to :data:`_MORE_ROUNDS` more where
+        the spread of their steps leaves the decision open): the engine times each step's
         micro-steps as they train (evenly split: 4 of 12 where 15 fit a batch of 48), each way's fastest step counts (a first step pays first-time costs; taking turns, a machine
         that slows down meanwhile weighs on every way alike), and the fastest way runs from the step after
         the last, where it saves more than :data:`_GAIN` of the step of every way before it (a later way
@@ -441,10 +444,12 @@ class MicroBatchSizes:
 
     def _next_way(self, probes: Probes) -> None:
         """Before a step of the trial: where the step before ran the turn (its seconds measured), the next
-        turn's way runs now, or, every turn timed, the fastest way (each way's fastest step, the longest
-        over ranks: every rank takes it; a later way only where it saves more than :data:`_GAIN`) from now
-        on; else the turn goes on (its way applied again in a
-        run resumed from a checkpoint)."""
+        turn's way runs now, or, every turn timed, the fastest way (each way's fastest step, each step the
+        longest over ranks: every rank takes it; a later way only where it saves more than :data:`_GAIN`)
+        from now on, unless the spread of the ways' steps leaves that open (:meth:`_fastest`): then the
+        ways take their turns once more, up to :data:`_MORE_ROUNDS` times (where ways are that close, the
+        slower one's extra steps cost little); else the turn goes on (its way applied again in a run
+        resumed from a checkpoint)."""
         trial = self._trial
         assert trial is not None and self._limits is not None
         if any_rank(self._leaving, probes.device):
@@ -469,13 +474,18 @@ class MicroBatchSizes:
             trial.turn += 1
             self._size_to(self._try(trial.turns[trial.turn]))
             return
-        # recompute's first turn planned (every block recomputed, measured): its later turns ran the plan
-        timed = [
-            (w, s) for i, (w, s) in enumerate(zip(trial.turns, trial.seconds)) if i != trial.planning_turn
-        ]
-        fastest = [min(s for w, s in timed if w == way) for way in trial.ways]
-        agreed = max_over_ranks_each([int(seconds * 1e9) for seconds in fastest], probes.device)
-        seconds = {way: ns / 1e9 for way, ns in zip(trial.ways, agreed)}
+        # recompute's first turn planned (every block recomputed, measured): its later turns ran the plan.
+        # Every turn's seconds, the longest over ranks: every rank decides alike, and adds rounds alike.
+        timed = [(i, w) for i, w in enumerate(trial.turns) if i != trial.planning_turn]
+        agreed = max_over_ranks_each([int(trial.seconds[i] * 1e9) for i, _ in timed], probes.device)
+        steps = {way: sorted(ns / 1e9 for (_, w), ns in zip(timed, agreed) if w == way) for way in trial.ways}
+        best, still_open = self._fastest(steps)
+        if still_open and trial.rounds < _TRIAL_ROUNDS + _MORE_ROUNDS:
+            trial.another_round()
+            trial.turn += 1
+            self._size_to(self._try(trial.turns[trial.turn]))
+            return
+        seconds = {way: steps[way][0] for way in trial.ways}
         said, parts = _said(chunked=trial.ways[0] == "own head", planned=True), []
         for i, way in enumerate(trial.ways):
             count, runs = _split(trial.found[way][0], self._limits[2])
@@ -483,14 +493,40 @@ class MicroBatchSizes:
                 parts.append(f"{count} micro-batches of {runs} {said[way]}: {seconds[way]:.3g} s a step")
             else:
                 parts.append(f"{count} of {runs} {said[way]}: {seconds[way]:.3g} s")
-        best = trial.ways[0]
-        for way in trial.ways[1:]:  # a later way (more changed) runs where it saves more than _GAIN
-            if seconds[way] < seconds[best] * (1 - _GAIN):
-                best = way
         size, way_probes = trial.found[best]
         self._trial = None
         kept = trial.kept if best == "full" else ()
         self._size_to(self._decided(best, size, way_probes, "; ".join(parts), seconds[best], kept=kept))
+
+    @staticmethod
+    def _fastest(steps: dict[str, list[float]]) -> tuple[str, bool]:
+        """The way that runs (each way at its fastest step; a later way, which changes more, only where it
+        saves more than :data:`_GAIN` of the step of the way chosen before it), and whether the steps'
+        spread leaves that open: a way's spread is how much its second-fastest step took beyond its
+        fastest (at most :data:`_SPREAD`: more is a first step's one-time cost, such as the chunked head's
+        compile, not noise), and where a later way's saving lies within the larger spread of the two of the
+        :data:`_GAIN` bar, the same steps again could have chosen the other (on a shared 2-core CPU the
+        ViT of ``benchmarks/fastest_step.py`` read recompute 5% faster in its trial and ran 6% slower).
+
+        Example::
+
+            >>> MicroBatchSizes._fastest({"keep": [1.0, 1.01], "full": [0.9, 0.91]})  # 10% saved, spread 1%
+            ('full', False)
+            >>> MicroBatchSizes._fastest({"keep": [1.0, 1.08], "full": [0.95, 1.0]})  # 5%, spread 8%
+            ('full', True)
+        """
+        spread = {
+            w: min((s[1] - s[0]) / s[0], _SPREAD) if len(s) > 1 and s[0] > 0 else 0.0
+            for w, s in steps.items()
+        }
+        ways = list(steps)
+        best, still_open = ways[0], False
+        for way in ways[1:]:
+            saved = 1 - steps[way][0] / steps[best][0]
+            still_open = still_open or abs(saved - _GAIN) <= max(spread[way], spread[best])
+            if saved > _GAIN:
+                best = way
+        return best, still_open
 
     def _decided(self, way, size, probes, why: str, seconds: float | None = None, kept=()) -> int:
         """``kept``: where recompute won over plain micro-batches that fit, the plain search's probes."""
@@ -738,9 +774,12 @@ class _Trial:
     """Each way's largest micro-batch that fits, and the search's probes of it."""
     kept: list[tuple[int, int | None]]
     """The probes with every block kept (AutoCheckpoint's plan holds their transient, where full wins)."""
+    rounds: int = _TRIAL_ROUNDS
+    """How many times the ways take their turns (:data:`_TRIAL_ROUNDS`, more where the spread of their
+    steps leaves the decision open: :meth:`MicroBatchSizes._open`)."""
     turns: list[str] = field(init=False)
     """The way of each trial step: recompute first where it is a way (that turn makes its plan), then the
-    ways in turn, :data:`_TRIAL_ROUNDS` times."""
+    ways in turn, :attr:`rounds` times."""
     seconds: list[float | None] = field(init=False)
     """Each turn's step seconds as measured on this rank (None until its step has trained)."""
     turn: int = 0
@@ -752,8 +791,14 @@ class _Trial:
         # Recompute's first turn makes its plan (one turn more, so that the plan runs as often as each way),
         # first: the fit's first step, slowed by the search's probes just before, prices no way, and each
         # way's turns come one after the plan's profile and one later.
-        self.turns = [w for w in self.ways if w == "full"] + self.ways * _TRIAL_ROUNDS
+        self.turns = [w for w in self.ways if w == "full"] + self.ways * self.rounds
         self.seconds = [None] * len(self.turns)
+
+    def another_round(self) -> None:
+        """The ways take their turns once more."""
+        self.rounds += 1
+        self.turns += self.ways
+        self.seconds += [None] * len(self.ways)
 
     @property
     def planning_turn(self) -> int | None:
@@ -764,12 +809,19 @@ class _Trial:
         """As plain values, for a checkpoint (:meth:`from_state`)."""
         found = {way: [size, [list(p) for p in probes]] for way, (size, probes) in self.found.items()}
         kept = [list(p) for p in self.kept]
-        return {"ways": self.ways, "found": found, "kept": kept, "seconds": self.seconds, "turn": self.turn}
+        return {
+            "ways": self.ways,
+            "found": found,
+            "kept": kept,
+            "rounds": self.rounds,
+            "seconds": self.seconds,
+            "turn": self.turn,
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> _Trial:
         found = {way: (size, [tuple(p) for p in probes]) for way, (size, probes) in state["found"].items()}
-        trial = cls(list(state["ways"]), found, [tuple(p) for p in state["kept"]])
+        trial = cls(list(state["ways"]), found, [tuple(p) for p in state["kept"]], rounds=state["rounds"])
         trial.seconds, trial.turn = list(state["seconds"]), state["turn"]
         return trial
 

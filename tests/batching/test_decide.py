@@ -95,11 +95,15 @@ class FakeProbes:
 
 
 def _decide(
-    model: FakeModel, limit: int, total: int = 64, probes: FakeProbes | None = None
+    model: FakeModel,
+    limit: int,
+    total: int = 64,
+    probes: FakeProbes | None = None,
+    slower: dict[int, float] | None = None,
 ) -> tuple[MicroBatchSizes, int, FakeProbes]:
     """Steps of a batch of ``total`` until the decision is made: the search, then the trial's steps, each
-    timed as the engine times one (its micro-steps' seconds together); ``probes.timed`` gets each trial
-    step's way and micro-batch."""
+    timed as the engine times one (its micro-steps' seconds together; ``slower``: by trial step, a factor
+    its seconds read, a busy machine's); ``probes.timed`` gets each trial step's way and micro-batch."""
     sizes = MicroBatchSizes(max_memory=limit, headroom=0.0)
     sizes.recompute = model
     probes = probes or FakeProbes(model)
@@ -108,8 +112,8 @@ def _decide(
         if not sizes.timing:
             return sizes, size, probes
         split = micro_batch_sizes(total, size)
+        seconds = sum(model.seconds(n) for n in split) * (slower or {}).get(len(probes.timed), 1.0)
         probes.timed.append((model.way, max(split)))
-        seconds = sum(model.seconds(n) for n in split)
         sizes.succeeded(retried=False, total=total, size=size, seconds=seconds)
 
 
@@ -225,6 +229,34 @@ def test_a_slow_run_of_a_size_the_line_is_drawn_through_is_outvoted_by_its_warm_
     probes.peak = always_slow_at_8
     _, _, probes = _decide(model, limit=HELD + 1_600, probes=probes)
     assert probes.timed  # the trial ran
+
+
+def test_a_trial_whose_steps_spread_more_than_a_way_saves_runs_another_round():
+    # kept: 4 micro-steps of 16 at 0.5 + 1.6 s, 8.4 s a step; the plan recomputes half of what every block
+    # recomputed costs: one micro-step of 64 at 0.5 + 6.4 + 0.96 s, 7.86 s: 6.4% saved.
+    model = FakeModel(launch=0.5, planned=0.5)
+    turns = [("full", 64), ("keep", 16), ("plan", 64), ("keep", 16), ("plan", 64)]
+    sizes, _, probes = _decide(model, limit=HELD + 1_600)
+    assert probes.timed == turns and model.way == "full"  # steady steps: two rounds tell
+    assert sizes.step_seconds == pytest.approx(7.86)
+    # The kept way's second step reads 8% slow (a busy moment): 6.4% saved lies within 8% of the 2% bar,
+    # the same steps again could choose the other way: a third round, whose kept step reads 8.4 again.
+    model = FakeModel(launch=0.5, planned=0.5)
+    _, _, probes = _decide(model, limit=HELD + 1_600, slower={3: 1.08})
+    assert probes.timed == [*turns, ("keep", 16), ("plan", 64)] and model.way == "full"
+    assert "4 micro-batches of 16 without recompute: 8.4 s a step" in model.said[0][1]
+    # A spread that stays: at most two rounds more, then the fastest steps decide
+    model = FakeModel(launch=0.5, planned=0.5)
+    _, _, probes = _decide(model, limit=HELD + 1_600, slower={3: 1.08, 5: 1.16, 7: 1.24})
+    assert len(probes.timed) == 1 + 2 * 4 and model.way == "full"
+    # A saving well beyond the spread (recompute's whole cost: 9.32 s against 10.4, 10.4% saved; spread 5%)
+    model = FakeModel(launch=1.0)
+    _, _, probes = _decide(model, limit=HELD + 1_600, slower={3: 1.05})
+    assert len(probes.timed) == 5 and model.way == "full"
+    # A first step's one-time cost (a compile: 3x) counts as a spread of 15% at most: 10.4% saved, decided
+    model = FakeModel(launch=1.0)
+    _, _, probes = _decide(model, limit=HELD + 1_600, slower={1: 3.0})
+    assert len(probes.timed) == 7 and model.way == "full"  # within 15% of the bar: one round more
 
 
 def test_recompute_wins_where_larger_micro_batches_run_faster_per_sample():
