@@ -826,7 +826,7 @@ def main() -> None:
         "--warmup",
         type=int,
         default=None,
-        help="optimizer steps not counted (8: the defaults' trial, decision and plan)",
+        help="optimizer steps not counted (CPU 14, cuda 8: the defaults' trial, decision and plan)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="rounds of alternation (4; quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps a way runs per round (2)")
@@ -859,7 +859,7 @@ def main() -> None:
         if args.quick
         else dict(batch=32, warmup=8, rounds=1, steps=4)
         if cuda()
-        else dict(batch=48, warmup=8, rounds=4, steps=2)
+        else dict(batch=48, warmup=14, rounds=4, steps=2)  # a trial: 3 ways x 4 rounds + the planning turn
     )
     for key, value in defaults.items():
         if getattr(args, key) is None:
