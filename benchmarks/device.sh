@@ -44,4 +44,4 @@ part startup_profile 100 python3 benchmarks/startup_profile.py --device cuda $ca
 part head 70 python3 benchmarks/head.py --shapes --device cuda --reps 5
 part cuda_tests 100 python3 -m pytest -q -m cuda tests/head/test_loss.py tests/checkpointing/test_offload.py \
     tests/memory/test_device_cuda_fakes.py tests/memory/test_head_time.py tests/test_gpu_benchmark.py \
-    tests/callbacks/test_auto_accumulation.py
+    tests/callbacks/test_auto_accumulation.py tests/batching/test_check.py

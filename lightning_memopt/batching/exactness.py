@@ -15,6 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_memopt._patch import patch
 from lightning_memopt._text import listed
 from lightning_memopt.batching.state import host_copy, local_tensor
+from lightning_memopt.memory.tracker import optimizer_state_to_come, tensor_bytes
 
 __all__ = [
     "batchnorms",
@@ -51,9 +52,33 @@ def no_dropout() -> Iterator[None]:
             u()
 
 
-def gradients(module: torch.nn.Module) -> list[torch.Tensor | None]:
-    """Copies of every parameter's gradient (in host memory: the check must not need device memory)."""
+def gradients(module: torch.nn.Module, on_device: bool = False) -> list[torch.Tensor | None]:
+    """Copies of every parameter's gradient (a DTensor's local shard's): in host memory, so that the check
+    needs no device memory, or, ``on_device``, beside them (where there is room: :func:`room_for_gradients`)."""
+    if on_device:
+        return [
+            None if p.grad is None else local_tensor(p.grad).detach().clone() for p in module.parameters()
+        ]
     return [None if p.grad is None else host_copy(p.grad) for p in module.parameters()]
+
+
+def room_for_gradients(
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    device: torch.device,
+    to_come: int | None,
+) -> bool:
+    """Whether a copy of the step's gradients fits on ``device`` during the check: on CUDA (a host copy of
+    a 1.3B model's gradients took 3 s on an H200), before the optimizers' first step, where the state that
+    step creates (``to_come`` bytes: measured by the size search, else by
+    :func:`~lightning_memopt.memory.tracker.optimizer_state_to_come`; AdamW's is twice the parameters),
+    which every later micro-batch holds beside its own peak, is at least the gradients' bytes. Elsewhere
+    (a CPU, whose memory the host copy takes alike; a simulated device, which counts only the device's)
+    the copy is the host's."""
+    if device.type != "cuda" or any(o.state for o in optimizers):
+        return False
+    grads = tensor_bytes(local_tensor(p.grad) for p in module.parameters() if p.grad is not None)
+    return (optimizer_state_to_come(optimizers) if to_come is None else to_come) >= grads
 
 
 def norms(module: torch.nn.Module) -> list[float | None]:

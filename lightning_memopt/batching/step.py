@@ -292,7 +292,10 @@ class TrainingStep:
             return
         if single:
             return
-        kept = exactness.gradients(module)  # the step's own, put back after
+        optimizers = engine.trainer.optimizers
+        to_come = engine.held_at[2] if engine.held_at is not None else None  # the size search's figure
+        room = exactness.room_for_gradients(module, optimizers, device, to_come)
+        kept = exactness.gradients(module, on_device=room)  # the step's own, put back after
         # Another split of the same samples: every boundary moved by half a micro-batch, so that a weight
         # that does not follow what the loss divides by, or a loss that couples neighbouring samples,
         # shows in the gradient (twice as many halves can miss a coupling inside each pair). Of the whole
@@ -300,7 +303,8 @@ class TrainingStep:
         # the step ran them too unless they are the whole batch and no random number was drawn (then the
         # step's own gradients are the reference). The moved split runs last with its loss negated, on top
         # of the reference's gradients: they end as the difference, and nothing but the step's own
-        # gradients is copied (a copy of a 1.3B model's gradients to the host took 3 s on an H200).
+        # gradients is copied (a copy of a 1.3B model's gradients to the host took 3 s on an H200; on the
+        # device where the optimizer state to come leaves room).
         count = len(self.sizes) if is_distributed() else checked_micro_batches(self.sizes)
         checked = self.sizes[:count]  # FSDP2's padding repeats (weighted 0) follow, as in the step
         part = self.batch

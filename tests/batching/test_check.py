@@ -124,7 +124,9 @@ def test_the_check_copies_the_step_s_gradients_once_and_puts_them_back_exactly(
 
     copies = []
     original = exactness.gradients
-    monkeypatch.setattr(exactness, "gradients", lambda module: copies.append(1) or original(module))
+    monkeypatch.setattr(
+        exactness, "gradients", lambda module, **kw: copies.append(kw) or original(module, **kw)
+    )
     trained = []
     for check in ("raise", "off"):
         torch.manual_seed(0)
@@ -136,5 +138,49 @@ def test_the_check_copies_the_step_s_gradients_once_and_puts_them_back_exactly(
         trained.append([p.detach().clone() for p in net.parameters()])
         if check == "raise":  # the step, its first 9 samples again as the step ran them, then moved
             assert net.seen_sizes == [3, 3, 3, 3, 3, 3, 3, 1, 3, 3, 2]
-            assert len(copies) == 1
+            assert copies == [{"on_device": False}]  # a CPU: in host memory
+    assert all(torch.equal(a, b) for a, b in zip(*trained, strict=True))
+
+
+def test_the_check_keeps_the_gradients_on_a_gpu_where_the_first_optimizer_state_leaves_room() -> None:
+    """Before the optimizers' first step, the state it creates (AdamW: twice the parameters) is room every
+    later micro-batch holds: a copy of the gradients (the parameters' bytes) fits there, on CUDA."""
+    from lightning_memopt.batching.exactness import room_for_gradients
+
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+    grads = sum(p.grad.numel() * 4 for p in model.parameters())  # 60 bytes
+    adamw, sgd = torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert room_for_gradients(model, [adamw], cuda, None)  # measured: AdamW's 2 x 60 bytes and a count
+    assert room_for_gradients(model, [adamw], cuda, grads) and not room_for_gradients(
+        model, [adamw], cuda, grads - 1
+    )
+    assert not room_for_gradients(model, [sgd], cuda, None)  # plain SGD creates no state: no room
+    assert not room_for_gradients(model, [adamw], cpu, None)  # a CPU's memory is the host's alike
+    adamw.step()
+    assert not room_for_gradients(model, [adamw], cuda, None)  # the state is there: the room is taken
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_first_step_s_check_copies_no_gradient_to_the_host(monkeypatch) -> None:
+    """On CUDA before the optimizer's first step the step's gradients are kept on the device for the check
+    (a host copy of a 1.3B model's took 3 s on an H200), and put back exactly: it trains as unchecked."""
+    from lightning_memopt.batching import exactness
+
+    hosted = []
+    original = exactness.host_copy
+    monkeypatch.setattr(exactness, "host_copy", lambda t: hosted.append(tuple(t.shape)) or original(t))
+    trained = []
+    for check in ("raise", "off"):
+        torch.manual_seed(0)
+        net = Net(optimizer="adamw")
+        callback = AutoAccumulation(micro_batch_size=3, log=False, exactness=check)
+        quiet_trainer([callback], max_steps=1, accelerator="cuda", deterministic=True).fit(
+            net, DataLoader(dataset(n=12), batch_size=12)
+        )
+        trained.append([p.detach().cpu() for p in net.parameters()])
+        if check == "raise":
+            assert net.seen_sizes == [3, 3, 3, 3, 3, 3, 3, 1, 3, 3, 2]  # the check ran
+    assert hosted == []
     assert all(torch.equal(a, b) for a, b in zip(*trained, strict=True))
