@@ -14,7 +14,9 @@ left alone; RNG and buffers are restored afterwards):
   same numbers for ``keep``; that difference is exactly the recomputation.
 - transfer bytes: bytes copied to CPU by ``offload`` (they come back, so twice that crosses the bus).
 - seconds (where a clock is given): each treatment's forward and backward timed on the device, as what it
-  adds over ``keep`` (:mod:`~lightning_memopt.checkpointing.timing`; plans are priced in them).
+  adds over ``keep`` (:mod:`~lightning_memopt.checkpointing.timing`; plans are priced in them). A treatment
+  that holds no less than ``keep`` (its input, output and the rest), which no plan can choose, is not
+  timed: it is priced as a pass of the whole block.
 
 Inputs several blocks take (an attention mask, T5's position bias, the encoder output every decoder block
 attends to) are held once: they count in the first block that takes them. A Hugging Face key/value cache
@@ -332,8 +334,13 @@ def _time_options(fake_model, call, captured: BlockInputs, context, options: dic
 
         return run
 
+    # A treatment that holds no less than keep (pointwise in a block whose pointwise modules' outputs are
+    # saved anyway: every ResNet block) can never be chosen: it is not timed, and is priced as a pass of
+    # the whole block (what it would add at most, more than nothing: never chosen for free).
+    keep = options["keep"]
+    timed = [c for c, o in options.items() if c == "keep" or not _holds_no_less(o, keep)]
     with torch.random.fork_rng(devices=[]):
-        timings = time_treatments(prepare, list(options), clock)
+        timings = time_treatments(prepare, timed, clock)
     before.restore()
     with torch.no_grad():
         for n, b in block.named_buffers():
@@ -341,8 +348,17 @@ def _time_options(fake_model, call, captured: BlockInputs, context, options: dic
     for choice, option in options.items():
         # Never below keep: a treatment only adds work to the block, and a negative extra is the noise of
         # a busy machine (it would make the planner pick a treatment that saves nothing for free).
-        option.seconds = max(timings[choice].extra, 0.0)
+        option.seconds = max(timings[choice].extra, 0.0) if choice in timings else timings["keep"].median
     return timings["keep"].median
+
+
+def _holds_no_less(option: OptionCost, keep: OptionCost) -> bool:
+    """Whether ``option`` holds for backward at least what ``keep`` holds: its input, output and the rest."""
+    return (
+        option.internal_bytes >= keep.internal_bytes
+        and option.saves_input >= keep.saves_input
+        and option.saves_output >= keep.saves_output
+    )
 
 
 def _run(block, call, captured: BlockInputs, context):

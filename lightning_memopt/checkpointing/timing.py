@@ -17,7 +17,8 @@ the median of three, which one round that a busy moment of a shared machine slow
 more ``repeats``, rounds go on until another round's extra lies within that tenth of the median.) With
 the four treatments ``AutoCheckpoint`` weighs on CPU (keep, selective, full, pointwise; five with offload
 on CUDA): 8 to 12 (10 to 15) block passes, about one training step of a 12-block model whose blocks are
-all alike.
+all alike; fewer where a treatment holds no less than keep (``profile.py`` does not time it: pointwise in
+every block of a ResNet).
 """
 
 from __future__ import annotations

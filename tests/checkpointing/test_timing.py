@@ -100,6 +100,36 @@ def test_profile_times_each_treatment_with_a_bounded_number_of_passes():
     assert untimed[0].seconds is None and all(o.seconds is None for o in untimed[0].options.values())
 
 
+def test_a_treatment_that_holds_no_less_than_keep_is_not_timed():
+    """A block of a matmul, a ReLU and a matmul: what the ReLU saves is its output, which the next matmul
+    saves anyway, so ``pointwise`` drops nothing, and ``selective`` caches the first matmul's output, which
+    the ReLU saves: both hold what ``keep`` holds and cannot be chosen. They are not timed (4 passes
+    fewer), each is priced as a pass of the whole block, and the plan under a limit recomputes fully."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act, self.out = torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(self.act(self.fc(x)))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block())
+    x = torch.randn(4, 8, requires_grad=True)
+    choices = ["keep", "selective", "full", "pointwise"]
+    clock = WorkClock()
+    profiles = profile_blocks(model, [("0", model[0]), ("1", model[1])], x, choices=choices, clock=clock)
+    options = profiles[0].options
+    held = {c: (o.internal_bytes, o.saves_input, o.saves_output) for c, o in options.items()}
+    assert held["pointwise"] == held["selective"] == held["keep"] != held["full"]
+    assert clock.passes == 2 * 2  # two rounds of keep and full
+    assert options["pointwise"].seconds == options["selective"].seconds == profiles[0].seconds > 0
+    assert options["full"].seconds > 0
+    plan = plan_checkpointing(profiles, evaluate_plan(profiles, ["keep", "keep"]).peak_bytes - 1)
+    assert "full" in plan.choices.values() and set(plan.choices.values()) <= {"keep", "full"}
+
+
 def _profiles(n: int, seconds: dict[str, float | None], pointwise_bytes: int = 60) -> list[BlockProfile]:
     """``n`` chained blocks: keep holds 100 bytes, selective 40, full 10, pointwise ``pointwise_bytes``; by
     FLOPs selective is free and full dear, by ``seconds`` as given (each block takes 1s kept)."""
