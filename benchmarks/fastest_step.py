@@ -42,7 +42,7 @@ tracked. A step's time runs from the end of the step before (or ``on_train_start
 end of its optimizer step; ``s/step`` is the median of the rounds' steps. ``start-up / step`` is what the
 warm-up steps took beyond as many steps of that median, in steps (for the defaults: the search's probes,
 the trial steps' slower ways, profiling; for every way its first-time costs). The micro-batches of the defaults are those a steady step ran (seen by a forward
-pre-hook on the model). The defaults' peak is measured separately (a tracked fit, its ninth step).
+pre-hook on the model). The defaults' peak is measured separately (a tracked fit, its first step after the warm-up).
 
 Every fit that is timed, or that decides by timing (the defaults' peak fit), runs in a thread of its own:
 on a loaded machine the same step ran several times slower in the main thread than in a fresh one (each
@@ -569,13 +569,14 @@ def start(run: Run, bench: Bench, batch: int, limit: int, precision: str, warmup
             break
 
 
-def defaults_peak(run: Run, bench: Bench, batch: int, limit: int, precision: str) -> None:
-    """The defaults' peak over one steady optimizer step (the ninth), tracked in a fit of its own, into
+def defaults_peak(run: Run, bench: Bench, batch: int, limit: int, precision: str, warmup: int) -> None:
+    """The defaults' peak over one steady optimizer step (the first after ``warmup``), tracked in a fit of
+    its own, into
     ``run``: with its breakdown, the micro-batches that step ran, the fit's decision (which is its own),
     AutoAccumulation's predicted peak for that step and AutoCheckpoint's predicted and measured activation
     bytes (its logged keys, where it planned)."""
     module, callbacks = way_setup("defaults", bench, limit)
-    track, sizes = TrackBatch(8), []  # after the trial, the decision and the plan
+    track, sizes = TrackBatch(warmup), []  # after the trial, the decision and the plan
 
     def seen(module, args, kwargs):
         if track.tracker is not None:
@@ -583,8 +584,8 @@ def defaults_peak(run: Run, bench: Bench, batch: int, limit: int, precision: str
             sizes.append(int(x.shape[0]))
 
     bench.inner(module).register_forward_pre_hook(seen, with_kwargs=True)
-    data = DataLoader(Samples(bench.sample, 9 * batch, batch), batch_size=batch)
-    fit = trainer(callbacks + [track], precision, max_steps=9)
+    data = DataLoader(Samples(bench.sample, (warmup + 1) * batch, batch), batch_size=batch)
+    fit = trainer(callbacks + [track], precision, max_steps=warmup + 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit.fit(module, data)
@@ -681,7 +682,7 @@ def bench_model(name: str, bench: Bench, args: argparse.Namespace) -> dict:
 
         def target():  # in a thread, as the timed fits (the decision is timed: same conditions)
             try:
-                defaults_peak(defaults, bench, batch, limit, precision)
+                defaults_peak(defaults, bench, batch, limit, precision, args.warmup)
             except Exception:
                 print(f"defaults' peak failed:\n{traceback.format_exc()}", file=sys.stderr)
 
