@@ -776,7 +776,7 @@ class _Trial:
     """The probes with every block kept (AutoCheckpoint's plan holds their transient, where full wins)."""
     rounds: int = _TRIAL_ROUNDS
     """How many times the ways take their turns (:data:`_TRIAL_ROUNDS`, more where the spread of their
-    steps leaves the decision open: :meth:`MicroBatchSizes._open`)."""
+    steps leaves the decision open: :meth:`MicroBatchSizes._fastest`)."""
     turns: list[str] = field(init=False)
     """The way of each trial step: recompute first where it is a way (that turn makes its plan), then the
     ways in turn, :attr:`rounds` times."""

@@ -172,10 +172,9 @@ def _learn(block: nn.Module, state: _BlockState, fn, args, kwargs, key: Hashable
     runs then: one could write fake keys into the cache.
     """
     cached = any(is_kv_cache(v) for v in (*args, *kwargs.values()))
-    if cached:
+    if cached and state.choice != "pointwise":
         state.cache_policies[key] = _RECOMPUTE_ALL
-        if state.choice != "pointwise":
-            return
+        return
     count = _CountOps()
     ran = False
 
@@ -195,14 +194,11 @@ def _learn(block: nn.Module, state: _BlockState, fn, args, kwargs, key: Hashable
         # The dry run's nodes hold ``packs`` and through it ``count``: the fake outputs it keeps lead back
         # to them (and to the block's parameters): a cycle through C++ no collector frees, emptied here.
         count._keep.clear()
-    if cached:
-        return
-    if not ran:
-        state.cache_policies[key] = _RECOMPUTE_ALL
-        return
     early_stop = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
-    state.cache_policies[key] = _CachePolicy(
-        count.at_last_save if early_stop else None, frozenset(count.mutated)
+    state.cache_policies[key] = (
+        _RECOMPUTE_ALL
+        if cached or not ran
+        else _CachePolicy(count.at_last_save if early_stop else None, frozenset(count.mutated))
     )
 
 

@@ -336,7 +336,7 @@ def _time_options(fake_model, call, captured: BlockInputs, context, options: dic
 
     # A treatment that holds no less than keep (pointwise in a block whose pointwise modules' outputs are
     # saved anyway: every ResNet block) can never be chosen: it is not timed, and is priced as a pass of
-    # the whole block (what it would add at most, more than nothing: never chosen for free).
+    # the whole block (more than nothing: never chosen for free).
     keep = options["keep"]
     timed = [c for c, o in options.items() if c == "keep" or not _holds_no_less(o, keep)]
     with torch.random.fork_rng(devices=[]):
