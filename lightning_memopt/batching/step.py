@@ -293,7 +293,10 @@ class TrainingStep:
         if single:
             return
         optimizers = engine.trainer.optimizers
-        to_come = engine.held_at[2] if engine.held_at is not None else None  # the size search's figure
+        # The size search's figure where it was measured with no optimizer state, as the room needs (the
+        # probes' cache, BatchProbes._states, is keyed so too: by the state entries it was measured at)
+        held_at = engine.held_at
+        to_come = held_at[2] if held_at is not None and held_at[0] == 0 else None
         room = exactness.room_for_gradients(module, optimizers, device, to_come)
         kept = exactness.gradients(module, on_device=room)  # the step's own, put back after
         # Another split of the same samples: every boundary moved by half a micro-batch, so that a weight
