@@ -39,6 +39,7 @@ from lightning_memopt.checkpointing.apply import (
 )
 from lightning_memopt.checkpointing.blocks import check_blocks, find_blocks
 from lightning_memopt.checkpointing.meter import ForwardProbe
+from lightning_memopt.checkpointing.offload import release_offloaders
 from lightning_memopt.checkpointing.planner import (
     CostModel,
     Plan,
@@ -303,11 +304,13 @@ class AutoCheckpointer:
             self.shape_plans = ShapePlans()  # the trial's plan, if one was made, is not run
             head = " and leaves its own output head" if way == "own head" else ""
             self.note(f"{self.name} checkpoints no block of {type(self._model).__name__}{head}: {why}")
+            self._unpin_unless_offloading()  # a trial's plan that offloaded does not run
             return
         self.note(f"{self.name} recomputes: {why}")
         if planned is not None:
             self.plan, self._needs_check = planned, True
             apply_checkpointing(self._model, planned)
+            self._unpin_unless_offloading()
             return
         self._probe = ForwardProbe(self._model, self._found, record=True)
 
@@ -424,12 +427,21 @@ class AutoCheckpointer:
         agreed = agree(gathered)
         held = lambda: (agreed.states, agreed.outside, agreed.transient)  # noqa: E731
         self.plan = policy.choose(agreed.profiles, self.plan.choices, held)
+        self._unpin_unless_offloading()
         if not self._trying:  # a trial's plan is said with the decision, if it runs
             self._say_if_idle(self._model)
         if self._by_shape:
             first, *others = agreed.signatures
             self.shape_plans.add(first, self.plan, full_bytes=full_peak(agreed.profiles), also=others)
         return self.plan
+
+    def _unpin_unless_offloading(self) -> None:
+        """Where no block of the plan that runs offloads, free the pinned host buffers that the profile's
+        ``offload`` passes left in the shared pools (:func:`~lightning_memopt.checkpointing.offload.release_offloaders`):
+        else they stay pinned until the process ends, as many bytes as a block saves at the profiled
+        micro-batch (gigabytes for a large model). A plan that offloads keeps them for its steps."""
+        if "offload" not in self.plan.choices.values():
+            release_offloaders()
 
     def _transient(self, profiles: list, held: int) -> int:
         """The transient beside every activation kept (:meth:`decided`): the peak the size search measured
@@ -506,13 +518,15 @@ class AutoCheckpointer:
         self._heads = TakenHeads([])
 
     def remove(self) -> None:
-        """Take everything off the model: its blocks run their own ``forward`` again (safe to call twice)."""
+        """Take everything off the model: its blocks run their own ``forward`` again, and the offload pools'
+        pinned host buffers are freed (safe to call twice)."""
         # Also after an exception: a MemoryTracker left entered would track every later op of the process.
         if self._probe is not None:
             self._probe.close()
             self._probe = None
         if self._found and self._model is not None:
             remove_checkpointing(self._model)
+        release_offloaders()
         self._take_heads_off()
         self._found, self._model, self._batch = [], None, []
 

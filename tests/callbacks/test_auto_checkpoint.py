@@ -1,4 +1,5 @@
 import warnings
+import weakref
 
 import lightning.pytorch as pl
 import pytest
@@ -984,3 +985,38 @@ def test_the_plan_counts_the_batch_held_beside_the_activations(tmp_path, monkeyp
             return
         trainer.fit(module)
     assert cb.plan.predicted and set(cb.plan.choices.values()) != {"full"}  # some block keeps
+
+
+@pytest.mark.parametrize(("kwargs", "kept"), [({"max_memory": 10**9}, False), ({"mode": "offload"}, True)])
+def test_the_pinned_buffers_of_the_profile_s_offload_stay_only_while_a_plan_offloads(
+    tmp_path, monkeypatch, kwargs, kept
+):
+    """The profile's ``offload`` passes pin host buffers in the shared pool: freed as soon as the plan that
+    runs offloads nothing (a plan under a roomy limit keeps every block), else kept for its steps, and freed
+    when the fit ends either way."""
+    from lightning_memopt.checkpointing import offload
+    from tests.memory.fake_cuda import install
+
+    fake = install(monkeypatch)  # CPU tensors play the device's; the pool's copies are the overlapped ones
+    monkeypatch.setattr(offload, "OFFLOAD_DEVICE_TYPES", ("cpu",))
+    offload.offloader_for("cpu", min_bytes=0)  # TinyGPT's tensors are far below the default 1 MiB
+    buffers = []
+
+    def pinned(nbytes):
+        buffer = fake.pinned_empty(nbytes)
+        buffers.append(weakref.ref(buffer))
+        return buffer
+
+    monkeypatch.setattr(offload, "pinned_empty", pinned)
+    alive = []
+
+    class Pinned(pl.Callback):  # after AutoCheckpoint's own on_train_batch_end, which plans
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            alive.append(sum(ref() is not None for ref in buffers))
+
+    cb = AutoCheckpoint(allow_offload=True, **kwargs)
+    _trainer(tmp_path, [cb, Pinned()], steps=2).fit(GPTModule())
+    assert "offload" in cb.plan.choices.values() if kept else set(cb.plan.choices.values()) == {"keep"}
+    assert buffers and offload._OFFLOADERS == {}
+    assert alive == ([len(buffers)] * 2 if kept else [0, 0])
+    assert not any(ref() is not None for ref in buffers)  # the fit's end freed them all
