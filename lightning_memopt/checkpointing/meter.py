@@ -127,8 +127,8 @@ class ForwardProbe:
         self.outside_bytes = 0
         """Activations autograd holds at the end of the forward outside the blocks (embeddings, head, loss)."""
         self.batch_bytes = 0
-        """The batch's bytes that autograd does not hold at the end of the forward (:meth:`forward_done`):
-        the batch stays alive beside the activations through the step."""
+        """The batch's bytes that autograd has not held during the forward (:meth:`forward_done`): the batch
+        stays alive beside the activations through the step."""
         self.open = True
         if record:
             held = lambda t: self.meter.tracker.category_of(t) == "activations"  # noqa: E731
@@ -138,14 +138,16 @@ class ForwardProbe:
         """Stop measuring: backward runs untracked. Under a micro-batching engine the micro-batches'
         backwards already ran and nothing is held now: the blocks' bytes were taken as they ran, and what
         is held outside them is read from the most activations held at once (the last forward's end).
-        ``batch``: the step's batch tensors, whose storages autograd does not hold count in
-        :attr:`batch_bytes` (each once)."""
+        ``batch``: the step's batch tensors, whose storages autograd has not held count in
+        :attr:`batch_bytes` (each once); one it held (token ids an embedding saved, images a patch
+        embedding saved: a micro-batch is a view of the batch's storage) counted among the activations
+        outside the blocks, also where the micro-batches' backwards have let it go since."""
         if self.open:
             self.outside_bytes = max(0, self.meter.tracker.most_activations - self.meter.total)
             tracker, seen = self.meter.tracker, set()
             for t in batch:
                 key = storage_key(t)
-                if key is None or key in seen or tracker.category_of(t) == "activations":
+                if key is None or key in seen or tracker.was_saved(t):
                     continue
                 seen.add(key)
                 self.batch_bytes += allocated_bytes(t.untyped_storage().nbytes(), t.device)

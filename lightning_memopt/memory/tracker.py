@@ -71,6 +71,7 @@ class _Entry:
     base: str  # the category the storage has when autograd does not hold it
     born: int  # clock when the storage was first seen
     saved: int = 0  # how many of autograd's saved-tensor slots hold it now
+    ever_saved: bool = False  # whether autograd has held it at all (an activation once, maybe no longer)
     head: bool = False  # made by an op while an output head was open
 
     @property
@@ -316,6 +317,12 @@ class MemoryTracker(HeadHooks):
         entries = [self._entries.get(id(s)) for s, _ in _storages(tensor)]
         return entries[0].category if entries and entries[0] is not None else None
 
+    def was_saved(self, tensor: torch.Tensor) -> bool:
+        """Whether autograd has held ``tensor``'s storage for backward since the tracker saw it, now or
+        before (a micro-batch's input, which its backward let go): its bytes counted as activations then."""
+        entries = [self._entries.get(id(s)) for s, _ in _storages(tensor)]
+        return bool(entries) and entries[0] is not None and entries[0].ever_saved
+
     def bytes_of(self, tensor: torch.Tensor) -> int:
         """The bytes the tracker counts for ``tensor``'s storages (the whole storages, as a CUDA allocator's
         blocks hold them; 0 for those it has not seen)."""
@@ -450,6 +457,7 @@ class MemoryTracker(HeadHooks):
             entry = self._entries[key]
             before = entry.category
             entry.saved += 1
+            entry.ever_saved = True
             self._moved(entry, before)
         self._update_peak()
         return keys

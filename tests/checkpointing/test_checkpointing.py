@@ -815,6 +815,30 @@ def test_forward_probe_counts_the_batch_autograd_does_not_hold_once():
     assert probe.batch_bytes == 4 * 100 * 4
 
 
+def test_forward_probe_counts_a_batch_the_micro_batches_saved_once_after_their_backwards_ran():
+    """Under micro-batching each micro-batch's backward has run by the end of the step's forward, and the
+    token ids its embedding saved (views of the batch's one storage) are no longer held: they counted in
+    ``outside_bytes`` when the activations were at their most, and are not counted again in
+    ``batch_bytes`` (a ViT's images, which its patch embedding saves, were counted twice: its plan saw no
+    room where the size search had measured the step to fit)."""
+    from lightning_memopt.checkpointing.meter import ForwardProbe
+
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    blocks = find_blocks(model)
+    idx, features = torch.randint(0, 32, (4, 8)), torch.zeros(4, 100)
+    probe = ForwardProbe(model, blocks, record=False)
+    for part in idx.split(2):
+        torch.nn.functional.cross_entropy(model(part).flatten(0, 1), part.flatten()).backward()
+    probe.forward_done([idx, features])
+    assert probe.batch_bytes == 4 * 100 * 4  # the features only
+    whole = ForwardProbe(model, blocks, record=False)
+    out = model(idx).sum()
+    whole.forward_done([idx, features])
+    del out
+    assert whole.batch_bytes == probe.batch_bytes
+
+
 @pytest.mark.parametrize("choice", ["keep", "full"])
 def test_a_stem_that_saves_a_slice_of_its_batch_holds_the_slice_not_the_batch(choice):
     # A micro-batch is a slice of the DataLoader's batch (one storage); a stem block that saves its input
