@@ -331,10 +331,11 @@ class TrainingStep:
             drawn = drawn or start.drawn_since()  # random numbers drawn beside dropout's
             if reference is None:
                 reference = exactness.norms(module)
-        gap = exactness.difference(reference, exactness.norms(module))
         mixed = "mixed" in type(engine.trainer.strategy.precision_plugin).__name__.lower()
         loss_dtype = self.result.losses[0].dtype if self.result.losses else None
-        inexact = any_rank(gap > exactness.tolerance(module, mixed, loss_dtype), device)
+        bar, floor = exactness.tolerance(module, mixed, loss_dtype)
+        gap = exactness.difference(reference, exactness.norms(module), floor)
+        inexact = any_rank(gap > bar, device)
         after.restore()
         engine.put_gradients(kept)
         if inexact:

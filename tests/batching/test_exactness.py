@@ -63,16 +63,17 @@ def test_difference_measures_a_tiny_gradient_against_a_tenth_of_the_largest():
     a = [5.0, 1e-17]  # |a - b| of the largest is 0: its scale is 2 x 5, a tenth of it 1.0
     assert exactness.difference(a, [0.0, 2e-17]) == 2e-17 / 1.0
     assert exactness.difference(a, [0.0, 0.5]) == 0.5  # a real difference in a small gradient still shows
+    assert exactness.difference(a, [0.0, 0.5], floor=1.0) == 0.05  # half precision's: against the largest
 
 
 def test_tolerance_follows_the_gradients_dtype():
-    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False) == 1e-9
-    assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=False) == 1e-5
-    assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=True) == 2e-2
-    assert exactness.tolerance(torch.nn.Linear(2, 2).half(), mixed=False) == 2e-2
+    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False) == (1e-9, 0.1)
+    assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=False) == (1e-5, 0.1)
+    assert exactness.tolerance(torch.nn.Linear(2, 2), mixed=True) == (2e-2, 1.0)
+    assert exactness.tolerance(torch.nn.Linear(2, 2).half(), mixed=False) == (2e-2, 1.0)
     # a float64 model whose loss comes back in float32 (Hugging Face's losses upcast to float32)
-    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False, loss=torch.float32) == 1e-5
-    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False, loss=torch.float64) == 1e-9
+    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False, loss=torch.float32) == (1e-5, 0.1)
+    assert exactness.tolerance(torch.nn.Linear(2, 2).double(), mixed=False, loss=torch.float64) == (1e-9, 0.1)
 
 
 def test_batchnorms_in_training_mode_are_named():
