@@ -350,12 +350,15 @@ def _option_dict(name: str, e: Evaluated) -> dict[str, Any]:
 
 
 def _accumulation_line(config: dict[str, Any], whole: int) -> list[str]:
-    """One line where plain gradient accumulation is the way: micro-batches without recompute."""
+    """One line where gradient accumulation without recompute is the way: plain with the model's own
+    head, or with the chunked head where only that fits (the callbacks' search weighs the same ways)."""
     size = config["micro_batch_size"]
     if config["checkpoint"] != "none" or size >= whole:
         return []
+    plain = config.get("head", "own") == "own"
+    way = "plain accumulation" if plain else "accumulation with the chunked head"
     return [
-        f"plain accumulation is the fastest way that fits: {-(-whole // size)} micro-batches of {size} "
+        f"{way} is the fastest way that fits: {-(-whole // size)} micro-batches of {size} "
         "without recompute (AutoCheckpoint beside AutoAccumulation times recompute against it at the first "
         "batch and recomputes only where larger micro-batches make the step faster)"
     ]
@@ -393,6 +396,8 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"{o['name']:<28}{peak:>12}{cost:>9}{o['recompute_flops'] / 1e9:>17.2f}  {'yes' if o['fits'] else 'no'}"
         )
+        if o["peak_bytes"] is None and o["note"]:  # no step to predict: why
+            lines.append(f"    {o['note']}")
     best = result["cheapest"]
     if best is None:
         lines += ["", "No combination of the options fits: more devices, a smaller batch or a larger device."]

@@ -190,13 +190,15 @@ def _micro_batched_forward(
     """What ``AutoAccumulation``'s engine does inside ``training_step``: gradients zeroed first, then each
     micro-batch forward and backward (loss weighted by its share of the samples), gradients accumulating;
     it returns the batch's loss, detached, as a fresh tensor that requires grad (Lightning's backward of
-    it is a no-op). Only the first two micro-batches run: every later one repeats the second's memory (the
-    same size or smaller, with the gradients alive). Each micro-batch's backward is filed under backward,
-    where it runs (as ``MemoryMonitor`` files it: :func:`~lightning_memopt.memory.phases.running`)."""
+    it is a no-op). Only the first micro-batch and the last, the largest (:func:`~lightning_memopt.batching.
+    split.micro_batch_sizes` puts the larger last), run: every other repeats the last's memory or less, with
+    the gradients alive (3 + 3 + 4: the 4's). Each micro-batch's backward is filed under backward, where it
+    runs (as ``MemoryMonitor`` files it: :func:`~lightning_memopt.memory.phases.running`)."""
     optimizer.zero_grad(set_to_none=True)
     sizes = [batch_size(mb) for mb in micro_batches]
     total = torch.zeros(())
-    for mb, size in zip(micro_batches[:2], sizes):
+    ran = [0, len(micro_batches) - 1] if len(micro_batches) > 1 else [0]
+    for mb, size in ((micro_batches[i], sizes[i]) for i in ran):
         with plugin.forward_context():
             loss = _loss(module.training_step(mb, 0))
         fold_peak(record, "forward", tracker.peak, tracker.peak_figures)

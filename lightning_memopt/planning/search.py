@@ -34,6 +34,7 @@ from lightning_memopt.checkpointing import (
     profile_blocks,
 )
 from lightning_memopt.head.causal_lm import causal_lms, decline_reason
+from lightning_memopt.memory.units import format_bytes
 from lightning_memopt.planning.predict import (
     StepPrediction,
     precision_applied,
@@ -236,9 +237,12 @@ class Planner:
         max_bytes = self.usable - outside
         for _ in range(3):  # the planner's model vs the fake run: shrink by the overshoot, at most twice
             if max_bytes <= 0:
-                return Evaluated(
-                    c, None, float("inf"), False, note="parameters, gradients and state alone do not fit"
+                held = format_bytes(outside)
+                note = (
+                    f"what the step holds outside the blocks ({held}: parameters, gradients, optimizer state "
+                    "and the activations outside them, an output head's logits among them) does not fit"
                 )
+                return Evaluated(c, None, float("inf"), False, note=note)
             try:
                 plan = plan_checkpointing(profiles, max_bytes, allowed=allowed, cost_model=self.cost_model)
             except NoPlanFitsError as exc:

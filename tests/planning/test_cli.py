@@ -224,6 +224,8 @@ def test_the_report_says_when_plain_accumulation_is_the_way():
         "recomputes only where larger micro-batches make the step faster)"
     ]
     assert _accumulation_line(plain, 8) == []  # the whole batch: nothing to accumulate
+    chunked = _accumulation_line({**plain, "head": "chunked"}, 32)  # where only the chunked head fits
+    assert chunked[0].startswith("accumulation with the chunked head is the fastest way that fits: 4 micro")
     assert _accumulation_line({**plain, "checkpoint": "recompute"}, 32) == []
 
 

@@ -90,3 +90,17 @@ def test_the_chunked_head_is_a_knob_of_causal_lms_and_the_search_agrees_with_bru
         p.usable = chunked.peak_bytes  # only the chunked head fits without another change
         best, reference = p.cheapest(), brute_force_config(p)
         assert best.config == reference.config == Config("bf16-true", 4, "ddp", head="chunked")
+
+
+def test_a_recompute_plan_that_cannot_fit_names_what_the_step_holds_outside_the_blocks(planner):
+    """Where the step outside the blocks (its states and the activations outside them) leaves the blocks
+    nothing, recompute cannot help: the note says what those bytes are, not that the states alone fill it
+    (an output head's logits, 19.6 GiB of a 1.3B-shaped step's 23.7, made that note false)."""
+    mode, p = planner
+    c = Config("32-true", 4, "ddp", "recompute")
+    base = p.predict(Config("32-true", 4, "ddp"))
+    p.usable = base.record["optimizer"] + 1  # the optimizer step fits; with the activations outside the
+    # blocks beside the states, nothing does
+    e = p.evaluate(c)
+    assert not e.fits and e.plan is None
+    assert e.note.startswith("what the step holds outside the blocks (") and e.note.endswith(") does not fit")
