@@ -240,7 +240,7 @@ class Planner:
                 held = format_bytes(outside)
                 note = (
                     f"what the step holds outside the blocks ({held}: parameters, gradients, optimizer state "
-                    "and the activations outside them, an output head's logits among them) does not fit"
+                    "and the activations outside them) does not fit"
                 )
                 return Evaluated(c, None, float("inf"), False, note=note)
             try:
