@@ -29,51 +29,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-
 from lightning_memopt import AutoAccumulation, AutoCheckpoint, OOMBackoff  # noqa: E402
-from lightning_memopt.memory import MemoryTracker  # noqa: E402
 from tests.batching.helpers import quiet_trainer  # noqa: E402
-from tests.zoo.models import ZOO, ZooModule, loader, no_dropout  # noqa: E402
+from tests.zoo.models import ZOO, ZooModule, loader, no_dropout, whole_job_limit  # noqa: E402
 
 BATCH = 16
 NOTES = ("AutoCheckpoint", "AutoAccumulation", "OOMBackoff")
-
-
-class _Peak(Callback):
-    """The peak of an accumulated step's second micro-batch, its optimizer step included."""
-
-    def __init__(self) -> None:
-        self.peak, self.tracker = 0, None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 1:
-            self.tracker = MemoryTracker(pl_module, trainer.optimizers)
-            self.tracker.__enter__()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == 1:
-            self.tracker.__exit__(None, None, None)
-            self.peak = self.tracker.peak
 
 
 def module(name: str) -> ZooModule:
     return no_dropout(ZooModule(name, lr=0.01))
 
 
-def limit(name: str, precision: str) -> int:
-    peaks = []
-    for micro in (BATCH // 4, BATCH // 2):
-        peak = _Peak()
-        quiet_trainer([peak], max_steps=1, precision=precision, accumulate_grad_batches=2).fit(
-            module(name), loader(name, micro, batches=2)
-        )
-        peaks.append(peak.peak)
-    return peaks[0] + (peaks[1] - peaks[0]) // 2
-
-
 def row(name: str, precision: str, steps: int) -> str:
-    cap = limit(name, precision)
+    cap = whole_job_limit(name, BATCH, precision)
     reference = module(name)
     quiet_trainer(max_steps=steps, precision=precision).fit(reference, loader(name, BATCH, batches=steps))
     trained = module(name)

@@ -443,3 +443,38 @@ def no_dropout(module: nn.Module) -> nn.Module:
             if isinstance(getattr(sub, attr, None), float):
                 setattr(sub, attr, 0.0)
     return module
+
+
+class _SecondMicroBatchPeak(pl.Callback):
+    """The peak of an accumulated step's second micro-batch (gradients held), its optimizer step included."""
+
+    def __init__(self) -> None:
+        self.peak, self.tracker = 0, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            from lightning_memopt.memory import MemoryTracker
+
+            self.tracker = MemoryTracker(pl_module, trainer.optimizers)
+            self.tracker.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            self.tracker.__exit__(None, None, None)
+            self.peak = self.tracker.peak
+
+
+def whole_job_limit(name: str, batch: int, precision: str) -> int:
+    """A limit in live tensor bytes that a batch of ``batch`` samples of ``ZOO[name]`` does not fit whole: a
+    plain step's peak at a quarter of the batch plus half its growth to half the batch (each the second
+    micro-batch of an accumulated step, dropout off, SGD), so that the search's ways, the trial and the plan
+    all run. The whole job's test and ``benchmarks/whole_job_zoo.py`` read it."""
+    from tests.batching.helpers import quiet_trainer
+
+    peaks = []
+    for micro in (batch // 4, batch // 2):
+        peak = _SecondMicroBatchPeak()
+        trainer = quiet_trainer([peak], max_steps=1, precision=precision, accumulate_grad_batches=2)
+        trainer.fit(no_dropout(ZooModule(name, lr=0.01)), loader(name, micro, batches=2))
+        peaks.append(peak.peak)
+    return peaks[0] + (peaks[1] - peaks[0]) // 2

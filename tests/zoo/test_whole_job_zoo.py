@@ -11,46 +11,19 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from lightning.pytorch.callbacks import Callback
 
 from lightning_memopt import AutoAccumulation, AutoCheckpoint, OOMBackoff
-from lightning_memopt.memory import MemoryTracker
 from tests.batching.helpers import quiet_trainer
-from tests.zoo.models import ZooModule, loader, no_dropout
+from tests.zoo.models import ZooModule, loader, no_dropout, whole_job_limit
 
 BATCH, STEPS = 16, 3
-
-
-class _Peak(Callback):
-    """The peak of the step's second micro-batch (gradients held), its optimizer step included."""
-
-    def __init__(self) -> None:
-        self.peak, self.tracker = None, None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 1:
-            self.tracker = MemoryTracker(pl_module, trainer.optimizers)
-            self.tracker.__enter__()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == 1:
-            self.tracker.__exit__(None, None, None)
-            self.peak = self.tracker.peak
-
-
-def _plain_peak(name: str, micro: int, precision: str) -> int:
-    peak = _Peak()
-    trainer = quiet_trainer([peak], max_steps=1, precision=precision, accumulate_grad_batches=2)
-    trainer.fit(no_dropout(ZooModule(name, lr=0.01)), loader(name, micro, batches=2))
-    return peak.peak
 
 
 @pytest.mark.parametrize(
     ("name", "precision"), [("vit", "32-true"), ("vit", "bf16-mixed"), ("llama", "32-true")]
 )
 def test_the_defaults_train_a_batch_that_does_not_fit_as_the_unsplit_batch(name: str, precision: str) -> None:
-    quarter, half = (_plain_peak(name, n, precision) for n in (BATCH // 4, BATCH // 2))
-    limit = quarter + (half - quarter) // 2
+    limit = whole_job_limit(name, BATCH, precision)
     reference = no_dropout(ZooModule(name, lr=0.01))
     quiet_trainer(max_steps=STEPS, precision=precision).fit(reference, loader(name, BATCH, batches=STEPS))
     module = no_dropout(ZooModule(name, lr=0.01))
